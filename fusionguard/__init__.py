@@ -1,0 +1,251 @@
+"""fusionguard: see, name and stop FlexAttention's silent dense fallback.
+
+    import fusionguard
+    fusionguard.enable(strict=True)
+
+Every FlexAttention call that really runs the dense ``sdpa_dense`` / ``sdpa_dense_backward``
+kernels is logged (JSON lines) with its phase, shapes, score-matrix size, call site and cause;
+strict mode raises ``DenseFallbackError`` before the dense kernel allocates. Inductor-compiled
+calls are recorded at compile time (and on cache hits) as fused.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import sys
+import threading
+from typing import Any, Dict, Iterator, List, Optional, Union
+
+from . import _state
+from ._state import ALLOW_DENSE, OPTIONS, STATE, Config, internal_error
+from ._version import __version__
+from .errors import DenseFallbackError, DenseFallbackWarning
+
+__all__ = [
+    "DenseFallbackError",
+    "DenseFallbackWarning",
+    "__version__",
+    "allow_dense",
+    "disable",
+    "enable",
+    "events",
+    "is_enabled",
+]
+
+DEFAULT_LOG_NAME = "fusionguard.jsonl"
+
+
+def _default_log_file() -> str:
+    from .log import rank_info
+
+    info = rank_info()
+    if info["world_size"] > 1:
+        return f"fusionguard.rank{info['rank']}.jsonl"
+    return DEFAULT_LOG_NAME
+
+
+def _resolve_log_path(log_path: Union[str, os.PathLike, None, bool]) -> Optional[str]:
+    if log_path is False:
+        return None
+    if log_path is None or log_path is True:
+        log_path = os.environ.get("FUSIONGUARD_LOG") or _default_log_file()
+    path = os.path.abspath(os.fspath(log_path))
+    if os.path.isdir(path) or str(log_path).endswith(os.sep):
+        # A directory: each rank and process writes its own file in it.
+        from .log import rank_info
+
+        path = os.path.join(path, f"fusionguard.rank{rank_info()['rank']}.pid{os.getpid()}.jsonl")
+    return path
+
+
+def _install_patches() -> None:
+    from . import guard, inductor, torch_internals as ti
+    from .dynamo_signals import SIGNALS
+
+    reg, missing = STATE.patches, STATE.not_patched
+
+    def attempt(name: str, fn: Any) -> None:
+        try:
+            fn()
+        except Exception as exc:  # version drift: say what could not be patched
+            missing[name] = f"{type(exc).__name__}: {exc}"
+
+    def dense(op_name: str, phase: str) -> None:
+        op = ti.hop(op_name)
+        ti.dense_kernel(op)
+        reg.apply(
+            f"{op_name}.CompositeExplicitAutograd",
+            op.py_kernels,
+            ti.dense_key(),
+            lambda orig: guard.make_dense_wrapper(phase, orig),
+            after=lambda: ti.clear_dispatch_cache(op),
+        )
+
+    def autograd_op() -> None:
+        cls = ti.autograd_op()
+        reg.apply("FlexAttentionAutogradOp.forward", vars(cls), "forward", guard.make_autograd_forward, owner=cls)
+        reg.apply("FlexAttentionAutogradOp.backward", vars(cls), "backward", guard.make_autograd_backward, owner=cls)
+
+    def lowerings() -> None:
+        import torch
+
+        table = ti.lowerings()
+        for op, phase in ((torch.ops.higher_order.flex_attention, "forward"), (torch.ops.higher_order.flex_attention_backward, "backward")):
+            if op not in table:
+                raise LookupError(f"no Inductor lowering registered for {op}")
+            reg.apply(f"inductor.lowerings[{op}]", table, op, lambda orig, p=phase: inductor.make_lowering_wrapper(p, orig))
+        mod = ti.flex_lowering_module()
+        for fn_name, template in ti.TEMPLATE_SELECTORS.items():
+            if callable(mod.__dict__.get(fn_name)):
+                reg.apply(
+                    f"inductor.{mod.__name__}.{fn_name}",
+                    mod.__dict__,
+                    fn_name,
+                    lambda orig, t=template: inductor.make_selector_wrapper(t, orig),
+                )
+
+    def post_compile() -> None:
+        cls = ti.compiled_fx_graph()
+        reg.apply("inductor.CompiledFxGraph.post_compile", vars(cls), "post_compile", inductor.make_post_compile_wrapper, owner=cls)
+
+    def signals() -> None:
+        SIGNALS.emit = lambda level, event, **fields: STATE.log.emit(level, event, **fields)
+        SIGNALS.on_error = internal_error
+        STATE.signal_hooks = SIGNALS.install()
+
+    attempt("flex_attention (dense forward)", lambda: dense("flex_attention", "forward"))
+    attempt("flex_attention_backward (dense backward)", lambda: dense("flex_attention_backward", "backward"))
+    attempt("FlexAttentionAutogradOp", autograd_op)
+    attempt("inductor lowerings", lowerings)
+    attempt("inductor CompiledFxGraph.post_compile", post_compile)
+    attempt("dynamo signals", signals)
+
+
+def _announce(path: Optional[str]) -> None:
+    if path is None or STATE.announced_path == path:
+        return
+    STATE.announced_path = path
+    sys.stderr.write(
+        f"fusionguard: logging FlexAttention verdicts to {path} "
+        "(FUSIONGUARD_LOG or enable(log_path=...) to change, log_path=False for none)\n"
+    )
+
+
+def _on_sink_error(exc: BaseException) -> None:
+    sys.stderr.write(f"fusionguard: cannot write the log ({exc}); events are kept in memory only\n")
+
+
+def enable(strict: bool = False, log_path: Union[str, os.PathLike, None, bool] = None, **options: Any) -> None:
+    """Install the guard (idempotent: a second call reconfigures, never double-wraps).
+
+    strict:   raise ``DenseFallbackError`` before a dense FlexAttention kernel allocates;
+              otherwise warn (``DenseFallbackWarning``) and log.
+    log_path: JSON-lines file (or a directory: one file per rank and process). Default: env
+              ``FUSIONGUARD_LOG``, else ``./fusionguard.jsonl`` (``fusionguard.rank{N}.jsonl`` under
+              torchrun). ``False``: no file, events only in memory (``fusionguard.events()``).
+    options:  ``fsync`` (default True: dense events reach the disk before the kernel runs),
+              ``max_events`` (default 10000: events kept in memory).
+    """
+    unknown = set(options) - set(OPTIONS)
+    if unknown:
+        raise TypeError(f"fusionguard.enable() got unknown option(s) {sorted(unknown)}; known: {list(OPTIONS)}")
+    with STATE.lock:
+        config = Config(strict=bool(strict), **options)
+        config.log_path = _resolve_log_path(log_path)
+        reopen = config.log_path != STATE.config.log_path or STATE.log.sink is None
+        STATE.config = config
+        STATE.log.set_max_events(config.max_events)
+        STATE.log.on_sink_error = _on_sink_error
+        first = not STATE.enabled
+        if first:
+            STATE.not_patched = {}
+            _install_patches()
+        if reopen or first:
+            STATE.log.close()
+            if config.log_path is not None:
+                try:
+                    STATE.log.open(config.log_path, fsync=config.fsync)
+                    _announce(config.log_path)
+                except OSError as exc:
+                    sys.stderr.write(
+                        f"fusionguard: cannot open log file {config.log_path!r} ({exc}); "
+                        "events are kept in memory only (fusionguard.events())\n"
+                    )
+                    config.log_path = None
+            from .log import header_fields
+
+            STATE.log.emit("info", "header", **header_fields(STATE.patches.names(), dict(STATE.not_patched), config.public()))
+        elif STATE.log.sink is not None:
+            STATE.log.sink.fsync = config.fsync
+        STATE.enabled = True
+        if not STATE.atexit_registered:
+            atexit.register(_at_exit)
+            STATE.atexit_registered = True
+
+
+def _summary_fields() -> Dict[str, Any]:
+    return {"counts": dict(STATE.counts)}
+
+
+def disable() -> None:
+    """Remove every patch (the original objects go back), write a shutdown event, close the log."""
+    from .dynamo_signals import SIGNALS
+
+    with STATE.lock:
+        if not STATE.enabled:
+            return
+        STATE.enabled = False
+        STATE.patches.remove_all()
+        SIGNALS.remove()
+        try:
+            STATE.log.emit("info", "shutdown", reason="disable", **_summary_fields())
+        except Exception as exc:
+            internal_error("shutdown event", exc)
+        STATE.log.close()
+
+
+def _at_exit() -> None:
+    try:
+        with STATE.lock:
+            if STATE.enabled:
+                STATE.log.emit("info", "shutdown", reason="exit", **_summary_fields())
+                STATE.log.close()
+    except Exception:
+        pass
+
+
+def is_enabled() -> bool:
+    """True between ``enable()`` and ``disable()``."""
+    return STATE.enabled
+
+
+@contextlib.contextmanager
+def allow_dense() -> Iterator[None]:
+    """Inside this block strict mode does not raise; dense events say ``allowed: true``.
+
+    A backward whose forward ran inside the block is allowed too, wherever it runs.
+    """
+    token = ALLOW_DENSE.set(True)
+    tid = threading.get_ident()
+    with STATE.lock:
+        STATE.allow_threads[tid] = STATE.allow_threads.get(tid, 0) + 1
+    try:
+        yield
+    finally:
+        ALLOW_DENSE.reset(token)
+        with STATE.lock:
+            n = STATE.allow_threads.get(tid, 1) - 1
+            if n <= 0:
+                STATE.allow_threads.pop(tid, None)
+            else:
+                STATE.allow_threads[tid] = n
+
+
+def events(kind: Optional[str] = None) -> List[Dict[str, Any]]:
+    """The most recent events (bounded, newest last); ``kind`` filters on the ``event`` field."""
+    items = list(STATE.log.memory)
+    if kind is not None:
+        items = [e for e in items if e.get("event") == kind]
+    return [dict(e) for e in items]

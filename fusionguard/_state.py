@@ -1,0 +1,80 @@
+"""Global state department: one private object, one lock, a reset for tests."""
+
+from __future__ import annotations
+
+import contextvars
+import sys
+import threading
+import traceback
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, Optional, Set, Tuple
+
+from .log import EventLog
+from .patches import PatchRegistry
+
+
+@dataclass
+class Config:
+    strict: bool = False
+    log_path: Optional[str] = None  # resolved absolute path, or None for memory only
+    fsync: bool = True  # fsync dense events / errors before the dense kernel runs
+    max_events: int = 10_000  # events kept in memory for fusionguard.events()
+
+    def public(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
+OPTIONS = ("fsync", "max_events")
+
+
+class State:
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.enabled = False
+        self.config = Config()
+        self.log = EventLog(self.config.max_events)
+        self.patches = PatchRegistry()
+        self.not_patched: Dict[str, str] = {}
+        self.reported: Set[Tuple[str, str]] = set()
+        self.announced_path: Optional[str] = None
+        self.atexit_registered = False
+        self.counts: Dict[str, int] = {}
+        self.signal_hooks: list = []
+        # threads currently inside allow_dense(): lets a backward that PyTorch runs on its own
+        # autograd device thread (CUDA) see a block opened by the thread that called backward().
+        self.allow_threads: Dict[int, int] = {}
+
+
+STATE = State()
+
+# True inside ``allow_dense()`` (per thread / task, via contextvars).
+ALLOW_DENSE: contextvars.ContextVar[bool] = contextvars.ContextVar("fusionguard_allow_dense", default=False)
+
+
+def count(key: str) -> None:
+    STATE.counts[key] = STATE.counts.get(key, 0) + 1
+
+
+def internal_error(where: str, exc: BaseException) -> None:
+    """Record an unexpected failure inside fusionguard once; never raises."""
+    try:
+        key = (where, type(exc).__name__)
+        if key in STATE.reported:
+            return
+        STATE.reported.add(key)
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        sys.stderr.write(
+            f"fusionguard: internal error in {where} (ignored; PyTorch runs unchanged): "
+            f"{type(exc).__name__}: {exc}\n"
+        )
+        STATE.log.emit("error", "internal_error", where=where, error=f"{type(exc).__name__}: {exc}", traceback=tb)
+    except Exception:
+        pass
+
+
+def reset_for_tests() -> None:
+    """Forget everything (patches must already be removed)."""
+    global STATE
+    STATE.log.close()
+    new = State()
+    STATE.__dict__.update(new.__dict__)

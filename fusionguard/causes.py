@@ -1,0 +1,252 @@
+"""Why did a FlexAttention call run densely? Decided from the dense call's own stack.
+
+Cheap by construction: only dense calls get here (each one costs tens of milliseconds of GPU time
+anyway), and the work is one walk up the Python stack plus dictionary look-ups in what Dynamo
+already said (``dynamo_signals``). Nothing is re-traced or compiled.
+
+The stack tells the story because Dynamo leaves a mark on every frame it runs compiled code in:
+``torch._dynamo.utils.orig_code_map`` maps each transformed code object back to the user's.
+- innermost compiled frame is PyTorch's own ``_flex_attention_hop_wrapper`` -> the public
+  ``flex_attention`` ran eagerly and PyTorch compiled the operator with ``backend="eager"``:
+  *not* traced by the user's ``torch.compile``;
+- innermost compiled frame is anything else -> the call sits in a graph of the user's compile;
+  a dense kernel at run time then means the backend does not fuse (Inductor has no dense fallback).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+from .dynamo_signals import SIGNALS, is_torch_file
+
+CAUSES: Dict[str, str] = {
+    "eager_call": "flex_attention was called with no torch.compile around it",
+    "non_inductor_backend": "captured by torch.compile, but with a backend that does not fuse FlexAttention",
+    "recompile_limit": "Dynamo hit its recompile limit for the calling function and now runs it eagerly",
+    "graph_break": "Dynamo broke the graph at or around the call, so it ran in an eager region",
+    "compiler_disabled": "compilation is switched off for this call",
+    "compile_error": "compiling the calling function failed and Dynamo fell back to eager (suppress_errors)",
+    "debug_flag": "torch.nn.attention.flex_attention._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG is set",
+    "unknown": "no supported explanation was found",
+}
+
+FIXES: Dict[str, str] = {
+    "eager_call": "wrap the call or the model in torch.compile, e.g. "
+    "`flex_attention = torch.compile(flex_attention)` or `model = torch.compile(model)`",
+    "non_inductor_backend": "use the default Inductor backend: torch.compile(fn) or backend='inductor'",
+    "recompile_limit": "stop the recompiles: mark the varying dim dynamic "
+    "(torch._dynamo.mark_dynamic(q, 2) or torch.compile(..., dynamic=True)), bucket/pad sequence "
+    "lengths, build the BlockMask outside the compiled function and reuse mask_mod functions; or "
+    "raise torch._dynamo.config.recompile_limit",
+    "graph_break": "remove the graph break at the call (run with TORCH_LOGS=graph_breaks to see it), "
+    "or compile the attention call on its own: torch.compile(flex_attention)",
+    "compiler_disabled": "remove the torch.compiler.disable / set_stance('force_eager') / "
+    "TORCHDYNAMO_DISABLE=1 / torch._dynamo.config.disable around this call",
+    "compile_error": "fix the compile error shown in evidence (set torch._dynamo.config.suppress_errors = "
+    "False to see the full traceback)",
+    "debug_flag": "set torch.nn.attention.flex_attention._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = False",
+    "unknown": "compile the call with torch.compile (Inductor); see the evidence for what was found",
+}
+
+
+@dataclass
+class Diagnosis:
+    traced: bool
+    cause: str
+    evidence: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def fix(self) -> str:
+        return FIXES.get(self.cause, FIXES["unknown"])
+
+
+_WRAPPER_NAME = "_flex_attention_hop_wrapper"
+_FG_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _orig_code_map() -> Any:
+    try:
+        from torch._dynamo.utils import orig_code_map
+
+        return orig_code_map
+    except Exception:
+        return {}
+
+
+def _is_disable_wrapper(code: types.CodeType) -> bool:
+    qual = getattr(code, "co_qualname", code.co_name)
+    return code.co_name == "_fn" and "DisableContext" in qual and code.co_filename.endswith("eval_frame.py")
+
+
+def _frame_where(frame: types.FrameType) -> str:
+    code = frame.f_code
+    return f"{code.co_filename}:{frame.f_lineno} in {code.co_name}"
+
+
+def _backend_name(frame: types.FrameType, orig: types.CodeType) -> Optional[str]:
+    try:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        for entry in _debug_get_cache_entry_list(orig):
+            if entry.code is frame.f_code:
+                backend = entry.backend
+                return getattr(backend, "compiler_name", None) or getattr(backend, "__name__", None) or repr(backend)
+    except Exception:
+        pass
+    return None
+
+
+def _global_disable() -> Optional[Dict[str, Any]]:
+    try:
+        import torch._dynamo
+
+        if getattr(torch._dynamo.config, "disable", False):
+            env = os.environ.get("TORCHDYNAMO_DISABLE")
+            return {"switch": "TORCHDYNAMO_DISABLE=1" if env == "1" else "torch._dynamo.config.disable"}
+        from torch._dynamo import eval_frame
+
+        stance = getattr(getattr(eval_frame, "_stance", None), "stance", None)
+        if stance == "force_eager":
+            return {"switch": "torch.compiler.set_stance('force_eager')"}
+    except Exception:
+        pass
+    return None
+
+
+def _cache_entry_count(code: types.CodeType) -> int:
+    try:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        return len(_debug_get_cache_entry_list(code))
+    except Exception:
+        return 0
+
+
+def _recompile_limit_value() -> Optional[int]:
+    try:
+        import torch._dynamo
+
+        cfg = torch._dynamo.config
+        return getattr(cfg, "recompile_limit", None) or getattr(cfg, "cache_size_limit", None)
+    except Exception:
+        return None
+
+
+def diagnose_forward(frame: Optional[types.FrameType]) -> Diagnosis:
+    """Walk outward from the dense kernel's caller and explain the call."""
+    code_map = _orig_code_map()
+    internal: Optional[str] = None  # "compiled" | "plain" when PyTorch's eager wrapper is seen
+    disabled_fn: Optional[str] = None
+    user_frames: list = []
+    f = frame
+    while f is not None:
+        code = f.f_code
+        orig = code_map.get(code) if code_map else None
+        if orig is not None:
+            if orig.co_name == _WRAPPER_NAME:
+                internal = "compiled"
+            elif disabled_fn is not None:
+                break  # a compiled region called a torch.compiler.disable'd function
+            elif internal is None:
+                # Inside a graph of the user's compile: dense at run time = non-fusing backend.
+                backend = _backend_name(f, orig)
+                ev: Dict[str, Any] = {"compiled_frame": _frame_where(f), "backend": backend}
+                if is_torch_file(orig.co_filename):
+                    # Dynamo compiled PyTorch's flex_attention as a frame of its own: the user's
+                    # frame around it broke the graph or was skipped.
+                    outer = _first_user_frame(f.f_back)
+                    if outer is not None:
+                        _, info = SIGNALS.lookup(outer.f_code.co_filename, outer.f_code.co_firstlineno)
+                        ev["outer_frame"] = _frame_where(outer)
+                        if info:
+                            ev["outer_frame_failure"] = info
+                return Diagnosis(True, "non_inductor_backend", ev)
+            else:
+                # PyTorch's eager wrapper ran inside a frame the user compiled: the call itself
+                # was left out of the graph.
+                cause, info = SIGNALS.lookup(orig.co_filename, orig.co_firstlineno)
+                return Diagnosis(False, "graph_break", {"compiled_frame": _frame_where(f), "dynamo": info})
+        elif code.co_name == _WRAPPER_NAME and is_torch_file(code.co_filename):
+            internal = internal or "plain"
+        elif _is_disable_wrapper(code):
+            fn = f.f_locals.get("fn")
+            fn_code = getattr(fn, "__code__", None)
+            if (
+                fn_code is not None
+                and disabled_fn is None
+                and not is_torch_file(fn_code.co_filename)
+                and not fn_code.co_filename.startswith(("<", _FG_DIR))
+            ):
+                disabled_fn = f"{getattr(fn, '__qualname__', fn_code.co_name)} ({fn_code.co_filename}:{fn_code.co_firstlineno})"
+        elif not is_torch_file(code.co_filename) and not code.co_filename.startswith(_FG_DIR):
+            if not code.co_filename.startswith("<"):
+                user_frames.append(f)
+        f = f.f_back
+
+    if internal == "plain":
+        from .torch_internals import debug_flag_on
+
+        if debug_flag_on():
+            return Diagnosis(False, "debug_flag", {"flag": "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG=True"})
+    switch = _global_disable()
+    if switch is not None:
+        return Diagnosis(False, "compiler_disabled", switch)
+    if disabled_fn is not None:
+        return Diagnosis(False, "compiler_disabled", {"switch": "torch.compiler.disable", "function": disabled_fn})
+    for uf in user_frames:
+        code = uf.f_code
+        cause, info = SIGNALS.lookup(code.co_filename, code.co_firstlineno)
+        if cause is not None:
+            return Diagnosis(False, cause, dict(info or {}, frame=_frame_where(uf)))
+    limit = _recompile_limit_value()
+    for uf in user_frames:
+        n = _cache_entry_count(uf.f_code)
+        if limit and n >= limit:
+            return Diagnosis(
+                False,
+                "recompile_limit",
+                {"frame": _frame_where(uf), "cache_entries": n, "limit": limit, "reason": None},
+            )
+    if internal == "compiled":
+        return Diagnosis(False, "eager_call", {"how": "public flex_attention called eagerly"})
+    if internal is None:
+        return Diagnosis(False, "eager_call", {"how": "flex_attention operator called directly"})
+    return Diagnosis(False, "unknown", {"internal_wrapper": internal})
+
+
+def _first_user_frame(f: Optional[types.FrameType]) -> Optional[types.FrameType]:
+    while f is not None:
+        fn = f.f_code.co_filename
+        if not is_torch_file(fn) and not fn.startswith(_FG_DIR) and not fn.startswith("<"):
+            return f
+        f = f.f_back
+    return None
+
+
+def diagnose_backward(origin: Optional[Dict[str, Any]], frame: Optional[types.FrameType]) -> Diagnosis:
+    """A dense backward inherits its forward's verdict; otherwise the stack says where it came from."""
+    if origin:
+        return Diagnosis(bool(origin.get("traced")), origin.get("cause") or "unknown", dict(origin.get("evidence") or {}))
+    f = frame
+    while f is not None:
+        fn = f.f_code.co_filename
+        if "_aot_autograd" in fn:
+            return Diagnosis(True, "non_inductor_backend", {"how": "backward graph compiled by AOTAutograd without Inductor"})
+        f = f.f_back
+    return Diagnosis(False, "eager_call", {"how": "flex_attention_backward operator called directly"})
+
+
+def user_call_site(frame: Optional[types.FrameType]) -> Optional[Dict[str, Any]]:
+    """The first frame outside torch and fusionguard: where the user's code made the call."""
+    f = _first_user_frame(frame)
+    if f is None:
+        return None
+    return {"file": f.f_code.co_filename, "line": f.f_lineno, "function": f.f_code.co_name}
+
+
+def here() -> types.FrameType:
+    return sys._getframe(1)

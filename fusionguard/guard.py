@@ -1,0 +1,257 @@
+"""The run-time guard: wrappers around FlexAttention's dense kernels and its autograd Function.
+
+Every wrapper follows one rule: our bookkeeping runs inside ``try``; the user's call runs outside
+it, with its own arguments, exceptions and return values untouched. The only exception we raise
+on purpose is ``DenseFallbackError`` (strict mode), and we raise it *before* calling the dense
+kernel, so nothing of the score matrix has been allocated yet.
+
+The wrappers are plain functions. When Dynamo happens to trace one (it inlines a higher-order
+operator's Python implementation in a few fallback cases), ``torch.compiler.is_compiling()`` is a
+constant ``True`` for it and the wrapper reduces to the original call: no graph break, no guard.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import sys
+import threading
+import warnings
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+from . import causes
+from ._state import ALLOW_DENSE, STATE, count, internal_error
+from .errors import DenseFallbackError, DenseFallbackWarning
+from .torch_internals import is_concrete
+
+# Set by FlexAttentionAutogradOp.forward's wrapper: the dense forward drops its record here so
+# that ctx (and so the backward, possibly on another thread) can carry it.
+_FORWARD_SLOT: contextvars.ContextVar[Optional[List[dict]]] = contextvars.ContextVar(
+    "fusionguard_forward_slot", default=None
+)
+# Set by FlexAttentionAutogradOp.backward's wrapper: the forward's record, for the dense backward.
+_BACKWARD_ORIGIN: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar(
+    "fusionguard_backward_origin", default=None
+)
+
+_is_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", lambda: False)
+
+
+def _arg(args: tuple, kwargs: dict, index: int, name: str) -> Any:
+    if len(args) > index:
+        return args[index]
+    return kwargs.get(name)
+
+
+def _shape(t: Any) -> Optional[list]:
+    try:
+        return [int(s) for s in t.shape]
+    except Exception:
+        return None  # nested / jagged layouts have no plain shape
+
+
+def scores_bytes(q_shape: Optional[list], kv_shape: Optional[list]) -> Optional[int]:
+    """Bytes of the fp32 B x Hq x Q x KV score matrix the dense path materialises."""
+    if not q_shape or not kv_shape or len(q_shape) < 4 or len(kv_shape) < 2:
+        return None
+    b, hq, q_len = q_shape[0], q_shape[1], q_shape[-2]
+    return int(b) * int(hq) * int(q_len) * int(kv_shape[-2]) * 4
+
+
+def human_bytes(n: Optional[int]) -> str:
+    if n is None:
+        return "unknown size"
+    value = float(n)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if value < 1000 or unit == "TB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1000
+    return f"{n} B"
+
+
+def _allowed(origin: Optional[dict]) -> bool:
+    if ALLOW_DENSE.get():
+        return True
+    if origin is not None and origin.get("allowed"):
+        return True
+    # PyTorch runs CUDA backward on its own device threads (not Python threads), where our
+    # context variable is not visible: honour an allow_dense() block open in any Python thread.
+    if STATE.allow_threads and isinstance(threading.current_thread(), threading._DummyThread):
+        return True
+    return False
+
+
+def _tensor_fields(q: Any, k: Any) -> Dict[str, Any]:
+    q_shape, kv_shape = _shape(q), _shape(k)
+    fields: Dict[str, Any] = {
+        "q_shape": q_shape,
+        "kv_shape": kv_shape,
+        "dtype": str(getattr(q, "dtype", None)).replace("torch.", ""),
+        "device": str(getattr(q, "device", None)),
+        "scores_bytes": scores_bytes(q_shape, kv_shape),
+    }
+    if getattr(q, "is_nested", False):
+        fields["layout"] = "nested"
+    return fields
+
+
+def _site_text(site: Optional[dict]) -> str:
+    if not site:
+        return "unknown call site"
+    return f"{site['file']}:{site['line']} in {site['function']}"
+
+
+def format_message(event: Dict[str, Any]) -> str:
+    """One-line verdict, then where, what size, why, and what to do."""
+    phase = event["phase"]
+    layer = f" in {event['layer']}" if event.get("layer") else ""
+    size = human_bytes(event.get("scores_bytes"))
+    action = event.get("action")
+    head = {
+        "raise": f"dense FlexAttention {phase}{layer} blocked before it allocated a {size} score matrix (strict mode)",
+        "warn": f"dense FlexAttention {phase}{layer} is materialising a {size} score matrix",
+        "allow": f"dense FlexAttention {phase}{layer} allowed by allow_dense() ({size} score matrix)",
+    }.get(action, f"dense FlexAttention {phase}{layer}")
+    q, kv = event.get("q_shape"), event.get("kv_shape")
+    dims = ""
+    if q and kv:
+        dims = f" = B*Hq*Q*KV {q[0]}*{q[1]}*{q[-2]}*{kv[-2]} fp32"
+    lines = [
+        f"fusionguard: {head}",
+        f"  at:       {_site_text(event.get('call_site'))}",
+        f"  shapes:   q {q} k/v {kv} {event.get('dtype')} on {event.get('device')}; scores {size}{dims}",
+        f"  traced:   {'yes, by torch.compile' if event.get('traced') else 'no, not captured by torch.compile'}",
+        f"  cause:    {event.get('cause')}: {causes.CAUSES.get(event.get('cause') or 'unknown', '')}",
+    ]
+    evidence = event.get("evidence") or {}
+    if evidence:
+        ev = "; ".join(f"{k}={v}" for k, v in evidence.items() if v not in (None, "", {}))
+        lines.append(f"  evidence: {ev}")
+    lines.append(f"  fix:      {event.get('fix')}")
+    if action == "raise":
+        lines.append("  (to let this call run dense on purpose: `with fusionguard.allow_dense(): ...`)")
+    return "\n".join(lines)
+
+
+def _check_dense(phase: str, args: tuple, kwargs: dict, frame: Any) -> Optional[Dict[str, Any]]:
+    q = _arg(args, kwargs, 0, "query")
+    k = _arg(args, kwargs, 1, "key")
+    if not is_concrete(q):
+        return None  # tracing (fake / functional / meta): nothing really runs
+    origin = _BACKWARD_ORIGIN.get() if phase == "backward" else None
+    if phase == "forward":
+        diagnosis = causes.diagnose_forward(frame)
+        call_site = causes.user_call_site(frame)
+    else:
+        diagnosis = causes.diagnose_backward(origin, frame)
+        call_site = (origin or {}).get("call_site") or causes.user_call_site(frame)
+    allowed = _allowed(origin)
+    action = "allow" if allowed else ("raise" if STATE.config.strict else "warn")
+    fields: Dict[str, Any] = {
+        "phase": phase,
+        "path": "dense",
+        "traced": diagnosis.traced,
+        "cause": diagnosis.cause,
+        "evidence": diagnosis.evidence,
+        "fix": diagnosis.fix,
+        "layer": (origin or {}).get("layer"),
+        "allowed": allowed,
+        "action": action,
+        "call_site": call_site,
+        "autograd": origin is not None or _FORWARD_SLOT.get() is not None,
+    }
+    fields.update(_tensor_fields(q, k))
+    if origin is not None:
+        fields["forward_seq"] = origin.get("seq")
+    if q.is_cuda and torch.cuda.is_initialized():
+        fields["device_name"] = torch.cuda.get_device_name(q.device)
+    count(f"dense_{phase}")
+    event = STATE.log.emit("warning", "flex_call", **fields)
+    event = dict(event) if event else dict(fields)
+    slot = _FORWARD_SLOT.get()
+    if phase == "forward" and slot is not None:
+        slot.append(
+            {
+                "traced": diagnosis.traced,
+                "cause": diagnosis.cause,
+                "evidence": diagnosis.evidence,
+                "allowed": allowed,
+                "call_site": call_site,
+                "layer": fields["layer"],
+                "seq": event.get("seq"),
+            }
+        )
+    return event
+
+
+def _warn(message: str) -> None:
+    # Point the warning at the user's line so filters by module work and the output is useful.
+    f = sys._getframe(1)
+    level = 2
+    while f is not None and causes._first_user_frame(f) is not f:
+        f = f.f_back
+        level += 1
+    warnings.warn(message, DenseFallbackWarning, stacklevel=level if f is not None else 1)
+
+
+def make_dense_wrapper(phase: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    def fusionguard_dense_kernel(*args: Any, **kwargs: Any) -> Any:
+        if _is_compiling() or not STATE.enabled:
+            return original(*args, **kwargs)
+        event = None
+        try:
+            event = _check_dense(phase, args, kwargs, sys._getframe(1))
+        except Exception as exc:
+            internal_error(f"dense {phase} check", exc)
+        if event is not None:
+            action = event.get("action")
+            if action == "raise":
+                raise DenseFallbackError(format_message(event), event)
+            if action == "warn":
+                _warn(format_message(event))
+        return original(*args, **kwargs)
+
+    fusionguard_dense_kernel.__wrapped__ = original  # type: ignore[attr-defined]
+    fusionguard_dense_kernel.__name__ = getattr(original, "__name__", "dense_kernel")
+    return fusionguard_dense_kernel
+
+
+def make_autograd_forward(original: staticmethod) -> staticmethod:
+    fn = original.__func__
+
+    def forward(ctx: Any, *args: Any, **kwargs: Any) -> Any:
+        if not STATE.enabled or _is_compiling() or not args or not is_concrete(args[0]):
+            return fn(ctx, *args, **kwargs)
+        slot: List[dict] = []
+        token = _FORWARD_SLOT.set(slot)
+        try:
+            out = fn(ctx, *args, **kwargs)
+        finally:
+            _FORWARD_SLOT.reset(token)
+        if slot:
+            try:
+                ctx._fusionguard = slot[-1]
+            except Exception as exc:
+                internal_error("autograd forward link", exc)
+        return out
+
+    forward.__wrapped__ = fn  # type: ignore[attr-defined]
+    return staticmethod(forward)
+
+
+def make_autograd_backward(original: staticmethod) -> staticmethod:
+    fn = original.__func__
+
+    def backward(ctx: Any, *grads: Any) -> Any:
+        origin = getattr(ctx, "_fusionguard", None)
+        if origin is None:
+            return fn(ctx, *grads)
+        token = _BACKWARD_ORIGIN.set(origin)
+        try:
+            return fn(ctx, *grads)
+        finally:
+            _BACKWARD_ORIGIN.reset(token)
+
+    backward.__wrapped__ = fn  # type: ignore[attr-defined]
+    return staticmethod(backward)

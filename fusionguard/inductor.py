@@ -1,0 +1,204 @@
+"""Compile-time records: which fused template Inductor gave each FlexAttention call.
+
+Two choke points, because one is not enough:
+- the Inductor *lowerings* of ``flex_attention`` / ``flex_attention_backward`` run when a graph is
+  really compiled and tell us the template (CPU C++, Triton, Triton decode, FLASH);
+- ``CompiledFxGraph.post_compile`` runs after every compile *and* after every cache hit (FX graph
+  cache, AOTAutograd cache, in-process or from disk), where no lowering runs at all: the normal
+  case for a user re-running a script. It reads the post-grad graph Inductor keeps with the
+  compiled code to find the FlexAttention calls, their shapes and the user's source line.
+
+Inductor has no run-time fallback to the dense kernels: a graph that compiled these calls runs
+them fused. Nothing here runs per call.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from typing import Any, Callable, Dict, List, Optional
+
+from ._state import STATE, count, internal_error
+
+_TL = threading.local()
+
+_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "f64": "float64", "f8e4m3fn": "float8_e4m3fn"}
+_ANNOTATION = re.compile(r"(\w+): \"(\w+)\[([^\]]*)\]\[[^\]]*\]([\w]+(?::\d+)?)\"")
+_FLEX_CALL = re.compile(r"= torch\.ops\.higher_order\.(flex_attention(?:_backward)?)\(([^)]*)")
+_FILE_COMMENT = re.compile(r"# File: (.+?):(\d+) in ([^,]+)")
+
+
+def _pending() -> List[dict]:
+    pending = getattr(_TL, "pending", None)
+    if pending is None:
+        pending = _TL.pending = []
+    return pending
+
+
+def _buffer_class(result: Any) -> Optional[str]:
+    node = result[0] if isinstance(result, (tuple, list)) and result else result
+    for _ in range(6):
+        name = type(node).__name__
+        if "Buffer" in name or "Template" in name:
+            return name
+        nxt = getattr(node, "data", None)
+        if nxt is None:
+            break
+        node = nxt
+    return type(node).__name__ if node is not None else None
+
+
+def _device_type(args: tuple) -> Optional[str]:
+    try:
+        return args[0].get_device().type
+    except Exception:
+        return None
+
+
+def make_lowering_wrapper(phase: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    def fusionguard_flex_lowering(*args: Any, **kwargs: Any) -> Any:
+        record: Dict[str, Any] = {"phase": phase, "template": None}
+        previous = getattr(_TL, "current", None)
+        _TL.current = record
+        try:
+            result = original(*args, **kwargs)
+        finally:
+            _TL.current = previous
+        try:
+            ir = _buffer_class(result)
+            device = _device_type(args)
+            if record["template"] is None:
+                if ir and "Cpp" in ir or device == "cpu":
+                    record["template"] = "cpp"
+                elif ir and "CuteDSL" in ir:
+                    record["template"] = "flash"
+                else:
+                    record["template"] = "triton"
+            record["ir"] = ir
+            record["device_type"] = device
+            _pending().append(record)
+        except Exception as exc:
+            internal_error("inductor lowering record", exc)
+        return result
+
+    fusionguard_flex_lowering.__wrapped__ = original  # type: ignore[attr-defined]
+    return fusionguard_flex_lowering
+
+
+def make_selector_wrapper(template: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wraps an Inductor helper that picks a non-default template (CPU, decode, FLASH)."""
+
+    def fusionguard_template_selector(*args: Any, **kwargs: Any) -> Any:
+        record = getattr(_TL, "current", None)
+        if record is not None and record.get("template") is None:
+            record["template"] = template
+        return original(*args, **kwargs)
+
+    fusionguard_template_selector.__wrapped__ = original  # type: ignore[attr-defined]
+    return fusionguard_template_selector
+
+
+def _parse_graph(text: str) -> List[Dict[str, Any]]:
+    """FlexAttention calls in an Inductor post-grad graph dump, with shapes and source lines."""
+    tensors: Dict[str, tuple] = {}
+    for m in _ANNOTATION.finditer(text):
+        name, dtype, shape, device = m.groups()
+        dims: List[Any] = []
+        for d in shape.split(","):
+            d = d.strip()
+            if d:
+                dims.append(int(d) if d.lstrip("-").isdigit() else d)
+        tensors[name] = (_DTYPES.get(dtype, dtype), dims, device)
+    calls = []
+    last_site: Optional[Dict[str, Any]] = None
+    for line in text.splitlines():
+        fm = _FILE_COMMENT.search(line)
+        if fm:
+            last_site = {"file": fm.group(1), "line": int(fm.group(2)), "function": fm.group(3).strip()}
+            continue
+        cm = _FLEX_CALL.search(line)
+        if not cm:
+            continue
+        op, arg_text = cm.groups()
+        names = [a.strip() for a in arg_text.split(",")[:3]]
+        q = tensors.get(names[0]) if names else None
+        k = tensors.get(names[1]) if len(names) > 1 else None
+        calls.append(
+            {
+                "phase": "backward" if op.endswith("_backward") else "forward",
+                "q_shape": q[1] if q else None,
+                "kv_shape": k[1] if k else None,
+                "dtype": q[0] if q else None,
+                "device": q[2] if q else None,
+                "source_site": last_site,
+            }
+        )
+    return calls
+
+
+def record_compiled_graph(compiled: Any) -> None:
+    from .guard import scores_bytes
+
+    text = getattr(compiled, "inductor_post_grad_graph_str", None) or getattr(compiled, "runnable_graph_str", None) or ""
+    calls = _parse_graph(text) if "flex_attention" in text else []
+    pending = _pending()
+    records, pending[:] = list(pending), []
+    if not calls and records:  # no graph text kept: still report what the lowerings saw
+        calls = [{"phase": r["phase"]} for r in records]
+    by_phase: Dict[str, List[dict]] = {}
+    for r in records:
+        by_phase.setdefault(r["phase"], []).append(r)
+    graph = getattr(compiled, "cache_key", None) or getattr(compiled, "_fx_graph_cache_key", None)
+    for call in calls:
+        rec = by_phase.get(call["phase"], [])
+        lowering = rec.pop(0) if rec else None
+        template = lowering["template"] if lowering else _template_from_source(compiled, call.get("device"))
+        q_shape, kv_shape = call.get("q_shape"), call.get("kv_shape")
+        try:
+            size = scores_bytes(q_shape, kv_shape) if q_shape and all(isinstance(d, int) for d in q_shape + (kv_shape or [])) else None
+        except Exception:
+            size = None
+        count(f"fused_compile_{call['phase']}")
+        STATE.log.emit(
+            "info",
+            "flex_compile",
+            phase=call["phase"],
+            path="fused",
+            traced=True,
+            cause=None,
+            layer=None,
+            template=template,
+            source="lowering" if lowering else "cache",
+            graph=graph,
+            q_shape=q_shape,
+            kv_shape=kv_shape,
+            dtype=call.get("dtype"),
+            device=call.get("device"),
+            scores_bytes=size,
+            call_site=call.get("source_site"),
+        )
+
+
+def _template_from_source(compiled: Any, device: Optional[str]) -> str:
+    source = getattr(compiled, "source_code", "") or ""
+    if device == "cpu" or "cpp_fused" in source and "flex_attention" in source:
+        return "cpp"
+    if "cutedsl" in source.lower():
+        return "flash"
+    if "flex_decoding" in source:
+        return "triton_decode"
+    return "triton"
+
+
+def make_post_compile_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    def post_compile(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        if STATE.enabled:
+            try:
+                record_compiled_graph(self)
+            except Exception as exc:
+                internal_error("inductor post_compile record", exc)
+        return result
+
+    post_compile.__wrapped__ = original  # type: ignore[attr-defined]
+    return post_compile

@@ -1,0 +1,155 @@
+"""Find PyTorch's FlexAttention choke points by introspection, with clear reasons when missing.
+
+Everything version-specific about *where* things live is in this file. Each finder returns the
+object or raises ``LookupError`` with a sentence that says what was looked for, so ``enable()`` can
+report what it could not patch instead of failing.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import Any, Dict, Optional
+
+HOP_MODULE = "torch._higher_order_ops.flex_attention"
+PUBLIC_MODULE = "torch.nn.attention.flex_attention"
+LOWERING_MODULE = "torch._inductor.lowering"
+FLEX_LOWERING_MODULES = ("torch._inductor.kernel.flex.flex_attention", "torch._inductor.kernel.flex_attention")
+OUTPUT_CODE_MODULES = ("torch._inductor.output_code", "torch._inductor.codecache")
+
+# Functions inside the Inductor flex lowering module that choose a non-default template.
+# Looked up by name; any that a version lacks is simply not observed.
+TEMPLATE_SELECTORS = {
+    "lower_cpu": "cpp",
+    "create_flex_decoding_kernel": "triton_decode",
+    "create_flex_flash_attention_kernel": "flash",
+    "create_flex_flash_attention_backward_kernel": "flash",
+    "lower_mps": "mps",
+}
+
+
+def module(name: str) -> types.ModuleType:
+    # Not ``import a.b as m``: torch._higher_order_ops re-exports the operator under the
+    # module's own name, so attribute access would give the operator, not the module.
+    mod = sys.modules.get(name)
+    return mod if mod is not None else importlib.import_module(name)
+
+
+def _first_module(names: tuple) -> types.ModuleType:
+    errors = []
+    for name in names:
+        try:
+            return module(name)
+        except ImportError as exc:
+            errors.append(f"{name}: {exc}")
+    raise LookupError("none of these modules imports: " + "; ".join(errors))
+
+
+def hop(name: str) -> Any:
+    """The ``flex_attention`` / ``flex_attention_backward`` higher-order operator."""
+    mod = module(HOP_MODULE)
+    op = mod.__dict__.get(name)
+    if op is None or not hasattr(op, "py_kernels"):
+        raise LookupError(f"{HOP_MODULE}.{name} is not a higher-order operator with py_kernels")
+    return op
+
+
+def dense_key() -> Any:
+    import torch
+
+    return torch._C.DispatchKey.CompositeExplicitAutograd
+
+
+def dense_kernel(op: Any) -> Any:
+    kernels = op.py_kernels
+    key = dense_key()
+    if key not in kernels:
+        raise LookupError(f"{op} has no CompositeExplicitAutograd py_kernel (the dense implementation)")
+    return kernels[key]
+
+
+def clear_dispatch_cache(op: Any) -> None:
+    # HigherOrderOperator caches the resolved kernel per dispatch key: a replaced py_kernels entry
+    # is invisible until the cache is cleared.
+    cache = getattr(op, "_dispatch_cache", None)
+    if cache is not None:
+        cache.clear()
+
+
+def autograd_op() -> type:
+    mod = module(HOP_MODULE)
+    cls = mod.__dict__.get("FlexAttentionAutogradOp")
+    if not isinstance(cls, type):
+        raise LookupError(f"{HOP_MODULE}.FlexAttentionAutogradOp not found")
+    for name in ("forward", "backward"):
+        if not isinstance(vars(cls).get(name), staticmethod):
+            raise LookupError(f"FlexAttentionAutogradOp.{name} is not a staticmethod defined on the class")
+    return cls
+
+
+def lowerings() -> Dict[Any, Any]:
+    mod = module(LOWERING_MODULE)
+    _first_module(FLEX_LOWERING_MODULES)  # registers the flex lowerings
+    table = getattr(mod, "lowerings", None)
+    if not isinstance(table, dict):
+        raise LookupError(f"{LOWERING_MODULE}.lowerings is not a dict")
+    return table
+
+
+def flex_lowering_module() -> types.ModuleType:
+    return _first_module(FLEX_LOWERING_MODULES)
+
+
+def compiled_fx_graph() -> type:
+    """The class whose ``post_compile`` runs after every Inductor compile *and* cache hit."""
+    for name in OUTPUT_CODE_MODULES:
+        try:
+            cls = module(name).__dict__.get("CompiledFxGraph")
+        except ImportError:
+            continue
+        if isinstance(cls, type) and "post_compile" in vars(cls):
+            return cls
+    raise LookupError("torch._inductor CompiledFxGraph.post_compile not found")
+
+
+def public_module() -> Optional[types.ModuleType]:
+    try:
+        return module(PUBLIC_MODULE)
+    except ImportError:
+        return None
+
+
+def debug_flag_on() -> bool:
+    mod = sys.modules.get(PUBLIC_MODULE)
+    return bool(mod is not None and getattr(mod, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", False))
+
+
+def is_concrete(t: Any) -> bool:
+    """True for a tensor whose kernel really computes (not fake, functional, meta or a proxy)."""
+    import torch
+
+    if not isinstance(t, torch.Tensor):
+        return False
+    try:
+        from torch._subclasses.fake_tensor import is_fake
+
+        if is_fake(t):
+            return False
+    except Exception:
+        pass
+    try:
+        from torch._subclasses.functional_tensor import FunctionalTensor
+
+        if isinstance(t, FunctionalTensor):
+            return False
+    except Exception:
+        pass
+    try:
+        if torch._C._is_functional_tensor(t):
+            return False
+    except Exception:
+        pass
+    if t.is_meta:
+        return False
+    return True
