@@ -14,6 +14,8 @@ them fused. Nothing here runs per call.
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import threading
 from typing import Any, Callable, Dict, List, Optional
@@ -55,6 +57,24 @@ def _device_type(args: tuple) -> Optional[str]:
         return None
 
 
+_STACK_LINE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<function>\S+)')
+
+
+def _node_call_site() -> Optional[Dict[str, Any]]:
+    """The user's line, from the stack trace Dynamo stored on the FX node being lowered."""
+    from torch._inductor.virtualized import V
+
+    from .dynamo_signals import is_torch_file
+
+    node = getattr(V.graph, "current_node", None)
+    trace = (getattr(node, "meta", None) or {}).get("stack_trace") or ""
+    site = None
+    for m in _STACK_LINE.finditer(trace):
+        if not is_torch_file(m.group("file")):
+            site = {"file": m.group("file"), "line": int(m.group("line")), "function": m.group("function")}
+    return site
+
+
 def make_lowering_wrapper(phase: str, original: Callable[..., Any]) -> Callable[..., Any]:
     def fusionguard_flex_lowering(*args: Any, **kwargs: Any) -> Any:
         record: Dict[str, Any] = {"phase": phase, "template": None}
@@ -76,6 +96,7 @@ def make_lowering_wrapper(phase: str, original: Callable[..., Any]) -> Callable[
                     record["template"] = "triton"
             record["ir"] = ir
             record["device_type"] = device
+            record["call_site"] = _node_call_site()
             _pending().append(record)
         except Exception as exc:
             internal_error("inductor lowering record", exc)
@@ -101,20 +122,32 @@ def make_selector_wrapper(template: str, original: Callable[..., Any]) -> Callab
 def _parse_graph(text: str) -> List[Dict[str, Any]]:
     """FlexAttention calls in an Inductor post-grad graph dump, with shapes and source lines."""
     tensors: Dict[str, tuple] = {}
-    for m in _ANNOTATION.finditer(text):
-        name, dtype, shape, device = m.groups()
-        dims: List[Any] = []
-        for d in shape.split(","):
-            d = d.strip()
-            if d:
-                dims.append(int(d) if d.lstrip("-").isdigit() else d)
-        tensors[name] = (_DTYPES.get(dtype, dtype), dims, device)
     calls = []
     last_site: Optional[Dict[str, Any]] = None
+    top = False
     for line in text.splitlines():
+        # The outer module's forward is indented 4 spaces; nested subgraph modules (score_mod,
+        # mask_mod) are classes at that level whose code, deeper, reuses names like arg0_1.
+        if line.startswith("    def forward("):
+            top = True
+        elif line.startswith("    class "):
+            top = False
+        if not top:
+            continue
+        for m in _ANNOTATION.finditer(line):
+            name, dtype, shape, device = m.groups()
+            dims: List[Any] = []
+            for d in shape.split(","):
+                d = d.strip()
+                if d:
+                    dims.append(int(d) if d.lstrip("-").isdigit() else d)
+            tensors.setdefault(name, (_DTYPES.get(dtype, dtype), dims, device))
         fm = _FILE_COMMENT.search(line)
         if fm:
-            last_site = {"file": fm.group(1), "line": int(fm.group(2)), "function": fm.group(3).strip()}
+            from .dynamo_signals import is_torch_file
+
+            if not is_torch_file(fm.group(1)):
+                last_site = {"file": fm.group(1), "line": int(fm.group(2)), "function": fm.group(3).strip()}
             continue
         cm = _FLEX_CALL.search(line)
         if not cm:
@@ -149,10 +182,19 @@ def record_compiled_graph(compiled: Any) -> None:
     for r in records:
         by_phase.setdefault(r["phase"], []).append(r)
     graph = getattr(compiled, "cache_key", None) or getattr(compiled, "_fx_graph_cache_key", None)
+    if records:
+        _save_sidecar(graph, records)
+        source = "lowering"
+    else:
+        records = _load_sidecar(graph)
+        source = "cache"
+        for r in records:
+            by_phase.setdefault(r.get("phase"), []).append(r)
     for call in calls:
         rec = by_phase.get(call["phase"], [])
         lowering = rec.pop(0) if rec else None
         template = lowering["template"] if lowering else _template_from_source(compiled, call.get("device"))
+        site = (lowering or {}).get("call_site") or call.get("source_site")
         q_shape, kv_shape = call.get("q_shape"), call.get("kv_shape")
         try:
             size = scores_bytes(q_shape, kv_shape) if q_shape and all(isinstance(d, int) for d in q_shape + (kv_shape or [])) else None
@@ -168,15 +210,52 @@ def record_compiled_graph(compiled: Any) -> None:
             cause=None,
             layer=None,
             template=template,
-            source="lowering" if lowering else "cache",
+            source=source,
             graph=graph,
             q_shape=q_shape,
             kv_shape=kv_shape,
             dtype=call.get("dtype"),
             device=call.get("device"),
             scores_bytes=size,
-            call_site=call.get("source_site"),
+            call_site=site,
         )
+
+
+def _sidecar_path(graph: Optional[str]) -> Optional[str]:
+    if not graph or not re.fullmatch(r"[\w-]+", str(graph)):
+        return None
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+    except ImportError:  # older layout
+        from torch._inductor.runtime.runtime_utils import cache_dir  # type: ignore
+    return os.path.join(cache_dir(), "fusionguard", f"{graph}.json")
+
+
+def _save_sidecar(graph: Optional[str], records: List[dict]) -> None:
+    """Keep what the lowerings saw next to Inductor's cache, for processes that hit the cache."""
+    path = _sidecar_path(graph)
+    if path is None:
+        return
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as fh:
+            json.dump([{k: r.get(k) for k in ("phase", "template", "ir", "call_site")} for r in records], fh)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only cache dir only costs us the template name on cache hits
+
+
+def _load_sidecar(graph: Optional[str]) -> List[dict]:
+    path = _sidecar_path(graph)
+    if path is None or not os.path.exists(path):
+        return []
+    try:
+        with open(path) as fh:
+            data = json.load(fh)
+        return [dict(r) for r in data if isinstance(r, dict)]
+    except (OSError, ValueError):
+        return []
 
 
 def _template_from_source(compiled: Any, device: Optional[str]) -> str:

@@ -1,0 +1,105 @@
+"""Shared helpers: tiny shapes, a direct operator call (the CPU way to get a backward), a guard
+fixture that always disables and forgets, and one Inductor-compiled function shared by tests."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import fusionguard
+from fusionguard import _state
+
+HOP_MODULE = importlib.import_module("torch._higher_order_ops.flex_attention")
+PUBLIC = importlib.import_module("torch.nn.attention.flex_attention")
+
+
+def qkv(L=16, KV=None, B=1, HQ=2, HKV=2, D=8, requires_grad=False, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    KV = KV or L
+    q = torch.randn(B, HQ, L, D, generator=g, dtype=dtype)
+    k = torch.randn(B, HKV, KV, D, generator=g, dtype=dtype)
+    v = torch.randn(B, HKV, KV, D, generator=g, dtype=dtype)
+    if requires_grad:
+        for t in (q, k, v):
+            t.requires_grad_(True)
+    return q, k, v
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def op_args(q, k, v, block_mask=None, score_mod=None):
+    """Arguments of torch.ops.higher_order.flex_attention, as the public API builds them."""
+    if block_mask is None:
+        block_mask = PUBLIC.create_block_mask(causal, None, None, q.shape[-2], k.shape[-2], device=str(q.device))
+    options = PUBLIC._apply_kernel_options(q, k, v, return_lse=True, kernel_options=None)
+    score_mod = score_mod or PUBLIC._identity
+    return (q, k, v, score_mod, block_mask.as_tuple(), 1.0 / math.sqrt(q.shape[-1]), options)
+
+
+def op_call(q, k, v, **kw):
+    """flex_attention operator called directly: on CPU the only way to run a dense backward."""
+    return HOP_MODULE.flex_attention(*op_args(q, k, v, **kw))
+
+
+def read_jsonl(path):
+    out = []
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            out.append(json.loads(line))
+    return out
+
+
+@pytest.fixture
+def guard(tmp_path, monkeypatch):
+    """``guard(strict=...)`` enables fusionguard with a log in tmp_path; always cleaned up."""
+    log = tmp_path / "fg.jsonl"
+
+    def _enable(strict=False, **kw):
+        kw.setdefault("log_path", str(log))
+        fusionguard.enable(strict=strict, **kw)
+        return log
+
+    _enable.log = log
+    yield _enable
+    fusionguard.disable()
+    _state.reset_for_tests()
+
+
+@pytest.fixture
+def dynamo_reset():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def flex_events(kind="flex_call"):
+    return [e for e in fusionguard.events() if e["event"] == kind]
+
+
+@pytest.fixture
+def math_spy(monkeypatch):
+    """Counts real executions of the dense score-matrix math (``_math_attention_inner``, used by
+    both ``sdpa_dense`` and ``sdpa_dense_backward``).
+
+    A spy, not a mock: it calls PyTorch's own function and counts."""
+    calls = []
+    original = HOP_MODULE._math_attention_inner
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(HOP_MODULE, "_math_attention_inner", spy)
+    return calls
+
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("PYTHONPATH", str(ROOT))

@@ -1,0 +1,189 @@
+"""Public surface, patch installation and exact restoration, log file handling."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import fusionguard
+from fusionguard import _state, torch_internals as ti
+
+from conftest import HOP_MODULE, ROOT, flex_events, qkv, read_jsonl
+
+
+def _patch_points():
+    """Every object fusionguard replaces, read from the dict that owns it."""
+    import torch._inductor.lowering as lowering
+
+    ti.lowerings()
+    fwd, bwd = ti.hop("flex_attention"), ti.hop("flex_attention_backward")
+    key = ti.dense_key()
+    cls = ti.autograd_op()
+    cfg = ti.compiled_fx_graph()
+    mod = ti.flex_lowering_module()
+    points = {
+        "dense_fwd": fwd.py_kernels[key],
+        "dense_bwd": bwd.py_kernels[key],
+        "autograd_fwd": vars(cls)["forward"],
+        "autograd_bwd": vars(cls)["backward"],
+        "lower_fwd": lowering.lowerings[torch.ops.higher_order.flex_attention],
+        "lower_bwd": lowering.lowerings[torch.ops.higher_order.flex_attention_backward],
+        "post_compile": vars(cfg)["post_compile"],
+    }
+    for name in ti.TEMPLATE_SELECTORS:
+        if name in mod.__dict__:
+            points[f"selector:{name}"] = mod.__dict__[name]
+    return points
+
+
+def test_public_names():
+    assert fusionguard.__all__ == sorted(fusionguard.__all__)
+    for name in ("enable", "disable", "is_enabled", "allow_dense", "events", "DenseFallbackError", "DenseFallbackWarning"):
+        assert name in fusionguard.__all__
+    assert issubclass(fusionguard.DenseFallbackError, RuntimeError)
+    assert issubclass(fusionguard.DenseFallbackWarning, UserWarning)
+
+
+def test_enable_patches_everything_and_disable_restores_identical_objects(guard):
+    before = _patch_points()
+    guard()
+    assert fusionguard.is_enabled()
+    during = _patch_points()
+    changed = {k for k in before if during[k] is not before[k]}
+    assert changed == set(before), f"not patched: {set(before) - changed}"
+    assert not _state.STATE.not_patched
+    fusionguard.disable()
+    assert not fusionguard.is_enabled()
+    after = _patch_points()
+    for name in before:
+        assert after[name] is before[name], name
+
+
+def test_enable_twice_reconfigures_without_double_wrapping(guard):
+    guard(strict=False)
+    first = _patch_points()
+    guard(strict=True)
+    second = _patch_points()
+    for name in first:
+        assert second[name] is first[name], name
+    wrapper = second["dense_fwd"]
+    assert not hasattr(wrapper.__wrapped__, "__wrapped__"), "wrapped twice"
+    assert _state.STATE.config.strict is True
+
+
+def test_permutations_in_a_fresh_process(tmp_path):
+    """import/enable/enable/disable/disable/enable/disable, originals back each time."""
+    code = textwrap.dedent(
+        """
+        import sys, torch
+        sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
+        import fusionguard
+        from test_api import _patch_points
+        orig = _patch_points()
+        def same(): return all(_patch_points()[k] is v for k, v in orig.items())
+        fusionguard.disable(); assert same()
+        fusionguard.enable(log_path=False); fusionguard.enable(log_path=False); assert not same()
+        fusionguard.disable(); fusionguard.disable(); assert same()
+        fusionguard.enable(strict=True, log_path=False); assert not same()
+        fusionguard.disable(); assert same()
+        print("PERMUTATIONS-OK")
+        """
+    ).format(root=str(ROOT), tests=str(ROOT / "tests"))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert "PERMUTATIONS-OK" in out.stdout, out.stderr[-3000:]
+
+
+def test_unknown_option_is_a_clear_error():
+    with pytest.raises(TypeError, match="unknown option"):
+        fusionguard.enable(fsynk=True)
+    assert not fusionguard.is_enabled()
+
+
+def test_header_records_versions_and_patches(guard):
+    log = guard()
+    header = read_jsonl(log)[0]
+    assert header["event"] == "header"
+    assert header["schema"] == 1
+    assert header["torch"] == torch.__version__
+    assert header["fusionguard"] == fusionguard.__version__
+    for key in ("triton", "python", "pid", "rank", "thread", "ts", "seq", "patched", "not_patched"):
+        assert key in header
+    assert any("CompositeExplicitAutograd" in p for p in header["patched"])
+
+
+def test_log_path_false_keeps_events_in_memory_only(guard, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    guard(log_path=False)
+    q, k, v = qkv()
+    with pytest.warns(fusionguard.DenseFallbackWarning):
+        torch.nn.attention.flex_attention.flex_attention(q, k, v)
+    assert len(flex_events()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_default_log_file_from_env_is_announced_once(guard, tmp_path, monkeypatch, capsys):
+    target = tmp_path / "from-env.jsonl"
+    monkeypatch.setenv("FUSIONGUARD_LOG", str(target))
+    guard(log_path=None)
+    guard(log_path=None, strict=True)
+    err = capsys.readouterr().err
+    assert err.count(str(target)) == 1
+    assert read_jsonl(target)[0]["event"] == "header"
+
+
+def test_default_log_file_in_working_directory(guard, tmp_path, monkeypatch):
+    monkeypatch.delenv("FUSIONGUARD_LOG", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    guard(log_path=None)
+    assert (tmp_path / "fusionguard.jsonl").exists()
+
+
+def test_directory_log_path_gets_one_file_per_process(guard, tmp_path):
+    guard(log_path=str(tmp_path))
+    files = list(tmp_path.glob("fusionguard.rank0.pid*.jsonl"))
+    assert len(files) == 1
+
+
+def test_unwritable_log_path_warns_and_keeps_events(guard, tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    guard(log_path=str(blocker / "sub" / "log.jsonl"))  # parent is a file: cannot be created
+    assert "cannot open log file" in capsys.readouterr().err
+    q, k, v = qkv()
+    with pytest.warns(fusionguard.DenseFallbackWarning):
+        torch.nn.attention.flex_attention.flex_attention(q, k, v)
+    assert len(flex_events()) == 1
+
+
+def test_torn_last_line_from_a_crash_never_hides_lines(guard, tmp_path):
+    log = tmp_path / "fg.jsonl"
+    log.write_text(json.dumps({"event": "header", "seq": 1}) + "\n" + '{"event": "flex_call", "pha')
+    guard(log_path=str(log))
+    lines = log.read_text().splitlines()
+    assert lines[1] == '{"event": "flex_call", "pha'
+    assert json.loads(lines[2])["event"] == "header"
+
+
+def test_internal_error_fails_open(guard, monkeypatch, capsys):
+    """A bug inside fusionguard must not change the user's result; it is logged once."""
+    import fusionguard.causes as causes
+
+    def broken(*a, **k):
+        raise ZeroDivisionError("bug in fusionguard")
+
+    log = guard(strict=True)
+    monkeypatch.setattr(causes, "diagnose_forward", broken)
+    q, k, v = qkv()
+    expected = HOP_MODULE.sdpa_dense(*__import__("conftest").op_args(q, k, v))[0]
+    for _ in range(2):
+        out = torch.nn.attention.flex_attention.flex_attention(q, k, v, block_mask=None)
+    assert out.shape == expected.shape
+    errors = [e for e in read_jsonl(log) if e["event"] == "internal_error"]
+    assert len(errors) == 1 and "ZeroDivisionError" in errors[0]["error"]
+    assert capsys.readouterr().err.count("internal error") == 1

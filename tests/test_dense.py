@@ -1,0 +1,213 @@
+"""Dense executions on CPU: seen, logged durably, raised before the math runs, bit-identical."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+import fusionguard
+
+from conftest import HOP_MODULE, causal, flex_events, op_call, qkv, read_jsonl
+
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+FIELDS = (
+    "event", "phase", "path", "traced", "cause", "layer", "q_shape", "kv_shape", "dtype", "device",
+    "scores_bytes", "ts", "seq", "pid", "rank", "thread",
+)
+
+
+def test_eager_call_is_logged_and_warned(guard):
+    log = guard()
+    q, k, v = qkv(L=16, KV=24, HQ=4, HKV=2)
+    with pytest.warns(fusionguard.DenseFallbackWarning, match="dense FlexAttention forward") as rec:
+        flex_attention(q, k, v, enable_gqa=True)
+    ours = [w for w in rec if issubclass(w.category, fusionguard.DenseFallbackWarning)]
+    assert ours[0].filename == __file__, "the warning points at the user's line"
+    (event,) = flex_events()
+    for key in FIELDS:
+        assert key in event, key
+    assert event["phase"] == "forward" and event["path"] == "dense"
+    assert event["traced"] is False and event["cause"] == "eager_call"
+    assert event["q_shape"] == [1, 4, 16, 8] and event["kv_shape"] == [1, 2, 24, 8]
+    assert event["scores_bytes"] == 1 * 4 * 16 * 24 * 4
+    assert event["call_site"]["file"] == __file__
+    assert event["action"] == "warn" and event["allowed"] is False
+    on_disk = [e for e in read_jsonl(log) if e["event"] == "flex_call"]
+    assert on_disk[0]["seq"] == event["seq"]
+
+
+def test_every_dense_call_is_logged_not_once_per_process(guard):
+    guard()
+    q, k, v = qkv()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(3):
+            flex_attention(q, k, v)
+    assert len(flex_events()) == 3
+
+
+def test_strict_raises_before_the_dense_math_runs(guard, math_spy):
+    log = guard(strict=True)
+    q, k, v = qkv(L=32)
+    with pytest.raises(fusionguard.DenseFallbackError) as err:
+        flex_attention(q, k, v)
+    assert math_spy == [], "the dense math ran although strict mode raised"
+    text = str(err.value)
+    assert text.splitlines()[0].startswith("fusionguard: dense FlexAttention forward blocked")
+    assert f"{__file__}:" in text and "cause:    eager_call" in text and "fix:" in text
+    assert "8.19 KB" in text  # 1*2*32*32*4 = 8192 bytes
+    assert err.value.event["cause"] == "eager_call"
+    # the event was on disk before the raise
+    assert [e["action"] for e in read_jsonl(log) if e["event"] == "flex_call"] == ["raise"]
+
+
+def test_warn_mode_runs_the_dense_math(guard, math_spy):
+    guard()
+    q, k, v = qkv()
+    with pytest.warns(fusionguard.DenseFallbackWarning):
+        flex_attention(q, k, v)
+    assert len(math_spy) == 1
+
+
+def test_allow_dense_lets_strict_mode_run(guard, math_spy):
+    guard(strict=True)
+    q, k, v = qkv()
+    with fusionguard.allow_dense():
+        flex_attention(q, k, v)
+    (event,) = flex_events()
+    assert event["allowed"] is True and event["action"] == "allow"
+    assert len(math_spy) == 1
+    with pytest.raises(fusionguard.DenseFallbackError):
+        flex_attention(q, k, v)
+
+
+def test_operator_with_grad_logs_forward_and_backward_once_each(guard, math_spy):
+    guard()
+    q, k, v = qkv(requires_grad=True)
+    with pytest.warns(fusionguard.DenseFallbackWarning):
+        out, lse, *_ = op_call(q, k, v)
+        out.sum().backward()
+    fwd, bwd = flex_events()
+    assert (fwd["phase"], bwd["phase"]) == ("forward", "backward")
+    assert fwd["autograd"] is True and bwd["autograd"] is True
+    assert bwd["forward_seq"] == fwd["seq"]
+    assert bwd["cause"] == fwd["cause"] == "eager_call"
+    assert bwd["call_site"] == fwd["call_site"]
+    assert q.grad is not None and len(math_spy) == 2
+
+
+def test_strict_backward_raises_before_the_dense_backward(guard, math_spy):
+    guard(strict=True)
+    q, k, v = qkv(requires_grad=True)
+    with fusionguard.allow_dense():
+        out, *_ = op_call(q, k, v)
+    out.sum().backward()  # allowed: the forward was allowed
+    assert [e["action"] for e in flex_events()] == ["allow", "allow"]
+    fusionguard.enable(strict=True, log_path=False)
+    q2, k2, v2 = qkv(requires_grad=True, seed=1)
+    with pytest.raises(fusionguard.DenseFallbackError):
+        op_call(q2, k2, v2)
+    assert len(math_spy) == 2
+
+
+def test_strict_backward_of_an_unguarded_forward(guard, math_spy):
+    """Forward ran before enable(strict=True): the backward is still stopped before its math."""
+    q, k, v = qkv(requires_grad=True)
+    out, *_ = op_call(q, k, v)
+    guard(strict=True)
+    with pytest.raises(fusionguard.DenseFallbackError, match="dense FlexAttention backward"):
+        out.sum().backward()
+    assert len(math_spy) == 1  # the forward only
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    b=st.integers(1, 2),
+    hkv=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 2]),
+    q_len=st.integers(1, 40),
+    kv_len=st.integers(1, 40),
+    d=st.sampled_from([4, 8, 16]),
+    transpose=st.booleans(),
+)
+def test_results_are_bit_identical_with_the_guard(b, hkv, group, q_len, kv_len, d, transpose):
+    q = torch.randn(b, hkv * group, q_len, d)
+    k = torch.randn(b, hkv, kv_len, d)
+    v = torch.randn(b, hkv, kv_len, d)
+    if transpose:  # odd layout: non-contiguous inputs
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)
+    kw = dict(enable_gqa=group > 1)
+    plain = flex_attention(q, k, v, **kw)
+    fusionguard.enable(log_path=False)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            guarded = flex_attention(q, k, v, **kw)
+        events = flex_events()
+    finally:
+        fusionguard.disable()
+    assert torch.equal(plain, guarded)
+    assert events and events[-1]["q_shape"] == list(q.shape)
+
+
+def test_gradients_are_bit_identical_with_the_guard(guard):
+    q, k, v = qkv(requires_grad=True, HQ=4, HKV=2)
+    out, *_ = op_call(q, k, v)
+    out.square().sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    guard()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out2, *_ = op_call(q, k, v)
+        out2.square().sum().backward()
+    assert torch.equal(out, out2)
+    for g, t in zip(grads, (q, k, v)):
+        assert torch.equal(g, t.grad)
+
+
+def test_decode_shape_autocast_and_block_mask(guard):
+    guard()
+    q, k, v = qkv(L=1, KV=40)
+    mask = create_block_mask(lambda b, h, qi, ki: ki <= 39, None, None, 1, 40, device="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        flex_attention(q, k, v, block_mask=mask)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            flex_attention(q.bfloat16(), k.bfloat16(), v.bfloat16())
+    decode, auto = flex_events()
+    assert decode["q_shape"][-2] == 1 and decode["scores_bytes"] == 1 * 2 * 1 * 40 * 4
+    assert auto["dtype"] == "bfloat16"
+
+
+def test_two_threads_at_once(guard):
+    log = guard()
+    errors = []
+
+    def work(seed):
+        try:
+            q, k, v = qkv(seed=seed)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                for _ in range(5):
+                    flex_attention(q, k, v)
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,), name=f"worker-{i}") for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    events = [e for e in read_jsonl(log) if e["event"] == "flex_call"]
+    assert len(events) == 10
+    assert {e["thread"] for e in events} == {"worker-0", "worker-1"}
+    assert len({e["seq"] for e in events}) == 10
