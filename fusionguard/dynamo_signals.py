@@ -41,6 +41,19 @@ def is_torch_file(filename: str) -> bool:
     return filename.startswith(torch_dir())
 
 
+def reason_summary(text: object, limit: int = 300) -> str:
+    """Dynamo's multi-line graph-break text as one line: the headline and its explanation."""
+    lines = [ln.strip() for ln in str(text).strip().splitlines() if ln.strip()]
+    if not lines:
+        return ""
+    out = lines[0]
+    for ln in lines[1:]:
+        if ln.startswith("Explanation:"):
+            out += " - " + ln[len("Explanation:") :].strip()
+            break
+    return out[:limit]
+
+
 class Signals:
     """What Dynamo said, per code location."""
 

@@ -36,6 +36,82 @@ _BACKWARD_ORIGIN: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVa
 )
 
 _is_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", lambda: False)
+_is_dynamo_compiling: Callable[[], bool] = getattr(torch.compiler, "is_dynamo_compiling", _is_compiling)
+
+# The original dense kernels, by phase, for calls routed out of a Dynamo graph (see below).
+_ORIGINALS: Dict[str, Callable[..., Any]] = {}
+# Set while a dense call that Dynamo tried to inline runs out of graph: the trace-time note.
+_INLINED: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("fusionguard_inlined", default=None)
+_INLINE_NOTES: Dict[int, dict] = {}
+
+
+def _note_inlined(phase: str) -> int:
+    """Runs at *trace time* when Dynamo inlines a dense FlexAttention kernel into a graph.
+
+    That happens when Dynamo cannot capture flex_attention as one operator (e.g. a score_mod
+    or mask_mod that graph-breaks): it then traces PyTorch's dense implementation op by op, and
+    the score matrix is materialised inside the compiled graph, where no operator hook can see
+    it. We log it once per trace and return a token; the wrapper then calls the dense kernel out
+    of graph, so every execution is checked (and strict mode can stop it) like an eager call.
+    Returns 0 when the guard is off: the graph is then exactly what it would be without us.
+    """
+    if not STATE.enabled:
+        return 0
+    info: Dict[str, Any] = {"phase": phase}
+    try:
+        from torch._dynamo.utils import counters
+
+        from .dynamo_signals import SIGNALS, is_torch_file, reason_summary
+
+        # Dynamo's own graph-break reasons (first lines), oldest first: the first is usually the
+        # root cause (e.g. a print in score_mod); and the user frames Dynamo gave up on.
+        reasons = [reason_summary(r) for r in counters.get("graph_break", {})]
+        if reasons:
+            info["graph_breaks"] = reasons[:3]
+        SIGNALS.read_metrics()
+        failed = [f"{i['function']} ({i['file']}:{i['line']}): {i.get('reason')}" for i in SIGNALS.frame_failure.values() if not is_torch_file(i["file"])]
+        if failed:
+            info["frames"] = failed[-3:]
+    except Exception:
+        pass
+    token = len(_INLINE_NOTES) + 1
+    _INLINE_NOTES[token] = info
+    STATE.log.emit("warning", "flex_inlined", path="dense", traced=True, cause="graph_break", **info)
+    return token
+
+
+def _note_inlined_forward() -> int:
+    try:
+        return _note_inlined("forward")
+    except Exception as exc:
+        internal_error("inlined dense note", exc)
+        return 0
+
+
+def _note_inlined_backward() -> int:
+    try:
+        return _note_inlined("backward")
+    except Exception as exc:
+        internal_error("inlined dense note", exc)
+        return 0
+
+
+def _dense_out_of_graph(token: int, phase: str, *args: Any, **kwargs: Any) -> Any:
+    """Runs eagerly (``torch._dynamo.disable``): the dense kernel with real tensors, guarded."""
+    tok = _INLINED.set(_INLINE_NOTES.get(token, {"phase": phase}))
+    try:
+        return _WRAPPERS[phase](*args, **kwargs)
+    finally:
+        _INLINED.reset(tok)
+
+
+_WRAPPERS: Dict[str, Callable[..., Any]] = {}
+_NOTE = {"forward": _note_inlined_forward, "backward": _note_inlined_backward}
+try:  # trace-time hook and out-of-graph call, both Dynamo's own mechanisms
+    _NOTE = {k: torch._dynamo.assume_constant_result(v) for k, v in _NOTE.items()}
+    _dense_out_of_graph_disabled = torch._dynamo.disable(_dense_out_of_graph)
+except Exception:  # pragma: no cover - very old torch
+    _dense_out_of_graph_disabled = None
 
 
 def _arg(args: tuple, kwargs: dict, index: int, name: str) -> Any:
@@ -140,7 +216,18 @@ def _check_dense(phase: str, args: tuple, kwargs: dict, frame: Any) -> Optional[
     if not is_concrete(q):
         return None  # tracing (fake / functional / meta): nothing really runs
     origin = _BACKWARD_ORIGIN.get() if phase == "backward" else None
-    if phase == "forward":
+    inlined = _INLINED.get()
+    if inlined is not None:
+        diagnosis = causes.Diagnosis(
+            False,
+            "graph_break",
+            {
+                "how": "Dynamo could not capture flex_attention as one operator and traced its dense implementation",
+                **{k: v for k, v in inlined.items() if k != "phase"},
+            },
+        )
+        call_site = causes.user_call_site(frame)
+    elif phase == "forward":
         diagnosis = causes.diagnose_forward(frame)
         call_site = causes.user_call_site(frame)
     else:
@@ -196,7 +283,15 @@ def _warn(message: str) -> None:
 
 
 def make_dense_wrapper(phase: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    note = _NOTE[phase]
+
     def fusionguard_dense_kernel(*args: Any, **kwargs: Any) -> Any:
+        if _is_dynamo_compiling():
+            # Dynamo is inlining the dense implementation into a graph (see _note_inlined).
+            token = note()
+            if token and _dense_out_of_graph_disabled is not None:
+                return _dense_out_of_graph_disabled(token, phase, *args, **kwargs)
+            return original(*args, **kwargs)
         if _is_compiling() or not STATE.enabled:
             return original(*args, **kwargs)
         event = None
@@ -214,6 +309,8 @@ def make_dense_wrapper(phase: str, original: Callable[..., Any]) -> Callable[...
 
     fusionguard_dense_kernel.__wrapped__ = original  # type: ignore[attr-defined]
     fusionguard_dense_kernel.__name__ = getattr(original, "__name__", "dense_kernel")
+    _ORIGINALS[phase] = original
+    _WRAPPERS[phase] = fusionguard_dense_kernel
     return fusionguard_dense_kernel
 
 
