@@ -142,7 +142,8 @@ class Signals:
             error = None
             if record.exc_info and record.exc_info[1] is not None:
                 exc = record.exc_info[1]
-                error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+                text = " ".join(str(exc).split())  # Dynamo's messages span lines; keep them readable
+                error = f"{type(exc).__name__}: {text}"[:400]
             info = {"function": m.group("name"), "file": m.group("file"), "line": int(m.group("line")), "error": error}
             with self.lock:
                 self.compile_error[(info["file"], info["line"])] = info
