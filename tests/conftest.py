@@ -3,6 +3,7 @@ fixture that always disables and forgets, and one Inductor-compiled function sha
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import math
@@ -71,6 +72,18 @@ def guard(tmp_path, monkeypatch):
     yield _enable
     fusionguard.disable()
     _state.reset_for_tests()
+
+
+@pytest.fixture
+def dynamo_config():
+    """``dynamo_config(recompile_limit=1)``: torch._dynamo.config.patch, undone after the test."""
+    stack = contextlib.ExitStack()
+
+    def patch(**values):
+        stack.enter_context(torch._dynamo.config.patch(**values))
+
+    yield patch
+    stack.close()
 
 
 @pytest.fixture

@@ -80,8 +80,8 @@ def test_aot_eager_is_traced_but_dense(guard, dynamo_reset):
     assert all(e["traced"] and e["cause"] == "non_inductor_backend" for e in events)
 
 
-def test_recompile_limit_slide(guard, dynamo_reset, monkeypatch):
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+def test_recompile_limit_slide(guard, dynamo_reset, dynamo_config):
+    dynamo_config(recompile_limit=1)
     guard()
 
     def attend(q, k, v, mask):
@@ -115,8 +115,8 @@ def test_compiler_disable_inside_compiled_model(guard, dynamo_reset):
     assert causes_by_phase() == {("forward", "compiler_disabled"), ("backward", "compiler_disabled")}
 
 
-def test_suppressed_compile_error(guard, dynamo_reset, monkeypatch):
-    monkeypatch.setattr(torch._dynamo.config, "suppress_errors", True)
+def test_suppressed_compile_error(guard, dynamo_reset, dynamo_config):
+    dynamo_config(suppress_errors=True)
     guard()
 
     def broken_backend(gm, example_inputs):
