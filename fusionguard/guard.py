@@ -200,9 +200,15 @@ def format_message(event: Dict[str, Any]) -> str:
         f"  traced:   {'yes, by torch.compile' if event.get('traced') else 'no, not captured by torch.compile'}",
         f"  cause:    {event.get('cause')}: {causes.CAUSES.get(event.get('cause') or 'unknown', '')}",
     ]
-    evidence = event.get("evidence") or {}
-    if evidence:
-        ev = "; ".join(f"{k}={v}" for k, v in evidence.items() if v not in (None, "", {}))
+    evidence = dict(event.get("evidence") or {})
+    if evidence.get("frame"):  # file/line are already in the frame text
+        evidence.pop("file", None)
+        evidence.pop("line", None)
+    evidence.pop("limit_type", None)
+    first = [k for k in ("reason", "error", "backend", "switch", "function") if k in evidence]
+    ordered = first + [k for k in evidence if k not in first]
+    ev = "; ".join(f"{k}={evidence[k]}" for k in ordered if evidence[k] not in (None, "", {}, []))
+    if ev:
         lines.append(f"  evidence: {ev}")
     lines.append(f"  fix:      {event.get('fix')}")
     if action == "raise":
