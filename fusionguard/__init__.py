@@ -22,16 +22,23 @@ from . import _state
 from ._state import ALLOW_DENSE, OPTIONS, STATE, Config, internal_error
 from ._version import __version__
 from .errors import DenseFallbackError, DenseFallbackWarning
+from .summary import Summary, export, summary
+from .layers import peak_memory_allocated, watch
 
 __all__ = [
     "DenseFallbackError",
     "DenseFallbackWarning",
+    "Summary",
     "__version__",
     "allow_dense",
     "disable",
     "enable",
     "events",
+    "export",
     "is_enabled",
+    "peak_memory_allocated",
+    "summary",
+    "watch",
 ]
 
 DEFAULT_LOG_NAME = "fusionguard.jsonl"
@@ -186,7 +193,9 @@ def enable(strict: bool = False, log_path: Union[str, os.PathLike, None, bool] =
 
 
 def _summary_fields() -> Dict[str, Any]:
-    return {"counts": dict(STATE.counts)}
+    from .layers import STATS
+
+    return {"counts": dict(STATE.counts), "rows": STATS.summary()}
 
 
 def disable() -> None:
@@ -200,7 +209,8 @@ def disable() -> None:
         STATE.patches.remove_all()
         SIGNALS.remove()
         try:
-            STATE.log.emit("info", "shutdown", reason="disable", **_summary_fields())
+            STATE.log.emit("info", "summary", **_summary_fields())
+            STATE.log.emit("info", "shutdown", reason="disable", counts=dict(STATE.counts))
         except Exception as exc:
             internal_error("shutdown event", exc)
         STATE.log.close()
@@ -210,7 +220,8 @@ def _at_exit() -> None:
     try:
         with STATE.lock:
             if STATE.enabled:
-                STATE.log.emit("info", "shutdown", reason="exit", **_summary_fields())
+                STATE.log.emit("info", "summary", **_summary_fields())
+                STATE.log.emit("info", "shutdown", reason="exit", counts=dict(STATE.counts))
                 STATE.log.close()
     except Exception:
         pass

@@ -78,3 +78,6 @@ def reset_for_tests() -> None:
     STATE.log.close()
     new = State()
     STATE.__dict__.update(new.__dict__)
+    from .layers import STATS
+
+    STATS.__init__()

@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from . import causes
+from . import causes, layers
 from ._state import ALLOW_DENSE, STATE, count, internal_error
 from .errors import DenseFallbackError, DenseFallbackWarning
 from .torch_internals import is_concrete
@@ -239,6 +239,7 @@ def _check_dense(phase: str, args: tuple, kwargs: dict, frame: Any) -> Optional[
     else:
         diagnosis = causes.diagnose_backward(origin, frame)
         call_site = (origin or {}).get("call_site") or causes.user_call_site(frame)
+    layer = (origin or {}).get("layer") if phase == "backward" and origin else layers.note_flex_call()
     allowed = _allowed(origin)
     action = "allow" if allowed else ("raise" if STATE.config.strict else "warn")
     fields: Dict[str, Any] = {
@@ -248,7 +249,7 @@ def _check_dense(phase: str, args: tuple, kwargs: dict, frame: Any) -> Optional[
         "cause": diagnosis.cause,
         "evidence": diagnosis.evidence,
         "fix": diagnosis.fix,
-        "layer": (origin or {}).get("layer"),
+        "layer": layer,
         "allowed": allowed,
         "action": action,
         "call_site": call_site,
@@ -259,7 +260,10 @@ def _check_dense(phase: str, args: tuple, kwargs: dict, frame: Any) -> Optional[
         fields["forward_seq"] = origin.get("seq")
     if q.is_cuda and torch.cuda.is_initialized():
         fields["device_name"] = torch.cuda.get_device_name(q.device)
+    if phase == "forward" and layers.in_backward():
+        fields["recompute"] = True  # activation checkpointing re-running a forward in backward
     count(f"dense_{phase}")
+    layers.STATS.on_dense(layer, phase, diagnosis.cause, fields.get("scores_bytes"), bool(fields.get("recompute")))
     event = STATE.log.emit("warning", "flex_call", **fields)
     event = dict(event) if event else dict(fields)
     slot = _FORWARD_SLOT.get()
@@ -271,7 +275,7 @@ def _check_dense(phase: str, args: tuple, kwargs: dict, frame: Any) -> Optional[
                 "evidence": diagnosis.evidence,
                 "allowed": allowed,
                 "call_site": call_site,
-                "layer": fields["layer"],
+                "layer": layer,
                 "seq": event.get("seq"),
             }
         )

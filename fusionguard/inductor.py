@@ -75,6 +75,40 @@ def _node_call_site() -> Optional[Dict[str, Any]]:
     return site
 
 
+def _node_layer() -> Optional[str]:
+    """The layer of the FlexAttention call being lowered: the watched module around the compile
+    (``watch``) joined with the innermost module Dynamo recorded on the FX node."""
+    from torch._inductor.virtualized import V
+
+    from .layers import clean_name, note_flex_call
+
+    outer = note_flex_call() or ""
+    inner = ""
+    node = getattr(V.graph, "current_node", None)
+    stack = (getattr(node, "meta", None) or {}).get("nn_module_stack") or {}
+    if stack:
+        last = list(stack.values())[-1]
+        fqn = last[0] if isinstance(last, (tuple, list)) else str(last)
+        inner = clean_name(_fqn_from_source(str(fqn)))
+    name = ".".join(x for x in (outer, inner) if x)
+    return name or None
+
+
+_SOURCE_PART = re.compile(r"\[(?:'([^']*)'|(\d+))\]|\.(\w+)")
+
+
+def _fqn_from_source(text: str) -> str:
+    """Dynamo spells module paths as sources (``L['self'].layers[0].attn``) or as plain names."""
+    if "[" not in text and not text.startswith("L"):
+        return text
+    if text.startswith("L['self']") or text.startswith("L['mod']"):
+        text = text[text.index("]") + 1 :]
+    elif text.startswith("L['") or text.startswith("G['"):
+        return text
+    parts = [a or b or c for a, b, c in _SOURCE_PART.findall(text)]
+    return ".".join(p for p in parts if p)
+
+
 def make_lowering_wrapper(phase: str, original: Callable[..., Any]) -> Callable[..., Any]:
     def fusionguard_flex_lowering(*args: Any, **kwargs: Any) -> Any:
         record: Dict[str, Any] = {"phase": phase, "template": None}
@@ -97,6 +131,7 @@ def make_lowering_wrapper(phase: str, original: Callable[..., Any]) -> Callable[
             record["ir"] = ir
             record["device_type"] = device
             record["call_site"] = _node_call_site()
+            record["layer"] = _node_layer()
             _pending().append(record)
         except Exception as exc:
             internal_error("inductor lowering record", exc)
@@ -182,6 +217,9 @@ def record_compiled_graph(compiled: Any) -> None:
     for r in records:
         by_phase.setdefault(r["phase"], []).append(r)
     graph = getattr(compiled, "cache_key", None) or getattr(compiled, "_fx_graph_cache_key", None)
+    from .layers import note_flex_call
+
+    around = note_flex_call() if calls else None  # the watched layer compiling this graph, if any
     if records:
         _save_sidecar(graph, records)
         source = "lowering"
@@ -208,7 +246,7 @@ def record_compiled_graph(compiled: Any) -> None:
             path="fused",
             traced=True,
             cause=None,
-            layer=None,
+            layer=(lowering or {}).get("layer") or around,
             template=template,
             source=source,
             graph=graph,
@@ -240,7 +278,7 @@ def _save_sidecar(graph: Optional[str], records: List[dict]) -> None:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w") as fh:
-            json.dump([{k: r.get(k) for k in ("phase", "template", "ir", "call_site")} for r in records], fh)
+            json.dump([{k: r.get(k) for k in ("phase", "template", "ir", "call_site", "layer")} for r in records], fh)
         os.replace(tmp, path)
     except OSError:
         pass  # a read-only cache dir only costs us the template name on cache hits

@@ -9,7 +9,12 @@ Why this shape:
 - a torn last line left by an earlier crash is closed with a newline before we append, so it can
   never swallow our first line;
 - rendering goes through a private structlog logger (our own processors, never
-  ``structlog.configure``): the host's structlog and ``logging`` setup stay theirs.
+  ``structlog.configure``): the host's structlog and ``logging`` setup stay theirs;
+- bounded volume, both optional: a ``FusedSampler`` keeps the first few fused per-call events per
+  (layer, phase) and then one ``fused_calls`` counter event per ``every`` calls (dense events,
+  compile-time records, errors and anything not ``path: fused`` are never sampled), and
+  ``FileSink(max_bytes=..., backups=...)`` rotates the file by size (``X.jsonl`` ->
+  ``X.jsonl.1`` ...), starting each new file with a copy of the header.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Callable, Deque, Optional
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import structlog
 
@@ -65,14 +70,35 @@ def rank_info() -> dict:
 class FileSink:
     """Append-only JSON-lines file. Thread-safe; safe to share between processes."""
 
-    def __init__(self, path: str, fsync: bool = True) -> None:
+    def __init__(
+        self,
+        path: str,
+        fsync: bool = True,
+        max_bytes: Optional[int] = None,
+        backups: int = 3,
+        preamble: Optional[Callable[[], Optional[str]]] = None,
+    ) -> None:
+        """``max_bytes``: rotate when the file would grow past it (None or 0: never);
+        ``backups``: rotated files kept (``path.1`` newest ... ``path.N``; 0: the full file is
+        removed); ``preamble``: returns the line (a header copy) that starts each new file."""
         self.path = path
         self.fsync = fsync
+        self.max_bytes = int(max_bytes) if max_bytes else None
+        self.backups = max(0, int(backups))
+        self.preamble = preamble
+        self.rotations = 0
         self._lock = threading.Lock()
         parent = os.path.dirname(os.path.abspath(path))
         os.makedirs(parent, exist_ok=True)
         self._fd: Optional[int] = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._close_torn_line()
+        self._size = self._file_size()
+
+    def _file_size(self) -> int:
+        try:
+            return os.fstat(self._fd).st_size if self._fd is not None else 0
+        except OSError:
+            return 0
 
     def _close_torn_line(self) -> None:
         try:
@@ -97,9 +123,63 @@ class FileSink:
     def write(self, line: str, durable: bool) -> None:
         data = (line + "\n").encode("utf-8", "replace")
         with self._lock:
+            if self.max_bytes is not None and self._size + len(data) > self.max_bytes:
+                self._rotate_if_needed(len(data))
             self._write_bytes(data)
+            self._size += len(data)
             if durable and self.fsync and self._fd is not None:
                 os.fsync(self._fd)
+
+    # -- size-based rotation (under self._lock) ----------------------------------------------
+    def _rotate_if_needed(self, incoming: int) -> None:
+        fd = self._fd
+        if fd is None or self.max_bytes is None:
+            return
+        try:
+            mine = os.fstat(fd)
+            self._size = mine.st_size  # other processes may append to the same file
+            if self._size == 0 or self._size + incoming <= self.max_bytes:
+                return
+            try:
+                current = os.stat(self.path)
+            except FileNotFoundError:
+                current = None
+            if current is None or (current.st_ino, current.st_dev) != (mine.st_ino, mine.st_dev):
+                # Another process sharing this file rotated it already: follow it.
+                self._reopen()
+                return
+            if self.backups:
+                for i in range(self.backups - 1, 0, -1):
+                    src = f"{self.path}.{i}"
+                    if os.path.exists(src):
+                        os.replace(src, f"{self.path}.{i + 1}")
+                os.replace(self.path, f"{self.path}.1")
+            else:
+                os.unlink(self.path)
+            self.rotations += 1
+            self._reopen()
+        except OSError:
+            return  # rotation is best effort: keep appending to the file we have
+
+    def _reopen(self) -> None:
+        old, self._fd = self._fd, None
+        if old is not None:
+            try:
+                os.fsync(old)
+            except OSError:
+                pass
+            os.close(old)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._size = self._file_size()
+        if self._size == 0 and self.preamble is not None:
+            try:
+                line = self.preamble()
+            except Exception:
+                line = None
+            if line:
+                data = (line + "\n").encode("utf-8", "replace")
+                self._write_bytes(data)
+                self._size += len(data)
 
     def close(self) -> None:
         with self._lock:
@@ -110,6 +190,115 @@ class FileSink:
                     pass
                 os.close(self._fd)
                 self._fd = None
+
+
+# -- bounded volume: fused per-call events --------------------------------------------------------
+
+#: Defaults of the sampler (``enable(fused_first=..., fused_every=..., keep_all=...)``).
+DEFAULT_FUSED_FIRST = 10
+DEFAULT_FUSED_EVERY = 1000
+#: Never sampled, whatever their fields say.
+NEVER_SAMPLED = frozenset({"header", "flex_compile", "flex_call", "flex_inlined", "summary", "shutdown", "crash", "fused_calls"})
+#: Emitting one of these first writes the pending ``fused_calls`` counters (nothing is lost).
+FLUSH_BEFORE = frozenset({"summary", "shutdown", "crash"})
+_KEEP = "keep"
+
+
+class _Window:
+    __slots__ = ("total", "window", "agg")
+
+    def __init__(self) -> None:
+        self.total = 0
+        self.window = 0
+        self.agg: Dict[str, List[Any]] = {}  # field -> [max, last]
+
+
+class FusedSampler:
+    """Decides which fused per-call events are written.
+
+    Per (layer, phase): the first ``first`` events are kept as they are; after that, calls are
+    counted and every ``every``-th call writes one ``fused_calls`` event instead, covering the
+    calls since the previous record: ``count`` (calls covered), ``total`` (calls so far for that
+    layer and phase), ``of`` (the event kind counted) and, for each numeric field in
+    ``aggregate`` that the events carried, ``<field>_max`` and ``<field>_last``. ``every=0``:
+    counters only when flushed (before ``summary`` / ``shutdown`` / ``crash`` and on close).
+    ``keep_all=True`` keeps everything. Only ``info`` events with ``path == "fused"`` are
+    sampled; dense events, compile-time records, errors are always written. Thread-safe.
+    """
+
+    def __init__(
+        self,
+        first: int = DEFAULT_FUSED_FIRST,
+        every: int = DEFAULT_FUSED_EVERY,
+        keep_all: bool = False,
+        aggregate: Tuple[str, ...] = ("alloc_delta", "peak_delta"),
+        max_keys: int = 100_000,
+    ) -> None:
+        self.first = max(0, int(first))
+        self.every = max(0, int(every))
+        self.keep_all = bool(keep_all)
+        self.aggregate = tuple(aggregate)
+        self.max_keys = max_keys
+        self._lock = threading.Lock()
+        self._keys: Dict[Tuple[Any, Any, str], _Window] = {}
+        self.kept = 0
+        self.dropped = 0
+        self.counters = 0
+
+    @staticmethod
+    def applies(level: str, event: str, fields: dict) -> bool:
+        return level == "info" and fields.get("path") == "fused" and event not in NEVER_SAMPLED
+
+    def offer(self, event: str, fields: dict) -> Any:
+        """``"keep"``: write the event; ``None``: drop it; a dict: write a ``fused_calls``
+        event with these fields instead."""
+        if self.keep_all:
+            return _KEEP
+        key = (fields.get("layer"), fields.get("phase"), event)
+        with self._lock:
+            w = self._keys.get(key)
+            if w is None:
+                if len(self._keys) >= self.max_keys:
+                    key = ("(other)", fields.get("phase"), event)
+                    w = self._keys.get(key)
+                if w is None:
+                    w = self._keys[key] = _Window()
+            w.total += 1
+            if w.total <= self.first:
+                self.kept += 1
+                return _KEEP
+            w.window += 1
+            for name in self.aggregate:
+                value = fields.get(name)
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    slot = w.agg.get(name)
+                    if slot is None:
+                        w.agg[name] = [value, value]
+                    else:
+                        if value > slot[0]:
+                            slot[0] = value
+                        slot[1] = value
+            if self.every and w.window >= self.every:
+                self.counters += 1
+                return self._counter(key, w)
+            self.dropped += 1
+            return None
+
+    def _counter(self, key: Tuple[Any, Any, str], w: _Window) -> Dict[str, Any]:
+        out: Dict[str, Any] = {"layer": key[0], "phase": key[1], "path": "fused", "of": key[2], "count": w.window, "total": w.total}
+        for name, (mx, last) in w.agg.items():
+            out[f"{name}_max"] = mx
+            out[f"{name}_last"] = last
+        w.window = 0
+        w.agg = {}
+        return out
+
+    def flush(self) -> List[Dict[str, Any]]:
+        """Counter fields for every (layer, phase) with calls not yet written."""
+        with self._lock:
+            out = [self._counter(k, w) for k, w in self._keys.items() if w.window]
+            self.counters += len(out)
+            return out
 
 
 class _SinkLogger:
@@ -137,6 +326,9 @@ class EventLog:
         self.memory: Deque[dict] = collections.deque(maxlen=max_events)
         self.sink: Optional[FileSink] = None
         self._sink_failed = False
+        # Optional volume control for fused per-call events (None: every event is written).
+        self.sampler: Optional[FusedSampler] = None
+        self._header: Optional[dict] = None  # the last header, copied at the top of rotated files
         self.on_sink_error: Optional[Callable[[BaseException], None]] = None
         self._logger = structlog.wrap_logger(
             _SinkLogger(self),
@@ -166,7 +358,15 @@ class EventLog:
 
     def _remember(self, logger: Any, method: str, event_dict: dict) -> dict:
         self.memory.append(dict(event_dict))
+        if event_dict.get("event") == "header":
+            self._header = dict(event_dict)
         return event_dict
+
+    def _header_copy(self) -> Optional[str]:
+        header = self._header
+        if header is None:
+            return None
+        return dumps({**header, "rotated": True})
 
     # -- output -----------------------------------------------------------------------------
     def _write_line(self, line: str, durable: bool) -> None:
@@ -181,22 +381,43 @@ class EventLog:
                 if self.on_sink_error is not None:
                     self.on_sink_error(exc)
 
-    def open(self, path: str, fsync: bool) -> None:
+    def open(self, path: str, fsync: bool, max_bytes: Optional[int] = None, backups: int = 3) -> None:
         self.close()
-        self.sink = FileSink(path, fsync=fsync)
+        self.sink = FileSink(path, fsync=fsync, max_bytes=max_bytes, backups=backups, preamble=self._header_copy)
         self._sink_failed = False
 
     def close(self) -> None:
+        if self.sink is not None:
+            self.flush_sampler()
         sink, self.sink = self.sink, None
         if sink is not None:
             sink.close()
+
+    def flush_sampler(self) -> None:
+        """Write the pending ``fused_calls`` counters (calls not yet covered by a record)."""
+        sampler = self.sampler
+        if sampler is None:
+            return
+        for fields in sampler.flush():
+            self._logger.info("fused_calls", **fields)
 
     def set_max_events(self, n: int) -> None:
         if n != self.memory.maxlen:
             self.memory = collections.deque(self.memory, maxlen=n)
 
     def emit(self, level: str, event: str, **fields: Any) -> dict:
-        """Log one event; returns the dict that was stored in memory."""
+        """Log one event; returns the dict that was stored in memory ({} when sampled out)."""
+        sampler = self.sampler
+        if sampler is not None:
+            if event in FLUSH_BEFORE:
+                self.flush_sampler()
+            elif sampler.applies(level, event, fields):
+                verdict = sampler.offer(event, fields)
+                if verdict is None:
+                    return {}
+                if verdict is not _KEEP:
+                    self._logger.info("fused_calls", **verdict)
+                    return self.memory[-1] if self.memory else {}
         getattr(self._logger, level)(event, **fields)
         return self.memory[-1] if self.memory else {}
 

@@ -1,0 +1,374 @@
+"""Crash records: what was FlexAttention doing when the process died?
+
+``install(emit, last_flex_event=..., summary=...)`` adds, and ``uninstall()`` removes:
+
+- ``sys.excepthook`` and ``threading.excepthook``: an uncaught exception writes a ``crash``
+  event (exception type and message, the thread, the last frames, the last FlexAttention event,
+  CUDA allocator figures when CUDA is initialised, a one-line ``diagnosis``), then calls the hook
+  that was there before, unchanged;
+- a SIGTERM handler (main thread only; what schedulers and torchrun send): writes a ``shutdown``
+  event with ``reason: "sigterm"`` at level ``warning`` (so it is fsync-ed), then hands the
+  signal to the previous handler: a Python handler is called, ``SIG_DFL`` is restored and the
+  signal re-raised (the process dies of SIGTERM as it would have). Nothing is installed when
+  SIGTERM was ignored (``SIG_IGN``) or handled outside Python: the process would not stop, or we
+  could not hand it on.
+
+This module knows nothing of fusionguard's global state: it logs through ``emit(level, event,
+**fields)`` and reads the last FlexAttention event through ``last_flex_event()``; it imports
+torch only if the program already did. ``uninstall()`` puts back the exact previous hooks, when
+ours are still the ones installed; if somebody replaced ours meanwhile, theirs stay and ours turn
+into plain pass-throughs. ``record(exc)`` writes a crash event for an exception the program
+caught itself.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import traceback
+from typing import Any, Callable, Dict, Iterable, List, Optional
+
+Emit = Callable[..., Any]
+
+FLEX_EVENTS = frozenset({"flex_call", "flex_compile", "flex_inlined", "layer_memory", "fused_calls"})
+# Frames that mean "inside a FlexAttention kernel" (PyTorch's dense implementation, our wrapper).
+_DENSE_FUNCTIONS = frozenset({"sdpa_dense", "sdpa_dense_backward", "math_attention", "_math_attention_inner", "fusionguard_dense_kernel"})
+_BACKWARD_FUNCTIONS = frozenset({"_engine_run_backward", "backward"})
+_MAX_MESSAGE = 2000
+_MAX_TRACEBACK = 4000
+
+_lock = threading.RLock()
+_active = False
+_emit: Optional[Emit] = None
+_last_flex: Optional[Callable[[], Optional[dict]]] = None
+_summary: Optional[Callable[[], Dict[str, Any]]] = None
+_prev_sys: Any = None
+_prev_threading: Any = None
+_prev_sigterm: Any = None
+_sigterm_installed = False
+_in_hook = threading.local()
+
+
+# -- public -------------------------------------------------------------------------------------
+
+
+def install(
+    emit: Emit,
+    last_flex_event: Optional[Callable[[], Optional[dict]]] = None,
+    summary: Optional[Callable[[], Dict[str, Any]]] = None,
+    sigterm: bool = True,
+) -> None:
+    """Install the hooks (a second call only updates the callables: never chains twice).
+
+    emit:            ``emit(level, event, **fields)`` writes one event.
+    last_flex_event: returns the most recent FlexAttention event (a dict) or None.
+    summary:         returns extra fields for the SIGTERM ``shutdown`` event (e.g. ``counts``).
+    sigterm:         also handle SIGTERM (only possible from the main thread; skipped otherwise).
+    """
+    global _active, _emit, _last_flex, _summary, _prev_sys, _prev_threading
+    with _lock:
+        _emit, _last_flex, _summary = emit, last_flex_event, summary
+        if sys.excepthook is not _sys_hook:
+            _prev_sys = sys.excepthook
+            sys.excepthook = _sys_hook
+        if threading.excepthook is not _thread_hook:
+            _prev_threading = threading.excepthook
+            threading.excepthook = _thread_hook
+        if sigterm:
+            _install_sigterm()
+        _active = True
+
+
+def uninstall() -> None:
+    """Stop recording; put back the previous hooks where ours are still installed."""
+    global _active, _emit, _last_flex, _summary, _prev_sys, _prev_threading
+    with _lock:
+        _active = False
+        if sys.excepthook is _sys_hook and _prev_sys is not None:
+            sys.excepthook = _prev_sys
+            _prev_sys = None
+        if threading.excepthook is _thread_hook and _prev_threading is not None:
+            threading.excepthook = _prev_threading
+            _prev_threading = None
+        _uninstall_sigterm()
+        _emit = _last_flex = _summary = None
+
+
+def is_installed() -> bool:
+    return _active
+
+
+def record(exc: BaseException, where: str = "record", thread: Optional[str] = None) -> Optional[dict]:
+    """Write a ``crash`` event for ``exc`` now (e.g. an exception the program caught). Never raises."""
+    try:
+        return _write_crash(type(exc), exc, exc.__traceback__, where, thread)
+    except Exception:
+        return None
+
+
+def last_flex(events: Iterable[dict]) -> Optional[dict]:
+    """The most recent FlexAttention event of ``events`` (oldest first), or None.
+
+    For ``last_flex_event=lambda: crash.last_flex(STATE.log.memory)``: a deque is copied first
+    (one C-level step, safe while other threads append)."""
+    items = list(events)
+    for event in reversed(items):
+        if event.get("event") in FLEX_EVENTS:
+            return event
+    return None
+
+
+# -- what goes into the crash event ----------------------------------------------------------------
+
+
+def human_bytes(n: Optional[float]) -> str:
+    if n is None:
+        return "of unknown size"
+    value = float(n)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(value) < 1000 or unit == "TB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1000
+    return f"{n} B"
+
+
+def exception_name(exc_type: type) -> str:
+    module = getattr(exc_type, "__module__", "") or ""
+    name = getattr(exc_type, "__qualname__", None) or getattr(exc_type, "__name__", str(exc_type))
+    return name if module in ("builtins", "") else f"{module}.{name}"
+
+
+def is_oom(exc_type: Optional[type], message: str) -> bool:
+    """CUDA's ``torch.OutOfMemoryError`` or the CPU allocator's failure (a RuntimeError)."""
+    torch = sys.modules.get("torch")
+    oom_type = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
+    if exc_type is not None and oom_type is not None and isinstance(oom_type, type) and issubclass(exc_type, oom_type):
+        return True
+    if exc_type is not None and issubclass(exc_type, MemoryError):
+        return True
+    text = message.lower()
+    return "out of memory" in text or "can't allocate memory" in text or "not enough memory" in text
+
+
+def _frames(tb: Any) -> List[traceback.FrameSummary]:
+    try:
+        return list(traceback.extract_tb(tb)) if tb is not None else []
+    except Exception:
+        return []
+
+
+def _where(event: Optional[dict]) -> str:
+    if not event:
+        return ""
+    if event.get("layer"):
+        return f" of {event['layer']}"
+    site = event.get("call_site")
+    if isinstance(site, dict) and site.get("file"):
+        return f" at {site.get('file')}:{site.get('line')} in {site.get('function')}"
+    return ""
+
+
+def _flex_text(event: dict) -> str:
+    return f"{event.get('path') or '?'} {event.get('phase') or '?'}{_where(event)}"
+
+
+def diagnose(exc_type: Optional[type], message: str, flex: Optional[dict], frames: List[Any]) -> str:
+    """One line: what most likely happened, from the exception, its frames and the last
+    FlexAttention event (``frames``: ``traceback.FrameSummary`` or objects with ``filename`` and
+    ``name``)."""
+    name = exception_name(exc_type) if exc_type is not None else "exception"
+    in_dense = any(getattr(f, "name", None) in _DENSE_FUNCTIONS for f in frames)
+    in_backward = any(
+        getattr(f, "name", None) in _BACKWARD_FUNCTIONS and "torch" in str(getattr(f, "filename", "")).replace("\\", "/").split("/")
+        for f in frames
+    )
+    dense = bool(flex) and flex.get("path") == "dense"
+    size = ""
+    if dense and flex.get("scores_bytes") is not None:
+        size = f"; the dense score matrix is {human_bytes(flex.get('scores_bytes'))} in fp32"
+    phase = (flex or {}).get("phase") or "?"
+    oom = is_oom(exc_type, message)
+    what = "OOM" if oom else name
+    if name.endswith("DenseFallbackError"):
+        cause = f" (cause {flex.get('cause')})" if flex and flex.get("cause") else ""
+        would = f" its {human_bytes(flex.get('scores_bytes'))} fp32 score matrix" if dense and flex.get("scores_bytes") is not None else " anything"
+        return f"strict mode blocked a dense {phase}{_where(flex)}{cause} before it allocated{would}"
+    if in_dense and dense:
+        return f"{what} inside dense {phase}{_where(flex)}{size}"
+    if in_dense:
+        return f"{what} inside FlexAttention's dense implementation" + (f" (last FlexAttention event: {_flex_text(flex)})" if flex else "")
+    if dense and in_backward and phase == "backward":
+        return f"{what} during backward, right after a dense backward{_where(flex)}{size}"
+    if dense:
+        return f"{what} outside FlexAttention; the last FlexAttention call was a dense {phase}{_where(flex)}{size}"
+    if flex:
+        verdict = "; the dense fallback is not the cause" if oom and flex.get("path") == "fused" else ""
+        return f"{what} outside FlexAttention; last FlexAttention event: {_flex_text(flex)}{verdict}"
+    return f"{what}; no FlexAttention event was recorded before it"
+
+
+def cuda_memory() -> Optional[Dict[str, Any]]:
+    """Allocator figures of the current device, only when the program initialised CUDA."""
+    torch = sys.modules.get("torch")
+    try:
+        if torch is None or not torch.cuda.is_initialized():
+            return None
+        device = torch.cuda.current_device()
+        return {
+            "device": device,
+            "allocated": int(torch.cuda.memory_allocated(device)),
+            "reserved": int(torch.cuda.memory_reserved(device)),
+            "peak": int(torch.cuda.max_memory_allocated(device)),
+        }
+    except Exception:
+        return None
+
+
+def _compact_flex(event: Optional[dict]) -> Optional[dict]:
+    if not event:
+        return None
+    keys = ("event", "seq", "ts", "layer", "phase", "path", "cause", "scores_bytes", "call_site", "template", "alloc_delta", "peak_delta")
+    return {k: event.get(k) for k in keys if k in event}
+
+
+def _write_crash(exc_type: type, exc: Optional[BaseException], tb: Any, where: str, thread: Optional[str]) -> Optional[dict]:
+    emit = _emit
+    if emit is None or not _active:
+        return None
+    if getattr(_in_hook, "busy", False):  # an exception inside our own recording: never loop
+        return None
+    _in_hook.busy = True
+    try:
+        try:
+            message = str(exc) if exc is not None else ""
+        except Exception:
+            message = "<unprintable exception>"
+        flex = None
+        if _last_flex is not None:
+            try:
+                flex = _last_flex()
+            except Exception:
+                flex = None
+        frames = _frames(tb)
+        fields: Dict[str, Any] = {
+            "exc_type": exception_name(exc_type),
+            "message": message[:_MAX_MESSAGE],
+            "where": where,
+            "last_flex": _compact_flex(flex),
+            "diagnosis": diagnose(exc_type, message, flex, frames),
+            "frames": [f"{f.filename}:{f.lineno} in {f.name}" for f in frames[-8:]],
+        }
+        try:
+            text = "".join(traceback.format_exception(exc_type, exc, tb))
+            fields["traceback"] = text[-_MAX_TRACEBACK:]
+        except Exception:
+            pass
+        memory = cuda_memory()
+        if memory is not None:
+            fields["cuda"] = memory
+        if thread is not None:
+            fields["thread"] = thread
+        return emit("error", "crash", **fields)
+    finally:
+        _in_hook.busy = False
+
+
+# -- hooks -----------------------------------------------------------------------------------------
+
+
+def _sys_hook(exc_type: type, exc: BaseException, tb: Any) -> None:
+    try:
+        _write_crash(exc_type, exc, tb, "sys.excepthook", None)
+    except Exception:
+        pass
+    prev = _prev_sys if _prev_sys is not None else sys.__excepthook__
+    prev(exc_type, exc, tb)
+
+
+def _thread_hook(args: Any) -> None:
+    try:
+        thread = getattr(args, "thread", None)
+        _write_crash(args.exc_type, args.exc_value, args.exc_traceback, "threading.excepthook", getattr(thread, "name", None))
+    except Exception:
+        pass
+    prev = _prev_threading if _prev_threading is not None else threading.__excepthook__
+    prev(args)
+
+
+def _install_sigterm() -> None:
+    global _prev_sigterm, _sigterm_installed
+    if _sigterm_installed or not hasattr(signal, "SIGTERM"):
+        return
+    if threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        current = signal.getsignal(signal.SIGTERM)
+    except (ValueError, OSError):
+        return
+    if current is _on_sigterm:  # still ours from an earlier install whose restore was impossible
+        _sigterm_installed = True
+        return
+    if current is None or current == signal.SIG_IGN:
+        return  # set outside Python (cannot hand it on) or ignored (the process would not stop)
+    try:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    except (ValueError, OSError):
+        return
+    _prev_sigterm = current
+    _sigterm_installed = True
+
+
+def _uninstall_sigterm() -> None:
+    global _prev_sigterm, _sigterm_installed
+    if not _sigterm_installed:
+        return
+    if threading.current_thread() is not threading.main_thread():
+        return  # cannot touch signals here; ours stays and passes the signal straight on
+    try:
+        if signal.getsignal(signal.SIGTERM) is _on_sigterm:
+            signal.signal(signal.SIGTERM, _prev_sigterm)
+            _prev_sigterm = None
+        _sigterm_installed = False
+    except (ValueError, OSError):
+        pass
+
+
+def _write_sigterm_shutdown() -> None:
+    emit, summary = _emit, _summary
+    if emit is None or not _active:
+        return
+    fields: Dict[str, Any] = {"reason": "sigterm", "signal": "SIGTERM"}
+    if summary is not None:
+        try:
+            fields.update(summary())
+        except Exception:
+            pass
+    emit("warning", "shutdown", **fields)
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    # The handler runs in the main thread between two bytecodes, possibly while that thread holds
+    # the log's lock: write from a helper thread and wait a bounded time, never deadlock.
+    writer = threading.Thread(target=_safe(_write_sigterm_shutdown), name="fusionguard-sigterm", daemon=True)
+    writer.start()
+    writer.join(timeout=5.0)
+    prev = _prev_sigterm
+    if callable(prev) and prev is not _on_sigterm:
+        prev(signum, frame)
+        return
+    if prev == signal.SIG_IGN:
+        return
+    # SIG_DFL (or unknown): die of SIGTERM as the process would have without us.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.raise_signal(signal.SIGTERM)
+
+
+def _safe(fn: Callable[[], None]) -> Callable[[], None]:
+    def run() -> None:
+        try:
+            fn()
+        except Exception:
+            pass
+
+    return run

@@ -1,0 +1,411 @@
+"""Layer attribution and per-layer memory: ``fusionguard.watch(model)``.
+
+Why this design:
+- The current layer lives in a ``ContextVar`` (a tuple of qualified names): threads and asyncio
+  tasks each see their own, there is no global stack to corrupt. Forward pre-/post-hooks push and
+  pop it; post-hooks use ``always_call=True`` so a layer that raises still pops.
+- A backward carries its forward's layer on the autograd ``ctx`` (see ``guard``), so interleaved
+  and checkpointed backward get the right name; a forward that runs *inside* a backward (activation
+  checkpointing recompute) is flagged ``recompute`` and not counted as a new forward call.
+- Memory comes from the CUDA caching allocator's own counters. A layer's *peak* can only be read
+  by resetting the peak counter when the layer starts (``torch.cuda.reset_peak_memory_stats``);
+  nested layers fold their peaks into the enclosing ones, and ``fusionguard.peak_memory_allocated()``
+  keeps the true process peak, since ``torch.cuda.max_memory_allocated()`` then only reports the
+  peak since the last watched layer (announced once, see README). ``watch(model, memory=False)``
+  never touches the counters.
+- Only *attention layers* are measured: modules whose class has been seen making a FlexAttention
+  call (or the classes / names passed as ``layers=``). Everything else costs one ContextVar set.
+- Modules inside a ``torch.compile``d module get no hooks (Dynamo would trace them and recompile);
+  their fused calls are attributed at compile time from the FX node's ``nn_module_stack``.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import re
+import threading
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from ._state import STATE, internal_error
+
+# The stack of (qualified name, module class) of the watched modules whose forward is running.
+_LAYER: contextvars.ContextVar[Tuple[Tuple[str, type], ...]] = contextvars.ContextVar("fusionguard_layer", default=())
+_OPEN: contextvars.ContextVar[Tuple["_Measure", ...]] = contextvars.ContextVar("fusionguard_open_measures", default=())
+_is_dynamo_compiling: Callable[[], bool] = getattr(torch.compiler, "is_dynamo_compiling", lambda: False)
+_ORIG_MOD = re.compile(r"(^|\.)_orig_mod(?=\.|$)")
+
+
+def clean_name(name: str) -> str:
+    """``_orig_mod.layers.0`` -> ``layers.0``: names as the user's own model spells them."""
+    return _ORIG_MOD.sub("", name).lstrip(".")
+
+
+def current_layer() -> Optional[str]:
+    stack = _LAYER.get()
+    return stack[-1][0] if stack else None
+
+
+def note_flex_call() -> Optional[str]:
+    """Called for each FlexAttention call we see (dense run, compile): remembers that the
+    innermost watched module's class makes FlexAttention calls, returns its name."""
+    stack = _LAYER.get()
+    if not stack:
+        return None
+    name, cls = stack[-1]
+    if cls not in STATS.flex_classes:
+        STATS.flex_classes.add(cls)
+    return name
+
+
+def in_backward() -> bool:
+    try:
+        return torch._C._current_graph_task_id() != -1
+    except Exception:
+        return False
+
+
+# -- statistics ----------------------------------------------------------------------------------
+
+
+@dataclass
+class LayerStats:
+    calls: int = 0
+    dense: int = 0
+    fused: int = 0
+    recompute: int = 0
+    dense_recompute: int = 0
+    causes: Dict[str, int] = field(default_factory=dict)
+    alloc_delta_last: Optional[int] = None
+    alloc_delta_max: Optional[int] = None
+    peak_delta_last: Optional[int] = None
+    peak_delta_max: Optional[int] = None
+    scores_bytes: Optional[int] = None
+    measured: int = 0
+
+
+class Stats:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.rows: Dict[Tuple[str, str], LayerStats] = {}
+        self.flex_classes: set = set()  # module classes seen making FlexAttention calls
+        self.peak: Dict[int, int] = {}  # device -> true peak allocated, across our resets
+        self.warned_reset = False
+
+    def row(self, layer: str, phase: str) -> LayerStats:
+        key = (layer, phase)
+        row = self.rows.get(key)
+        if row is None:
+            row = self.rows[key] = LayerStats()
+        return row
+
+    def on_dense(
+        self, layer: Optional[str], phase: str, cause: Optional[str], scores: Optional[int], recompute: bool = False
+    ) -> None:
+        if layer is None:
+            return
+        with self.lock:
+            row = self.row(layer, phase)
+            if recompute:  # checkpointing re-ran the dense forward: counted apart from calls
+                row.dense_recompute += 1
+            else:
+                row.dense += 1
+            if cause:
+                row.causes[cause] = row.causes.get(cause, 0) + 1
+            if scores:
+                row.scores_bytes = max(row.scores_bytes or 0, scores)
+
+    def summary(self) -> List[Dict[str, Any]]:
+        with self.lock:
+            out = []
+            for (layer, phase), r in sorted(self.rows.items()):
+                d = {"layer": layer, "phase": phase, **r.__dict__}
+                d["causes"] = dict(r.causes)
+                # Calls of a FlexAttention layer that ran no dense kernel ran the fused one.
+                d["calls"] = max(r.calls, r.dense)
+                d["fused"] = max(r.fused, d["calls"] - r.dense)
+                out.append(d)
+            return out
+
+
+STATS = Stats()
+
+
+# -- memory --------------------------------------------------------------------------------------
+
+
+class _Measure:
+    __slots__ = ("device", "alloc", "peak")
+
+    def __init__(self, device: int, alloc: int) -> None:
+        self.device, self.alloc, self.peak = device, alloc, alloc
+
+
+def _cuda_ready() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+def _fold(device: int, peak: int) -> None:
+    for m in _OPEN.get():
+        if m.device == device and peak > m.peak:
+            m.peak = peak
+    if peak > STATS.peak.get(device, 0):
+        STATS.peak[device] = peak
+
+
+def measure_start() -> Optional[_Measure]:
+    if not _cuda_ready():
+        return None
+    device = torch.cuda.current_device()
+    _fold(device, torch.cuda.max_memory_allocated(device))
+    if not STATS.warned_reset:
+        STATS.warned_reset = True
+        warnings.warn(
+            "fusionguard.watch resets torch.cuda peak memory stats around each attention layer to "
+            "measure per-layer peaks: torch.cuda.max_memory_allocated() now reports the peak since "
+            "the last watched layer; use fusionguard.peak_memory_allocated() for the run's peak, or "
+            "watch(model, memory=False)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    torch.cuda.reset_peak_memory_stats(device)
+    m = _Measure(device, torch.cuda.memory_allocated(device))
+    _OPEN.set(_OPEN.get() + (m,))
+    return m
+
+
+def measure_stop(m: Optional[_Measure]) -> Tuple[Optional[int], Optional[int]]:
+    if m is None:
+        return None, None
+    stack = _OPEN.get()
+    if stack and stack[-1] is m:
+        _OPEN.set(stack[:-1])
+    else:
+        _OPEN.set(tuple(x for x in stack if x is not m))
+    peak = torch.cuda.max_memory_allocated(m.device)
+    if peak > m.peak:
+        m.peak = peak
+    _fold(m.device, m.peak)
+    return torch.cuda.memory_allocated(m.device) - m.alloc, m.peak - m.alloc
+
+
+def peak_memory_allocated(device: Union[int, torch.device, None] = None) -> int:
+    """The true peak of allocated CUDA memory, also across the resets ``watch`` makes."""
+    if not torch.cuda.is_available():
+        return 0
+    idx = torch.cuda.current_device() if device is None else torch.device("cuda", device).index if isinstance(device, int) else device.index
+    idx = idx if idx is not None else torch.cuda.current_device()
+    return max(STATS.peak.get(idx, 0), torch.cuda.max_memory_allocated(idx))
+
+
+def _record(layer: str, phase: str, alloc: Optional[int], peak: Optional[int], recompute: bool = False) -> None:
+    with STATS.lock:
+        row = STATS.row(layer, phase)
+        if recompute:
+            row.recompute += 1
+        else:
+            row.calls += 1
+        if alloc is not None and peak is not None:
+            row.measured += 1
+            row.alloc_delta_last, row.peak_delta_last = alloc, peak
+            row.alloc_delta_max = alloc if row.alloc_delta_max is None else max(row.alloc_delta_max, alloc)
+            row.peak_delta_max = peak if row.peak_delta_max is None else max(row.peak_delta_max, peak)
+    if alloc is not None:
+        STATE.log.emit("info", "layer_memory", layer=layer, phase=phase, alloc_delta=alloc, peak_delta=peak, recompute=recompute)
+
+
+# -- hooks ---------------------------------------------------------------------------------------
+
+
+def _tensors(obj: Any) -> List[torch.Tensor]:
+    out: List[torch.Tensor] = []
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            out.extend(_tensors(x))
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            out.extend(_tensors(x))
+    elif hasattr(obj, "to_tuple") and callable(obj.to_tuple):  # Hugging Face ModelOutput
+        out.extend(_tensors(obj.to_tuple()))
+    return out
+
+
+class _Frame:
+    __slots__ = ("token", "measure", "recompute", "grad_inputs")
+
+
+class Watch:
+    """``with fusionguard.watch(model): ...`` or ``@fusionguard.watch(model)``."""
+
+    def __init__(self, *models: torch.nn.Module, memory: bool = True, layers: Iterable[Union[type, str]] = ()) -> None:
+        if not models:
+            raise TypeError("fusionguard.watch() needs at least one torch.nn.Module")
+        for m in models:
+            if not isinstance(m, torch.nn.Module):
+                raise TypeError(f"fusionguard.watch() takes nn.Module objects, got {type(m).__name__}")
+        self.models = models
+        self.memory = memory
+        self.layer_types = tuple(x for x in layers if isinstance(x, type))
+        self.layer_names = {x for x in layers if isinstance(x, str)}
+        self._handles: List[Any] = []
+        self._depth = 0
+        self._lock = threading.Lock()
+
+    # context manager / decorator
+    def __enter__(self) -> "Watch":
+        with self._lock:
+            if self._depth == 0:
+                try:
+                    self._install()
+                except Exception:
+                    self._remove()
+                    raise
+            self._depth += 1
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        with self._lock:
+            self._depth -= 1
+            if self._depth == 0:
+                self._remove()
+
+    def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            with self:
+                return fn(*args, **kwargs)
+
+        return wrapper
+
+    # hooks
+    def _is_layer(self, module: torch.nn.Module, name: str) -> bool:
+        return (
+            type(module) in STATS.flex_classes
+            or (self.layer_types and isinstance(module, self.layer_types))
+            or name in self.layer_names
+        )
+
+    def _install(self) -> None:
+        for model in self.models:
+            compiled_roots: List[str] = []
+            for raw_name, module in model.named_modules():
+                if any(raw_name == r or raw_name.startswith(r + ".") for r in compiled_roots):
+                    continue  # inside a torch.compile'd module: Dynamo traces it, leave it alone
+                if hasattr(module, "_orig_mod") and hasattr(module, "_torchdynamo_orig_callable") or type(module).__name__ == "OptimizedModule":
+                    compiled_roots.append(f"{raw_name}._orig_mod" if raw_name else "_orig_mod")
+                name = clean_name(raw_name)
+                self._handles.append(module.register_forward_pre_hook(self._pre(module, name)))
+                self._handles.append(module.register_forward_hook(self._post(module, name), always_call=True))
+
+    def _remove(self) -> None:
+        handles, self._handles = self._handles, []
+        for h in handles:
+            h.remove()
+
+    def _pre(self, module: torch.nn.Module, name: str) -> Callable[..., None]:
+        frames: List[_Frame] = []
+        self_ = self
+
+        def pre_hook(mod: torch.nn.Module, args: Any) -> None:
+            if _is_dynamo_compiling():
+                return
+            frame = _Frame()
+            frame.token = _LAYER.set(_LAYER.get() + ((name, type(mod)),))
+            frame.measure = None
+            frame.recompute = in_backward()
+            frame.grad_inputs = None
+            try:
+                if self_._is_layer(mod, name):
+                    if self_.memory:
+                        frame.measure = measure_start()
+                    if torch.is_grad_enabled() and not frame.recompute:
+                        frame.grad_inputs = [t for t in _tensors(args) if t.requires_grad]
+            except Exception as exc:
+                internal_error("watch pre-hook", exc)
+            _stack(mod).append(frame)
+
+        return pre_hook
+
+    def _post(self, module: torch.nn.Module, name: str) -> Callable[..., None]:
+        self_ = self
+
+        def post_hook(mod: torch.nn.Module, args: Any, output: Any) -> None:
+            if _is_dynamo_compiling():
+                return
+            stack = _stack(mod)
+            if not stack:
+                return
+            frame = stack.pop()
+            try:
+                _LAYER.reset(frame.token)
+            except ValueError:  # reset from another context (should not happen): fall back
+                cur = _LAYER.get()
+                _LAYER.set(cur[:-1] if cur and cur[-1][0] == name else cur)
+            try:
+                if frame.measure is not None or self_._is_layer(mod, name):
+                    alloc, peak = measure_stop(frame.measure)
+                    _record(name, "forward", alloc, peak, frame.recompute)
+                    if frame.grad_inputs and output is not None:
+                        self_._watch_backward(name, output, frame.grad_inputs)
+            except Exception as exc:
+                internal_error("watch post-hook", exc)
+
+        return post_hook
+
+    def _watch_backward(self, name: str, output: Any, inputs: Sequence[torch.Tensor]) -> None:
+        outs = [t for t in _tensors(output) if t.requires_grad and t.grad_fn is not None]
+        if not outs or not inputs:
+            return
+        box: Dict[str, Any] = {}
+
+        memory = self.memory
+
+        def start(*_: Any) -> None:
+            try:
+                if "started" not in box:
+                    box["started"] = True
+                    box["m"] = measure_start() if memory else None
+            except Exception as exc:
+                internal_error("watch backward start", exc)
+
+        def end(*_: Any) -> None:
+            try:
+                if box.pop("started", None):
+                    alloc, peak = measure_stop(box.pop("m", None))
+                    _record(name, "backward", alloc, peak)
+            except Exception as exc:
+                internal_error("watch backward end", exc)
+
+        torch.autograd.graph.register_multi_grad_hook(outs, start, mode="any")
+        torch.autograd.graph.register_multi_grad_hook(list(inputs), end, mode="all")
+
+
+_FRAMES = threading.local()
+
+
+def _stack(module: torch.nn.Module) -> List[_Frame]:
+    # Per thread and per module: pre/post hooks of one module call pair up LIFO.
+    d = getattr(_FRAMES, "d", None)
+    if d is None:
+        d = _FRAMES.d = {}
+    key = id(module)
+    s = d.get(key)
+    if s is None:
+        s = d[key] = []
+    return s
+
+
+def watch(*models: torch.nn.Module, memory: bool = True, layers: Iterable[Union[type, str]] = ()) -> Watch:
+    """Attribute FlexAttention events to layers and measure each attention layer's memory.
+
+    Use as a context manager (``with fusionguard.watch(model): ...``) around a step or the whole
+    training loop, or as a decorator. ``layers``: module classes or qualified names to measure
+    from the first call (by default, classes are measured once seen calling FlexAttention).
+    """
+    return Watch(*models, memory=memory, layers=layers)

@@ -1,0 +1,252 @@
+"""pytest plugin: ``pytest --fusionguard=strict`` (or ``=warn``) guards a whole test session.
+
+Registered through the ``pytest11`` entry point, so it is loaded by every pytest run in an
+environment where fusionguard is installed. Without ``--fusionguard`` it does nothing: this module
+imports neither torch nor fusionguard's patches, and no hook beyond the option parsing is
+registered.
+
+With the option, the guard is enabled at session start (log: ``--fusionguard-log PATH``, a file or
+a directory, default ``fusionguard.jsonl`` in pytest's base temporary directory), and then:
+
+- strict: a test that runs a dense FlexAttention path fails with the ``DenseFallbackError``
+  verdict in its report. A test that *catches* the error (``except RuntimeError: ...``) fails too:
+  the blocked call is in the log, and passing would hide it.
+- warn: dense calls run; each one is a ``DenseFallbackWarning`` (pytest's warnings summary) and is
+  collected per test.
+- each test report carries its dense calls (``user_properties`` entry ``fusionguard``, a report
+  section ``fusionguard (<phase>)`` with the verdicts); the terminal summary lists dense calls
+  per test and per cause.
+- ``@pytest.mark.fusionguard_allow_dense`` runs a test inside ``fusionguard.allow_dense()`` (an
+  eager reference computation, say): its dense calls are logged as allowed and never fail it.
+
+A test that calls ``fusionguard.enable(...)`` / ``disable()`` itself changes the session guard;
+the plugin puts the session's configuration back before the next test.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import pytest
+
+MODES = ("strict", "warn", "off")
+PROPERTY = "fusionguard"
+MARKER = "fusionguard_allow_dense"
+
+
+def pytest_addoption(parser: Any) -> None:
+    group = parser.getgroup("fusionguard", "fusionguard: catch FlexAttention's dense fallback")
+    group.addoption(
+        "--fusionguard",
+        action="store",
+        choices=MODES,
+        default=None,
+        metavar="MODE",
+        help="guard FlexAttention for the session: strict (a dense call fails the test), "
+        "warn (dense calls are reported), off (default)",
+    )
+    group.addoption(
+        "--fusionguard-log",
+        action="store",
+        default=None,
+        metavar="PATH",
+        help="fusionguard JSON-lines log: a file, or a directory (one file per process); "
+        "default: fusionguard.jsonl in pytest's base temporary directory",
+    )
+
+
+def pytest_configure(config: Any) -> None:
+    config.addinivalue_line(
+        "markers",
+        f"{MARKER}: run the test inside fusionguard.allow_dense() (dense FlexAttention calls are "
+        "logged as allowed and do not fail it under --fusionguard=strict)",
+    )
+    mode = config.getoption("fusionguard", None)
+    if mode in (None, "off"):
+        return
+    config.pluginmanager.register(FusionGuardSession(config, mode), "fusionguard-session")
+
+
+def _is_xdist_controller(config: Any) -> bool:
+    # pytest-xdist: the controller runs no tests; only its workers need the guard.
+    return not hasattr(config, "workerinput") and config.getoption("dist", "no") not in ("no", None)
+
+
+def _compact(event: Dict[str, Any], message: str) -> Dict[str, Any]:
+    site = event.get("call_site") or {}
+    return {
+        "seq": event.get("seq"),
+        "phase": event.get("phase"),
+        "cause": event.get("cause"),
+        "action": event.get("action"),
+        "traced": event.get("traced"),
+        "call_site": f"{site.get('file')}:{site.get('line')}" if site else None,
+        "scores_bytes": event.get("scores_bytes"),
+        "message": message,
+    }
+
+
+class FusionGuardSession:
+    """Registered only when ``--fusionguard`` is strict or warn."""
+
+    def __init__(self, config: Any, mode: str) -> None:
+        self.config = config
+        self.mode = mode
+        self.strict = mode == "strict"
+        self.log_path: Optional[str] = None
+        self.active = not _is_xdist_controller(config)
+        self._mark: Tuple[Any, int] = (None, 0)  # (EventLog object, last seq seen)
+        # filled from reports, so that it also works under xdist (reports come from workers)
+        self.dense: Dict[str, List[dict]] = collections.OrderedDict()
+        self.tests = 0
+        self.fused = 0
+        self.internal_errors = 0
+
+    # -- guard lifecycle ----------------------------------------------------------------
+    def _default_log(self) -> str:
+        factory = getattr(self.config, "_tmp_path_factory", None)
+        if factory is not None:
+            return str(factory.getbasetemp() / "fusionguard.jsonl")
+        import tempfile
+
+        return os.path.join(tempfile.mkdtemp(prefix="fusionguard-"), "fusionguard.jsonl")
+
+    def _ensure_enabled(self) -> None:
+        import fusionguard
+        from fusionguard._state import STATE
+
+        if fusionguard.is_enabled() and STATE.config.strict == self.strict and STATE.config.log_path == self.log_path:
+            return
+        # a resolved file path (or False: the session's log could not be opened, memory only)
+        fusionguard.enable(strict=self.strict, log_path=self.log_path if self.log_path is not None else False)
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_sessionstart(self, session: Any) -> None:
+        if not self.active:
+            return
+        path = self.config.getoption("fusionguard_log") or self._default_log()
+        import fusionguard
+
+        fusionguard.enable(strict=self.strict, log_path=path)
+        from fusionguard._state import STATE
+
+        self.log_path = STATE.config.log_path  # resolved (a directory becomes rank/pid file)
+        self._mark = (STATE.log, STATE.log._seq)
+
+    def pytest_report_header(self, config: Any) -> str:
+        where = self.log_path if self.active else "in the workers' base temporary directories"
+        return f"fusionguard: {self.mode} mode, log: {where}"
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionfinish(self, session: Any) -> None:
+        if not self.active:
+            return
+        import fusionguard
+
+        self._take_new()  # events after the last test: fused/internal totals only
+        fusionguard.disable()
+
+    # -- per test -----------------------------------------------------------------------
+    def _take_new(self) -> List[dict]:
+        """Events logged since the last call (in memory, newest last)."""
+        from fusionguard._state import STATE
+
+        log = STATE.log
+        last_log, last_seq = self._mark
+        if log is not last_log:  # a test reset fusionguard's state: a new log, seq from 0
+            last_seq = 0
+        if log is last_log and log._seq == last_seq:
+            return []
+        self._mark = (log, log._seq)
+        fresh: List[dict] = []
+        for event in reversed(list(log.memory)):  # list(): a snapshot, threads may append
+            if event.get("seq", 0) <= last_seq:
+                break
+            fresh.append(event)
+        fresh.reverse()
+        for event in fresh:
+            if event.get("event") == "flex_compile":
+                self.fused += 1
+            elif event.get("event") == "internal_error":
+                self.internal_errors += 1
+        return fresh
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(self, item: Any, nextitem: Any) -> Iterator[None]:
+        if not self.active:
+            yield
+            return
+        self._ensure_enabled()
+        self._take_new()  # whatever ran between tests is not this test's
+        allow: Any = contextlib.nullcontext()
+        if item.get_closest_marker(MARKER) is not None:
+            import fusionguard
+
+            allow = fusionguard.allow_dense()
+        with allow:
+            yield
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item: Any, call: Any) -> Iterator[None]:
+        outcome = yield
+        if not self.active:
+            return
+        report = outcome.get_result()
+        dense = [e for e in self._take_new() if e.get("event") == "flex_call"]
+        if not dense:
+            return
+        from fusionguard.guard import format_message
+
+        messages = [format_message(e) for e in dense]
+        report.user_properties.append((PROPERTY, [_compact(e, m) for e, m in zip(dense, messages)]))
+        report.sections.append((f"fusionguard ({report.when})", "\n\n".join(messages)))
+        blocked = [m for e, m in zip(dense, messages) if e.get("action") == "raise"]
+        if blocked and report.passed:
+            # The DenseFallbackError was caught by the code under test: still a failure.
+            report.outcome = "failed"
+            report.longrepr = (
+                f"fusionguard (strict): {len(blocked)} dense FlexAttention call(s) blocked during "
+                f"{report.when}, but the DenseFallbackError did not reach pytest (caught by the code "
+                "under test?)\n\n" + "\n\n".join(blocked)
+            )
+
+    # -- summary --------------------------------------------------------------------------
+    def pytest_runtest_logreport(self, report: Any) -> None:
+        if report.when == "call":
+            self.tests += 1
+        for name, value in report.user_properties:
+            if name == PROPERTY:
+                self.dense.setdefault(report.nodeid, []).extend(value)
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        tr = terminalreporter
+        tr.write_sep("=", "fusionguard")
+        calls = [c for per_test in self.dense.values() for c in per_test]
+        where = self.log_path if self.active else "see the workers' base temporary directories"
+        if not calls:
+            tr.write_line(f"{self.mode} mode: no dense FlexAttention calls in {self.tests} test(s); log: {where}")
+        else:
+            tr.write_line(
+                f"{self.mode} mode: {len(calls)} dense FlexAttention call(s) in {len(self.dense)} of "
+                f"{self.tests} test(s); log: {where}"
+            )
+            width = max(len(nodeid) for nodeid in self.dense)
+            for nodeid, per_test in self.dense.items():
+                kinds = collections.Counter(f"{c['phase']} {c['cause']} ({_ACTION.get(c['action'], c['action'])})" for c in per_test)
+                detail = ", ".join(f"{k} x{n}" if n > 1 else k for k, n in kinds.items())
+                tr.write_line(f"  {nodeid:<{width}}  {len(per_test):>3}  {detail}")
+            by_cause = collections.Counter(c["cause"] for c in calls)
+            tr.write_line("by cause: " + ", ".join(f"{cause} {n}" for cause, n in by_cause.most_common()))
+        extra = []
+        if self.fused:
+            extra.append(f"{self.fused} fused FlexAttention compile record(s)")
+        if self.internal_errors:
+            extra.append(f"{self.internal_errors} fusionguard internal error(s), see the log")
+        if extra:
+            tr.write_line("; ".join(extra))
+
+
+_ACTION = {"raise": "blocked", "warn": "ran", "allow": "allowed"}

@@ -1,0 +1,85 @@
+"""Per-layer summary: ``fusionguard.summary()`` and ``fusionguard.export(path)``."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from typing import Any, Dict, List, Union
+
+from ._state import STATE
+from .layers import STATS
+
+COLUMNS = (
+    "layer", "phase", "calls", "dense", "fused", "recompute", "causes",
+    "alloc_delta_last", "alloc_delta_max", "peak_delta_last", "peak_delta_max", "scores_bytes", "rank",
+)
+
+
+def _gb(n: Any) -> str:
+    return "-" if n is None else f"{n / 1e9:.3f}"
+
+
+class Summary(list):
+    """A list of per-(layer, phase) rows (dicts) that prints as a table."""
+
+    def __str__(self) -> str:
+        if not self:
+            return "fusionguard: no FlexAttention layer seen (is the model inside fusionguard.watch(model)?)"
+        head = f"{'layer':<32} {'phase':<8} {'calls':>6} {'dense':>6} {'fused':>6}  {'alloc GB':>9} {'peak GB':>9}  causes"
+        lines = [head]
+        for r in self:
+            causes = ", ".join(f"{k}x{v}" for k, v in (r.get("causes") or {}).items())
+            lines.append(
+                f"{str(r['layer']):<32} {r['phase']:<8} {r['calls']:>6} {r['dense']:>6} {r['fused']:>6}  "
+                f"{_gb(r.get('alloc_delta_max')):>9} {_gb(r.get('peak_delta_max')):>9}  {causes}"
+            )
+        return "\n".join(lines)
+
+
+def summary(all_ranks: bool = False) -> Summary:
+    """Per layer and phase: calls, dense and fused calls, causes seen, allocated and peak deltas
+    (last, max) in bytes. Also written to the log. ``all_ranks=True`` gathers every rank's rows to
+    rank 0 through torch.distributed (other ranks get their own rows)."""
+    rows = STATS.summary()
+    rank = 0
+    try:
+        from .log import rank_info
+
+        rank = rank_info()["rank"]
+    except Exception:
+        pass
+    for r in rows:
+        r["rank"] = rank
+    if all_ranks:
+        try:
+            from .distributed import gather_to_rank0
+
+            gathered = gather_to_rank0(rows)
+            if gathered is not None and rank == 0:
+                rows = [r for part in gathered for r in (part or [])]
+        except ImportError:
+            pass
+    STATE.log.emit("info", "summary", rows=rows, all_ranks=all_ranks)
+    return Summary(rows)
+
+
+def export(path: Union[str, "os.PathLike[str]"]) -> str:
+    """Write ``summary()`` as JSON or CSV, chosen by the file extension. Returns the path."""
+    path = os.fspath(path)
+    rows = summary()
+    ext = os.path.splitext(path)[1].lower()
+    if ext == ".json":
+        with open(path, "w") as fh:
+            json.dump({"rows": list(rows)}, fh, indent=1, default=str)
+    elif ext == ".csv":
+        with open(path, "w", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=list(COLUMNS), extrasaction="ignore")
+            writer.writeheader()
+            for r in rows:
+                r = dict(r)
+                r["causes"] = ";".join(f"{k}={v}" for k, v in (r.get("causes") or {}).items())
+                writer.writerow(r)
+    else:
+        raise ValueError(f"fusionguard.export: unknown extension {ext!r} (use .json or .csv)")
+    return path

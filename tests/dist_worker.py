@@ -1,0 +1,93 @@
+"""One torchrun worker for tests/test_distributed.py (CPU, gloo).
+
+    torchrun --nproc_per_node=2 --standalone tests/dist_worker.py SCENARIO OUT_DIR
+
+SCENARIO:
+  both   warn mode, every rank runs one eager (dense) flex_attention, Q = 16 + 8 * rank
+  rank1  warn mode, only rank 1 runs flex_attention
+  strict strict mode; rank 0 runs its call inside allow_dense(), rank 1's call raises
+         DenseFallbackError; rank 0 then waits in a barrier that rank 1 never reaches
+
+Each rank logs to OUT_DIR/logs (a directory: one file per rank and process) and, for
+``gather_to_rank0``, rank 0 writes OUT_DIR/gathered.json. Marker files OUT_DIR/rank{R}.{step}
+say how far each rank got.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.attention.flex_attention import flex_attention
+
+import fusionguard
+from fusionguard.distributed import gather_to_rank0
+
+
+def mark(out: Path, rank: int, step: str) -> None:
+    (out / f"rank{rank}.{step}").write_text(str(os.getpid()))
+
+
+def attention(q_len: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(q_len)
+    q, k, v = (torch.randn(1, 2, q_len, 8, generator=g) for _ in range(3))
+    with torch.no_grad():
+        return flex_attention(q, k, v)
+
+
+@record  # torchrun's failure summary then carries the exception (DenseFallbackError and its verdict)
+def main() -> None:
+    scenario, out = sys.argv[1], Path(sys.argv[2])
+    rank = int(os.environ["RANK"])
+    warnings.filterwarnings("ignore")  # torch's "flex_attention called without torch.compile", ours
+
+    # before any process group exists: no communication, just [obj]
+    alone = gather_to_rank0({"rank": rank})
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    fusionguard.enable(strict=(scenario == "strict"), log_path=str(out / "logs") + os.sep)
+    mark(out, rank, "enabled")
+
+    if scenario == "both":
+        attention(16 + 8 * rank)
+    elif scenario == "rank1":
+        if rank == 1:
+            attention(16)
+    elif scenario == "strict":
+        if rank == 0:
+            with fusionguard.allow_dense():
+                attention(16)
+        else:
+            mark(out, rank, "raising")
+            attention(16)  # raises DenseFallbackError: this process ends here
+        mark(out, rank, "barrier")
+        dist.barrier()  # never completes: rank 1 is gone
+        mark(out, rank, "after_barrier")
+        return
+    else:
+        raise SystemExit(f"unknown scenario {scenario!r}")
+
+    mine = {
+        "rank": rank,
+        "alone": alone,
+        "dense": [e["seq"] for e in fusionguard.events("flex_call")],
+        "pid": os.getpid(),
+    }
+    gathered = gather_to_rank0(mine)
+    if rank == 0:
+        (out / "gathered.json").write_text(json.dumps(gathered))
+    else:
+        assert gathered is None, gathered
+    mark(out, rank, "done")
+    fusionguard.disable()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""torchrun --nproc_per_node=2 on CPU with gloo: per-rank logs, one rank dense, strict failure.
+
+Three torchrun launches in all (each a few seconds of process start-up and imports); the worker is
+tests/dist_worker.py. gather_to_rank0 is tested inside the workers and, without a process group,
+in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fusionguard.distributed import gather_to_rank0, process_group_ready
+
+from conftest import read_jsonl
+
+HERE = Path(__file__).resolve().parent
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+LAUNCH_TIMEOUT = 120  # normal runs take ~10 s; the limit only stops a hung launch
+
+torchrun = pytest.mark.skipif(
+    sys.platform == "win32", reason="torchrun with gloo on localhost: Linux/macOS"
+)
+
+
+def launch(scenario: str, out: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env.update(
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(p for p in (str(HERE.parent), env.get("PYTHONPATH")) if p),
+        PYTHONWARNINGS="ignore",
+        GLOO_SOCKET_IFNAME=env.get("GLOO_SOCKET_IFNAME", "lo"),
+        TORCHINDUCTOR_CACHE_DIR=str(out / "inductor"),
+    )
+    env.pop("FUSIONGUARD_LOG", None)
+    cmd = TORCHRUN + [
+        "--nproc_per_node=2",
+        "--standalone",
+        "--monitor-interval=0.1",
+        str(HERE / "dist_worker.py"),
+        scenario,
+        str(out),
+    ]
+    return subprocess.run(cmd, env=env, cwd=out, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+
+
+def rank_logs(out: Path) -> dict:
+    """{rank: events} from the per-rank files in out/logs, checking every event's rank."""
+    files = sorted((out / "logs").glob("fusionguard.rank*.pid*.jsonl"))
+    logs = {}
+    for f in files:
+        rank = int(f.name.split(".")[1][len("rank"):])
+        pid = int(f.name.split(".")[2][len("pid"):])
+        events = read_jsonl(f)
+        assert events, f
+        assert rank not in logs, f"two files for rank {rank}: {files}"
+        header = events[0]
+        assert header["event"] == "header"
+        assert header["world_size"] == 2 and header["local_rank"] == rank
+        assert all(e["rank"] == rank for e in events), f
+        assert all(e["pid"] == pid for e in events), f
+        seqs = [e["seq"] for e in events]
+        assert seqs == sorted(set(seqs)), f
+        logs[rank] = events
+    assert sorted(logs) == [0, 1], files
+    return logs
+
+
+def flex_calls(events):
+    return [e for e in events if e["event"] == "flex_call"]
+
+
+def output(proc: subprocess.CompletedProcess) -> str:
+    return f"rc={proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+
+
+def test_gather_to_rank0_without_a_process_group():
+    assert not process_group_ready()
+    obj = {"rank": 0, "rows": [1, 2]}
+    assert gather_to_rank0(obj) == [obj]
+
+
+@torchrun
+def test_every_rank_dense_one_log_per_rank_and_gather(tmp_path):
+    proc = launch("both", tmp_path)
+    assert proc.returncode == 0, output(proc)
+    logs = rank_logs(tmp_path)
+    for rank, events in logs.items():
+        (call,) = flex_calls(events)
+        assert call["path"] == "dense" and call["cause"] == "eager_call" and call["action"] == "warn"
+        assert call["q_shape"] == [1, 2, 16 + 8 * rank, 8], "each rank logs its own call"
+        assert call["call_site"]["file"] == str(HERE / "dist_worker.py")
+        assert events[-1]["event"] == "shutdown"
+    gathered = json.loads((tmp_path / "gathered.json").read_text())
+    assert [g["rank"] for g in gathered] == [0, 1], "rank order"
+    for rank, g in enumerate(gathered):
+        assert g["alone"] == [{"rank": rank}], "no process group yet: [obj]"
+        assert g["dense"] == [flex_calls(logs[rank])[0]["seq"]]
+        assert f"pid{g['pid']}" in str(list((tmp_path / "logs").glob(f"fusionguard.rank{rank}.*"))[0])
+
+
+@torchrun
+def test_only_rank1_dense(tmp_path):
+    proc = launch("rank1", tmp_path)
+    assert proc.returncode == 0, output(proc)
+    logs = rank_logs(tmp_path)
+    assert flex_calls(logs[0]) == []
+    (call,) = flex_calls(logs[1])
+    assert call["rank"] == 1 and call["action"] == "warn"
+    gathered = json.loads((tmp_path / "gathered.json").read_text())
+    assert [len(g["dense"]) for g in gathered] == [0, 1]
+
+
+@torchrun
+def test_strict_rank_raises_torchrun_stops_the_group(tmp_path):
+    """Rank 1 raises DenseFallbackError after logging; rank 0 is blocked in the next collective.
+
+    torchrun sees rank 1 exit with an error, stops the other workers and exits non-zero; with
+    ``@record`` on the entry point its failure summary carries the DenseFallbackError verdict.
+    """
+    proc = launch("strict", tmp_path)
+    assert proc.returncode != 0, output(proc)
+    text = proc.stdout + proc.stderr
+    assert "DenseFallbackError" in text and "dense FlexAttention forward blocked" in text, output(proc)
+    assert "ChildFailedError" in text, output(proc)
+    root = text.split("Root Cause", 1)[-1]
+    assert re.search(r"rank\s*:\s*1\b", root) and "DenseFallbackError" in root, output(proc)
+    # how far each rank got
+    assert (tmp_path / "rank1.raising").exists()
+    assert not (tmp_path / "rank1.barrier").exists(), "the raise ends rank 1"
+    assert (tmp_path / "rank0.barrier").exists()
+    assert not (tmp_path / "rank0.after_barrier").exists(), "rank 0 never gets past the collective"
+    logs = rank_logs(tmp_path)
+    (blocked,) = flex_calls(logs[1])
+    assert blocked["action"] == "raise" and blocked["allowed"] is False and blocked["cause"] == "eager_call"
+    (allowed,) = flex_calls(logs[0])
+    assert allowed["action"] == "allow" and allowed["allowed"] is True

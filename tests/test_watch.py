@@ -1,0 +1,251 @@
+"""Layer attribution and per-layer summaries with fusionguard.watch (CPU: dense fwd+bwd through
+the operator called directly with grads)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import threading
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import fusionguard
+
+from conftest import flex_events, op_call, read_jsonl
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+H, D = 2, 8
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(H * D, 3 * H * D)
+        self.out = nn.Linear(H * D, H * D)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)
+        o, *_ = op_call(q.contiguous(), k.contiguous(), v.contiguous())
+        return self.out(o.transpose(1, 2).reshape(b, n, H * D))
+
+
+class Block(nn.Module):
+    def __init__(self, attn=None):
+        super().__init__()
+        self.attn = attn or Attention()
+        self.mlp = nn.Linear(H * D, H * D)
+
+    def forward(self, x):
+        return x + self.mlp(self.attn(x))
+
+
+class Model(nn.Module):
+    def __init__(self, n=2, checkpointed=False):
+        super().__init__()
+        self.layers = nn.ModuleList(Block() for _ in range(n))
+        self.checkpointed = checkpointed
+
+    def forward(self, x):
+        for block in self.layers:
+            x = checkpoint(block, x, use_reentrant=False) if self.checkpointed else block(x)
+        return x
+
+
+def x_in(L=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, L, H * D, generator=g, requires_grad=True)
+
+
+def hooks(model):
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def test_forward_and_backward_carry_layer_names(guard):
+    guard()
+    model = Model()
+    with fusionguard.watch(model):
+        model(x_in()).sum().backward()
+    ev = flex_events()
+    assert [(e["phase"], e["layer"]) for e in ev] == [
+        ("forward", "layers.0.attn"),
+        ("forward", "layers.1.attn"),
+        ("backward", "layers.1.attn"),
+        ("backward", "layers.0.attn"),
+    ]
+    fwd = {e["seq"]: e["layer"] for e in ev if e["phase"] == "forward"}
+    for e in ev:
+        if e["phase"] == "backward":
+            assert fwd[e["forward_seq"]] == e["layer"]
+
+
+def test_interleaved_backward_keeps_each_forwards_layer(guard):
+    guard()
+    model = Model(n=3)
+    with fusionguard.watch(model):
+        outs = [block(x_in(seed=i)) for i, block in enumerate(model.layers)]
+        torch.autograd.backward([outs[1].sum(), outs[2].sum(), outs[0].sum()])
+    ev = flex_events()
+    fwd = {e["seq"]: e["layer"] for e in ev if e["phase"] == "forward"}
+    bwd = [e for e in ev if e["phase"] == "backward"]
+    assert len(bwd) == 3
+    for e in bwd:
+        assert e["layer"] == fwd[e["forward_seq"]]
+
+
+def test_checkpoint_recompute_is_not_a_new_forward(guard):
+    guard()
+    model = Model(checkpointed=True)
+    with fusionguard.watch(model):
+        model(x_in()).sum().backward()
+    ev = flex_events()
+    recompute = [e for e in ev if e.get("recompute")]
+    assert {e["layer"] for e in recompute} == {"layers.0.attn", "layers.1.attn"}
+    assert all(e["phase"] == "forward" for e in recompute)
+    rows = {(r["layer"], r["phase"]): r for r in fusionguard.summary()}
+    assert rows[("layers.0.attn", "forward")]["calls"] == 1
+    assert rows[("layers.0.attn", "forward")]["recompute"] == 1
+    assert {e["layer"] for e in ev if e["phase"] == "backward"} == {"layers.0.attn", "layers.1.attn"}
+
+
+def test_nested_and_shared_modules(guard):
+    guard()
+    shared = Attention()
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first = Block(shared)
+            self.second = Block(shared)
+            self.inner = nn.Sequential(Block())
+
+        def forward(self, x):
+            return self.inner(self.second(self.first(x)))
+
+    model = Outer()
+    with fusionguard.watch(model):
+        model(x_in())
+    layers = [e["layer"] for e in flex_events() if e["phase"] == "forward"]
+    # a shared module has one name in named_modules(): its first one
+    assert layers == ["first.attn", "first.attn", "inner.0.attn"]
+
+
+def test_several_models_and_two_threads(guard):
+    guard()
+    models = {"a": nn.ModuleDict({"enc": Block()}), "b": nn.ModuleDict({"dec": Block()})}
+    seen = {}
+
+    def work(key):
+        # Inference: two threads building FlexAttention's autograd graphs at once crash inside
+        # PyTorch (make_fx's global CURRENT_PATCHER), with or without fusionguard.
+        model = models[key]
+        with fusionguard.watch(model), torch.no_grad():
+            for _ in range(3):
+                for block in model.values():
+                    block(x_in())
+        seen[key] = threading.current_thread().name
+
+    threads = [threading.Thread(target=work, args=(k,), name=f"t-{k}") for k in models]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    by_thread = {}
+    for e in flex_events():
+        by_thread.setdefault(e["thread"], set()).add(e["layer"])
+    assert by_thread["t-a"] == {"enc.attn"} and by_thread["t-b"] == {"dec.attn"}
+    assert sum(len(m._forward_hooks) for mdl in models.values() for m in mdl.modules()) == 0
+
+
+def test_hooks_removed_exactly_even_when_the_body_raises(guard):
+    guard()
+    model = Model()
+    before = hooks(model)
+    with pytest.raises(ZeroDivisionError):
+        with fusionguard.watch(model):
+            assert hooks(model) > before
+            1 / 0
+    assert hooks(model) == before
+
+    @fusionguard.watch(model)
+    def step(x):
+        return model(x).sum()
+
+    step(x_in())
+    assert hooks(model) == before
+    assert flex_events()[-1]["layer"] == "layers.1.attn"
+
+
+def test_summary_export_and_log(guard, tmp_path):
+    log = guard()
+    model = Model()
+    with fusionguard.watch(model):
+        for _ in range(2):
+            model(x_in()).sum().backward()
+    rows = fusionguard.summary()
+    keyed = {(r["layer"], r["phase"]): r for r in rows}
+    fwd = keyed[("layers.0.attn", "forward")]
+    assert fwd["dense"] == 2 and fwd["causes"] == {"eager_call": 2}
+    assert fwd["scores_bytes"] == 1 * H * 16 * 16 * 4
+    assert fwd["alloc_delta_max"] is None  # CPU: no allocator counters
+    assert keyed[("layers.1.attn", "backward")]["dense"] == 2
+    assert "layers.0.attn" in str(rows)
+    fusionguard.export(tmp_path / "m.json")
+    fusionguard.export(tmp_path / "m.csv")
+    assert json.loads((tmp_path / "m.json").read_text())["rows"][0]["layer"] == rows[0]["layer"]
+    assert len(list(csv.DictReader(open(tmp_path / "m.csv")))) == len(rows)
+    with pytest.raises(ValueError, match="extension"):
+        fusionguard.export(tmp_path / "m.txt")
+    fusionguard.disable()
+    summaries = [e for e in read_jsonl(log) if e["event"] == "summary"]
+    assert summaries[-1]["rows"] and summaries[-1]["rows"][0]["layer"]
+
+
+class InferenceAttention(nn.Module):
+    def forward(self, q, k, v):
+        return torch.nn.attention.flex_attention.flex_attention(q, k, v, enable_gqa=True)
+
+
+@pytest.mark.slow
+def test_watch_compiled_model_adds_no_graphs(guard, tmp_path, monkeypatch):
+    """fullgraph=True still compiles, same graph count, the fused record names the layer."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # a real lowering
+    model = nn.ModuleDict({"attn": InferenceAttention()})
+
+    class Wrapper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = model
+
+        def forward(self, q, k, v):
+            return self.blocks["attn"](q, k, v)
+
+    q = torch.randn(1, 4, 64, 8)
+    k = torch.randn(1, 2, 64, 8)
+    v = torch.randn(1, 2, 64, 8)
+
+    def run(watched):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        cm = torch.compile(Wrapper(), fullgraph=True)
+        if watched:
+            with fusionguard.watch(cm):
+                cm(q, k, v)
+                cm(q, k, v)
+        else:
+            cm(q, k, v)
+            cm(q, k, v)
+        return dict(torch._dynamo.utils.counters["stats"])
+
+    guard(strict=True)
+    watched = run(True)
+    (rec,) = flex_events("flex_compile")
+    assert rec["layer"] == "blocks.attn"  # from the FX node's nn_module_stack
+    fusionguard.disable()
+    assert run(False) == watched
+    torch._dynamo.reset()
