@@ -19,7 +19,7 @@ import threading
 from typing import Any, Dict, Iterator, List, Optional, Union
 
 from . import _state
-from ._state import ALLOW_DENSE, OPTIONS, STATE, Config, internal_error
+from ._state import ALLOW_DENSE, OPTIONS, STATE, Config, internal_error, write_stderr
 from ._version import __version__
 from .errors import DenseFallbackError, DenseFallbackWarning
 from .summary import Summary, export, summary
@@ -134,14 +134,14 @@ def _announce(path: Optional[str]) -> None:
     if path is None or STATE.announced_path == path:
         return
     STATE.announced_path = path
-    sys.stderr.write(
+    write_stderr(
         f"fusionguard: logging FlexAttention verdicts to {path} "
         "(FUSIONGUARD_LOG or enable(log_path=...) to change, log_path=False for none)\n"
     )
 
 
 def _on_sink_error(exc: BaseException) -> None:
-    sys.stderr.write(f"fusionguard: cannot write the log ({exc}); events are kept in memory only\n")
+    write_stderr(f"fusionguard: cannot write the log ({exc}); events are kept in memory only\n")
 
 
 def enable(strict: bool = False, log_path: Union[str, os.PathLike, None, bool] = None, **options: Any) -> None:
@@ -176,14 +176,17 @@ def enable(strict: bool = False, log_path: Union[str, os.PathLike, None, bool] =
                     STATE.log.open(config.log_path, fsync=config.fsync)
                     _announce(config.log_path)
                 except OSError as exc:
-                    sys.stderr.write(
+                    write_stderr(
                         f"fusionguard: cannot open log file {config.log_path!r} ({exc}); "
                         "events are kept in memory only (fusionguard.events())\n"
                     )
                     config.log_path = None
-            from .log import header_fields
+            try:
+                from .log import header_fields
 
-            STATE.log.emit("info", "header", **header_fields(STATE.patches.names(), dict(STATE.not_patched), config.public()))
+                STATE.log.emit("info", "header", **header_fields(STATE.patches.names(), dict(STATE.not_patched), config.public()))
+            except Exception as exc:  # the guard must be on even if the header cannot be built
+                internal_error("header", exc)
         elif STATE.log.sink is not None:
             STATE.log.sink.fsync = config.fsync
         STATE.enabled = True
@@ -203,7 +206,7 @@ def disable() -> None:
     from .dynamo_signals import SIGNALS
 
     with STATE.lock:
-        if not STATE.enabled:
+        if not STATE.enabled and not STATE.patches.names():
             return
         STATE.enabled = False
         STATE.patches.remove_all()

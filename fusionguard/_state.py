@@ -51,8 +51,21 @@ STATE = State()
 ALLOW_DENSE: contextvars.ContextVar[bool] = contextvars.ContextVar("fusionguard_allow_dense", default=False)
 
 
+_COUNT_LOCK = threading.Lock()
+
+
 def count(key: str) -> None:
-    STATE.counts[key] = STATE.counts.get(key, 0) + 1
+    with _COUNT_LOCK:
+        STATE.counts[key] = STATE.counts.get(key, 0) + 1
+
+
+def write_stderr(text: str) -> None:
+    """stderr may be None (pythonw, daemons) or closed: our messages must never fail."""
+    try:
+        if sys.stderr is not None:
+            sys.stderr.write(text)
+    except Exception:
+        pass
 
 
 def internal_error(where: str, exc: BaseException) -> None:
@@ -63,7 +76,7 @@ def internal_error(where: str, exc: BaseException) -> None:
             return
         STATE.reported.add(key)
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        sys.stderr.write(
+        write_stderr(
             f"fusionguard: internal error in {where} (ignored; PyTorch runs unchanged): "
             f"{type(exc).__name__}: {exc}\n"
         )

@@ -82,6 +82,29 @@ def _is_disable_wrapper(code: types.CodeType) -> bool:
     return code.co_name == "_fn" and "DisableContext" in qual and code.co_filename.endswith("eval_frame.py")
 
 
+def _is_compile_entry(code: types.CodeType) -> bool:
+    """The wrapper frame of a ``torch.compile``d callable: frames inside it run under Dynamo."""
+    qual = getattr(code, "co_qualname", code.co_name)
+    return (
+        code.co_name in ("compile_wrapper", "_fn")
+        and "DisableContext" not in qual
+        and code.co_filename.endswith("eval_frame.py")
+    )
+
+
+def _seen_by_dynamo(code: types.CodeType) -> bool:
+    """Has Dynamo looked at this code since its last reset? (Stale signals do not count.)"""
+    try:
+        from torch._dynamo.convert_frame import input_codes
+
+        ids = getattr(input_codes, "seen_ids", None)
+        if ids is not None:
+            return id(code) in ids
+    except Exception:
+        pass
+    return True
+
+
 def _frame_where(frame: types.FrameType) -> str:
     code = frame.f_code
     return f"{code.co_filename}:{frame.f_lineno} in {code.co_name}"
@@ -100,6 +123,9 @@ def _backend_name(frame: types.FrameType, orig: types.CodeType) -> Optional[str]
     return None
 
 
+_EAGER_STANCES = ("force_eager", "eager_on_recompile", "eager_then_compile")
+
+
 def _global_disable() -> Optional[Dict[str, Any]]:
     try:
         import torch._dynamo
@@ -110,8 +136,8 @@ def _global_disable() -> Optional[Dict[str, Any]]:
         from torch._dynamo import eval_frame
 
         stance = getattr(getattr(eval_frame, "_stance", None), "stance", None)
-        if stance == "force_eager":
-            return {"switch": "torch.compiler.set_stance('force_eager')"}
+        if stance in _EAGER_STANCES:
+            return {"switch": f"torch.compiler.set_stance({stance!r})"}
     except Exception:
         pass
     return None
@@ -141,16 +167,21 @@ def diagnose_forward(frame: Optional[types.FrameType]) -> Diagnosis:
     code_map = _orig_code_map()
     internal: Optional[str] = None  # "compiled" | "plain" when PyTorch's eager wrapper is seen
     disabled_fn: Optional[str] = None
+    disabled_in_compile = False
     user_frames: list = []
+    depth_of_entries: list = []
+    depth = 0
     f = frame
     while f is not None:
+        depth += 1
         code = f.f_code
         orig = code_map.get(code) if code_map else None
         if orig is not None:
             if orig.co_name == _WRAPPER_NAME:
                 internal = "compiled"
             elif disabled_fn is not None:
-                break  # a compiled region called a torch.compiler.disable'd function
+                disabled_in_compile = True  # a compiled region called a torch.compiler.disable'd function
+                break
             elif internal is None:
                 # Inside a graph of the user's compile: dense at run time = non-fusing backend.
                 backend = _backend_name(f, orig)
@@ -172,6 +203,10 @@ def diagnose_forward(frame: Optional[types.FrameType]) -> Diagnosis:
                 return Diagnosis(False, "graph_break", {"compiled_frame": _frame_where(f), "dynamo": info})
         elif code.co_name == _WRAPPER_NAME and is_torch_file(code.co_filename):
             internal = internal or "plain"
+        elif _is_compile_entry(code):
+            depth_of_entries.append(depth)
+            if disabled_fn is not None:
+                disabled_in_compile = True
         elif _is_disable_wrapper(code):
             fn = f.f_locals.get("fn")
             fn_code = getattr(fn, "__code__", None)
@@ -184,8 +219,11 @@ def diagnose_forward(frame: Optional[types.FrameType]) -> Diagnosis:
                 disabled_fn = f"{getattr(fn, '__qualname__', fn_code.co_name)} ({fn_code.co_filename}:{fn_code.co_firstlineno})"
         elif not is_torch_file(code.co_filename) and not code.co_filename.startswith(_FG_DIR):
             if not code.co_filename.startswith("<"):
-                user_frames.append(f)
+                user_frames.append((f, depth))
         f = f.f_back
+    # A user frame can only have slid to eager because of Dynamo if it runs under a
+    # torch.compile entry (a wrapper frame further out) and Dynamo saw its code since its reset.
+    live = [uf for uf, d in user_frames if any(e > d for e in depth_of_entries) and _seen_by_dynamo(uf.f_code)]
 
     if internal == "plain":
         from .torch_internals import debug_flag_on
@@ -195,15 +233,15 @@ def diagnose_forward(frame: Optional[types.FrameType]) -> Diagnosis:
     switch = _global_disable()
     if switch is not None:
         return Diagnosis(False, "compiler_disabled", switch)
-    if disabled_fn is not None:
+    if disabled_fn is not None and disabled_in_compile:
         return Diagnosis(False, "compiler_disabled", {"switch": "torch.compiler.disable", "function": disabled_fn})
-    for uf in user_frames:
+    for uf in live:
         code = uf.f_code
         cause, info = SIGNALS.lookup(code.co_filename, code.co_firstlineno)
         if cause is not None:
             return Diagnosis(False, cause, dict(info or {}, frame=_frame_where(uf)))
     limit = _recompile_limit_value()
-    for uf in user_frames:
+    for uf in live:
         n = _cache_entry_count(uf.f_code)
         if limit and n >= limit:
             return Diagnosis(

@@ -62,7 +62,7 @@ class Signals:
         self.recompile_limit: Dict[Key, dict] = {}
         self.compile_error: Dict[Key, dict] = {}
         self.frame_failure: Dict[Key, dict] = {}
-        self._metrics_seen = 0
+        self._seen_ids: Dict[int, Any] = {}
         self._handler: Optional[logging.Handler] = None
         self._end_callback: Optional[Callable[..., None]] = None
         self.emit: Callable[..., Any] = lambda *a, **k: None
@@ -80,7 +80,10 @@ class Signals:
                 from torch._dynamo.callback import callback_handler
 
                 def _on_compile_end(*_args: Any) -> None:
-                    self.read_metrics()
+                    try:
+                        self.read_metrics()
+                    except Exception as exc:  # never disturb Dynamo
+                        self.on_error("dynamo_signals.compile_end", exc)
 
                 callback_handler.register_end_callback(_on_compile_end)
                 self._end_callback = _on_compile_end
@@ -90,12 +93,27 @@ class Signals:
         try:
             from torch._dynamo import utils as dynamo_utils
 
-            self._metrics_seen = len(getattr(dynamo_utils, "_compilation_metrics", ()))
+            for m in list(getattr(dynamo_utils, "_compilation_metrics", ())):
+                self._mark_seen(m)
         except Exception:
             pass
         return installed
 
+    def _mark_seen(self, metric: Any) -> bool:
+        """True the first time a metrics record is seen (Dynamo's deque is capped: track ids)."""
+        key = id(metric)
+        if key in self._seen_ids:
+            return False
+        self._seen_ids[key] = metric  # keep it alive so its id is not reused
+        while len(self._seen_ids) > 512:
+            self._seen_ids.pop(next(iter(self._seen_ids)))
+        return True
+
     def remove(self) -> None:
+        with self.lock:
+            self.recompile_limit.clear()
+            self.compile_error.clear()
+            self.frame_failure.clear()
         if self._handler is not None:
             logging.getLogger("torch._dynamo.convert_frame").removeHandler(self._handler)
             self._handler = None
@@ -158,9 +176,9 @@ class Signals:
             metrics = list(getattr(dynamo_utils, "_compilation_metrics", ()))
         except Exception:
             return
-        new = metrics[self._metrics_seen :] if len(metrics) >= self._metrics_seen else metrics
-        self._metrics_seen = len(metrics)
-        for m in new:
+        for m in metrics:
+            if not self._mark_seen(m):
+                continue
             fail_type = getattr(m, "fail_type", None)
             filename = getattr(m, "co_filename", None)
             if not fail_type or not filename:

@@ -13,6 +13,7 @@ constant ``True`` for it and the wrapper reduces to the original call: no graph 
 from __future__ import annotations
 
 import contextvars
+import itertools
 import sys
 import threading
 import warnings
@@ -43,6 +44,7 @@ _ORIGINALS: Dict[str, Callable[..., Any]] = {}
 # Set while a dense call that Dynamo tried to inline runs out of graph: the trace-time note.
 _INLINED: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("fusionguard_inlined", default=None)
 _INLINE_NOTES: Dict[int, dict] = {}
+_TOKENS = itertools.count(1)
 
 
 def _note_inlined(phase: str) -> int:
@@ -74,8 +76,10 @@ def _note_inlined(phase: str) -> int:
             info["frames"] = failed[-3:]
     except Exception:
         pass
-    token = len(_INLINE_NOTES) + 1
+    token = next(_TOKENS)
     _INLINE_NOTES[token] = info
+    while len(_INLINE_NOTES) > 1024:  # bounded: drop the oldest notes
+        _INLINE_NOTES.pop(next(iter(_INLINE_NOTES)))
     STATE.log.emit("warning", "flex_inlined", path="dense", traced=True, cause="graph_break", **info)
     return token
 
@@ -149,10 +153,11 @@ def human_bytes(n: Optional[int]) -> str:
 def _allowed(origin: Optional[dict]) -> bool:
     if ALLOW_DENSE.get():
         return True
-    if origin is not None and origin.get("allowed"):
-        return True
+    if origin is not None:
+        return bool(origin.get("allowed"))  # the forward's verdict decides for its backward
     # PyTorch runs CUDA backward on its own device threads (not Python threads), where our
-    # context variable is not visible: honour an allow_dense() block open in any Python thread.
+    # context variable is not visible: with no forward record to go by, honour an allow_dense()
+    # block open in any Python thread.
     if STATE.allow_threads and isinstance(threading.current_thread(), threading._DummyThread):
         return True
     return False
@@ -264,8 +269,9 @@ def _check_dense(phase: str, args: tuple, kwargs: dict, frame: Any) -> Optional[
         fields["recompute"] = True  # activation checkpointing re-running a forward in backward
     count(f"dense_{phase}")
     layers.STATS.on_dense(layer, phase, diagnosis.cause, fields.get("scores_bytes"), bool(fields.get("recompute")))
-    event = STATE.log.emit("warning", "flex_call", **fields)
-    event = dict(event) if event else dict(fields)
+    logged = STATE.log.emit("warning", "flex_call", **fields)
+    # Decide from what we built, never from the log's "latest" event (another thread's, maybe).
+    event = {**logged, **fields} if logged and logged.get("seq") is not None else dict(fields)
     slot = _FORWARD_SLOT.get()
     if phase == "forward" and slot is not None:
         slot.append(
@@ -328,7 +334,7 @@ def make_autograd_forward(original: staticmethod) -> staticmethod:
     fn = original.__func__
 
     def forward(ctx: Any, *args: Any, **kwargs: Any) -> Any:
-        if not STATE.enabled or _is_compiling() or not args or not is_concrete(args[0]):
+        if _is_compiling() or not STATE.enabled or not args or not is_concrete(args[0]):
             return fn(ctx, *args, **kwargs)
         slot: List[dict] = []
         token = _FORWARD_SLOT.set(slot)
@@ -351,6 +357,8 @@ def make_autograd_backward(original: staticmethod) -> staticmethod:
     fn = original.__func__
 
     def backward(ctx: Any, *grads: Any) -> Any:
+        if _is_compiling():
+            return fn(ctx, *grads)
         origin = getattr(ctx, "_fusionguard", None)
         if origin is None:
             return fn(ctx, *grads)
