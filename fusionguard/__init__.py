@@ -16,14 +16,35 @@ import contextlib
 import os
 import sys
 import threading
-from typing import Any, Dict, Iterator, List, Optional, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Union
 
 from . import _state
 from ._state import ALLOW_DENSE, OPTIONS, STATE, Config, internal_error, write_stderr
 from ._version import __version__
 from .errors import DenseFallbackError, DenseFallbackWarning
-from .summary import Summary, export, summary
-from .layers import peak_memory_allocated, watch
+
+if TYPE_CHECKING:  # imported lazily: `import fusionguard` must not import torch (pytest plugin)
+    from ._summary import Summary, export, summary
+    from .layers import peak_memory_allocated, watch
+
+_LAZY = {
+    "Summary": "._summary",
+    "export": "._summary",
+    "summary": "._summary",
+    "peak_memory_allocated": ".layers",
+    "watch": ".layers",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fusionguard' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
 
 __all__ = [
     "DenseFallbackError",
@@ -117,6 +138,17 @@ def _install_patches() -> None:
         cls = ti.compiled_fx_graph()
         reg.apply("inductor.CompiledFxGraph.post_compile", vars(cls), "post_compile", inductor.make_post_compile_wrapper, owner=cls)
 
+    def rescue() -> None:
+        from . import rescue as rescue_mod
+
+        mod = ti.public_module()
+        if mod is None or not callable(mod.__dict__.get("setup_compilation_env")):
+            raise LookupError(
+                "torch.nn.attention.flex_attention.setup_compilation_env not found: this torch "
+                "version compiles eager flex_attention differently; rescue=True is unavailable"
+            )
+        reg.apply("flex_attention.setup_compilation_env", mod.__dict__, "setup_compilation_env", rescue_mod.make_setup_env_wrapper)
+
     def signals() -> None:
         SIGNALS.emit = lambda level, event, **fields: STATE.log.emit(level, event, **fields)
         SIGNALS.on_error = internal_error
@@ -128,6 +160,7 @@ def _install_patches() -> None:
     attempt("inductor lowerings", lowerings)
     attempt("inductor CompiledFxGraph.post_compile", post_compile)
     attempt("dynamo signals", signals)
+    attempt("rescue (setup_compilation_env)", rescue)
 
 
 def _announce(path: Optional[str]) -> None:
@@ -144,7 +177,11 @@ def _on_sink_error(exc: BaseException) -> None:
     write_stderr(f"fusionguard: cannot write the log ({exc}); events are kept in memory only\n")
 
 
-def enable(strict: bool = False, log_path: Union[str, os.PathLike, None, bool] = None, **options: Any) -> None:
+def enable(
+    strict: bool = False,
+    log_path: Union[str, os.PathLike, None, bool] = None,
+    **options: Any,
+) -> None:
     """Install the guard (idempotent: a second call reconfigures, never double-wraps).
 
     strict:   raise ``DenseFallbackError`` before a dense FlexAttention kernel allocates;
@@ -153,7 +190,10 @@ def enable(strict: bool = False, log_path: Union[str, os.PathLike, None, bool] =
               ``FUSIONGUARD_LOG``, else ``./fusionguard.jsonl`` (``fusionguard.rank{N}.jsonl`` under
               torchrun). ``False``: no file, events only in memory (``fusionguard.events()``).
     options:  ``fsync`` (default True: dense events reach the disk before the kernel runs),
-              ``max_events`` (default 10000: events kept in memory).
+              ``max_events`` (default 10000: events kept in memory), ``rescue`` (default False:
+              run eager FlexAttention calls through a fused Inductor compile instead of the dense
+              kernels; logged as ``path: "rescued"``; strict mode then raises only for calls that
+              cannot be rescued).
     """
     unknown = set(options) - set(OPTIONS)
     if unknown:

@@ -19,12 +19,13 @@ class Config:
     log_path: Optional[str] = None  # resolved absolute path, or None for memory only
     fsync: bool = True  # fsync dense events / errors before the dense kernel runs
     max_events: int = 10_000  # events kept in memory for fusionguard.events()
+    rescue: bool = False  # compile eager FlexAttention calls with Inductor instead of running dense
 
     def public(self) -> Dict[str, Any]:
         return asdict(self)
 
 
-OPTIONS = ("fsync", "max_events")
+OPTIONS = ("fsync", "max_events", "rescue")
 
 
 class State:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import itertools
 import re
 import threading
 import warnings
@@ -138,29 +139,50 @@ STATS = Stats()
 # -- memory --------------------------------------------------------------------------------------
 
 
+_ORDER = itertools.count()
+
+
 class _Measure:
-    __slots__ = ("device", "alloc", "peak")
+    __slots__ = ("device", "alloc", "peak", "order")
 
     def __init__(self, device: int, alloc: int) -> None:
         self.device, self.alloc, self.peak = device, alloc, alloc
+        self.order = next(_ORDER)
 
 
 def _cuda_ready() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
-def _fold(device: int, peak: int) -> None:
+def _fold(device: int, peak: int, opened_before: Optional[int] = None) -> None:
+    """Raise the peaks of the open measures by ``peak``. When a measure stops, only those opened
+    before it enclose it: backward spans of consecutive layers overlap by a hook's width, and a
+    later-opened one must not inherit its predecessor's peak."""
     for m in _OPEN.get():
-        if m.device == device and peak > m.peak:
+        if m.device == device and peak > m.peak and (opened_before is None or m.order < opened_before):
             m.peak = peak
     if peak > STATS.peak.get(device, 0):
         STATS.peak[device] = peak
 
 
-def measure_start() -> Optional[_Measure]:
+def _cuda_device(obj: Any) -> Optional[int]:
+    """The CUDA device of the first tensor in obj (or of a module's first parameter)."""
+    if isinstance(obj, torch.nn.Module):
+        for p in obj.parameters(recurse=True):
+            return p.device.index if p.device.type == "cuda" else None
+        return None
+    for t in _tensors(obj):
+        return (t.device.index if t.device.index is not None else torch.cuda.current_device()) if t.is_cuda else None
+    return None
+
+
+def measure_start(where: Any = None) -> Optional[_Measure]:
+    """Start measuring on the CUDA device of ``where`` (tensors or a module); None on CPU."""
     if not _cuda_ready():
         return None
-    device = torch.cuda.current_device()
+    device = _cuda_device(where) if where is not None else torch.cuda.current_device()
+    if device is None:
+        return None
     _fold(device, torch.cuda.max_memory_allocated(device))
     if not STATS.warned_reset:
         STATS.warned_reset = True
@@ -189,7 +211,7 @@ def measure_stop(m: Optional[_Measure]) -> Tuple[Optional[int], Optional[int]]:
     peak = torch.cuda.max_memory_allocated(m.device)
     if peak > m.peak:
         m.peak = peak
-    _fold(m.device, m.peak)
+    _fold(m.device, m.peak, opened_before=m.order)
     return torch.cuda.memory_allocated(m.device) - m.alloc, m.peak - m.alloc
 
 
@@ -323,7 +345,7 @@ class Watch:
             try:
                 if self_._is_layer(mod, name):
                     if self_.memory:
-                        frame.measure = measure_start()
+                        frame.measure = measure_start(args if _tensors(args) else mod)
                     if torch.is_grad_enabled() and not frame.recompute:
                         frame.grad_inputs = [t for t in _tensors(args) if t.requires_grad]
             except Exception as exc:
@@ -370,7 +392,7 @@ class Watch:
             try:
                 if "started" not in box:
                     box["started"] = True
-                    box["m"] = measure_start() if memory else None
+                    box["m"] = measure_start(outs) if memory else None
             except Exception as exc:
                 internal_error("watch backward start", exc)
 

@@ -13,9 +13,10 @@ a directory, default ``fusionguard.jsonl`` in pytest's base temporary directory)
   the blocked call is in the log, and passing would hide it.
 - warn: dense calls run; each one is a ``DenseFallbackWarning`` (pytest's warnings summary) and is
   collected per test.
-- each test report carries its dense calls (``user_properties`` entry ``fusionguard``, a report
-  section ``fusionguard (<phase>)`` with the verdicts); the terminal summary lists dense calls
-  per test and per cause.
+- each test carries its dense calls: ``user_properties`` entry ``fusionguard`` (a list of
+  {seq, phase, cause, action, traced, call_site, scores_bytes}; in junitxml and across xdist),
+  a report section ``fusionguard (<phase>)`` with the verdicts; the terminal summary lists dense
+  calls per test and per cause.
 - ``@pytest.mark.fusionguard_allow_dense`` runs a test inside ``fusionguard.allow_dense()`` (an
   eager reference computation, say): its dense calls are logged as allowed and never fail it.
 
@@ -75,7 +76,7 @@ def _is_xdist_controller(config: Any) -> bool:
     return not hasattr(config, "workerinput") and config.getoption("dist", "no") not in ("no", None)
 
 
-def _compact(event: Dict[str, Any], message: str) -> Dict[str, Any]:
+def _compact(event: Dict[str, Any]) -> Dict[str, Any]:
     site = event.get("call_site") or {}
     return {
         "seq": event.get("seq"),
@@ -85,7 +86,6 @@ def _compact(event: Dict[str, Any], message: str) -> Dict[str, Any]:
         "traced": event.get("traced"),
         "call_site": f"{site.get('file')}:{site.get('line')}" if site else None,
         "scores_bytes": event.get("scores_bytes"),
-        "message": message,
     }
 
 
@@ -201,7 +201,11 @@ class FusionGuardSession:
         from fusionguard.guard import format_message
 
         messages = [format_message(e) for e in dense]
-        report.user_properties.append((PROPERTY, [_compact(e, m) for e, m in zip(dense, messages)]))
+        # on the item: the teardown report (junitxml, xdist, our summary) then carries every phase
+        entry = (PROPERTY, [_compact(e) for e in dense])
+        item.user_properties.append(entry)
+        if report.when == "teardown":  # created before this point: add it there too
+            report.user_properties.append(entry)
         report.sections.append((f"fusionguard ({report.when})", "\n\n".join(messages)))
         blocked = [m for e, m in zip(dense, messages) if e.get("action") == "raise"]
         if blocked and report.passed:
@@ -217,6 +221,8 @@ class FusionGuardSession:
     def pytest_runtest_logreport(self, report: Any) -> None:
         if report.when == "call":
             self.tests += 1
+        if report.when != "teardown":
+            return
         for name, value in report.user_properties:
             if name == PROPERTY:
                 self.dense.setdefault(report.nodeid, []).extend(value)

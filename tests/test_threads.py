@@ -37,6 +37,7 @@ def test_thousands_of_events_from_eight_threads(guard):
     start = threading.Barrier(THREADS)
     failures = []
     raised = {}
+    verdicts = defaultdict(list)  # the DenseFallbackError.event each thread got
 
     def work(index: int) -> None:
         name = threading.current_thread().name
@@ -56,8 +57,9 @@ def test_thousands_of_events_from_eight_threads(guard):
                         else:
                             try:
                                 flex_attention(q, k, v)
-                            except fusionguard.DenseFallbackError:
+                            except fusionguard.DenseFallbackError as err:
                                 blocked += 1
+                                verdicts[name].append(err.event)
         except BaseException as exc:  # reported below, in the test's thread
             failures.append((name, repr(exc)))
         raised[name] = blocked
@@ -109,6 +111,10 @@ def test_thousands_of_events_from_eight_threads(guard):
         expected = "allow" if index % 2 == 0 else "raise"
         assert [c["action"] for c in calls] == [expected] * FLEX_PER_THREAD, t.name
         assert raised[t.name] == (FLEX_PER_THREAD if expected == "raise" else 0)
+        # the error's event is this thread's own record (not another thread's latest event)
+        got = verdicts[t.name]
+        assert [(v.get("thread"), v.get("action")) for v in got] == [(t.name, "raise")] * len(got)
+        assert [v.get("seq") for v in got] == ([c["seq"] for c in calls] if got else [])
         for c in calls:
             assert c["device"] == "cpu" and c["q_shape"] == [1, 2, 16, 8] and c["pid"] == events[0]["pid"]
             assert c["call_site"]["file"] == __file__ and c["call_site"]["function"] == "work"

@@ -1,0 +1,169 @@
+"""The pytest plugin, run in real inner pytest sessions (pytester, one subprocess per session).
+
+Inner tests are tiny: eager flex_attention on 1x2x16x8 CPU tensors, inference only.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+PLUGIN = ("-p", "fusionguard.pytest_plugin")
+
+HELPERS = """
+import pytest
+import torch
+from torch.nn.attention.flex_attention import flex_attention
+
+import fusionguard
+
+
+def attend():
+    q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
+    with torch.no_grad():
+        return flex_attention(q, k, v)
+"""
+
+STRICT_TESTS = HELPERS + """
+
+def test_clean():
+    assert torch.ones(2).sum() == 2
+
+
+def test_dense():
+    attend()
+
+
+def test_swallowed():
+    try:
+        attend()
+    except RuntimeError:
+        pass  # code under test hiding the error: the plugin still fails the test
+
+
+@pytest.mark.fusionguard_allow_dense
+def test_reference():
+    attend()  # an eager reference computation, allowed on purpose
+
+
+def test_turns_the_guard_off():
+    fusionguard.disable()
+
+
+def test_guarded_again():
+    assert fusionguard.is_enabled()
+    attend()
+"""
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def section(stdout: str, title: str) -> str:
+    """The text of one '=== title ===' section of the terminal output."""
+    text = "\n".join(stdout)
+    match = re.search(rf"^=+ {re.escape(title)} =+$(.*?)(?=^=+ .* =+$|\Z)", text, re.M | re.S)
+    assert match, f"no {title!r} section in:\n{text}"
+    return match.group(1)
+
+
+def test_strict_fails_dense_tests_with_the_verdict(pytester):
+    pytester.makepyfile(test_inner=STRICT_TESTS)
+    result = pytester.runpytest_subprocess(*PLUGIN, "--fusionguard=strict", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=3, failed=3)
+    out = "\n".join(result.outlines)
+    result.stdout.fnmatch_lines(["fusionguard: strict mode, log: *fusionguard.jsonl"])
+    # the failing test's report: the DenseFallbackError with the whole verdict, and our section
+    result.stdout.fnmatch_lines(
+        [
+            "*_ test_dense _*",
+            "*DenseFallbackError: fusionguard: dense FlexAttention forward blocked before it allocated a 2.05 KB score matrix (strict mode)",
+            "*at:*test_inner.py:* in attend",
+            "*cause:    eager_call*",
+            "*fix:*torch.compile*",
+        ]
+    )
+    result.stdout.fnmatch_lines(
+        [
+            "*_ test_swallowed _*",
+            "fusionguard (strict): 1 dense FlexAttention call(s) blocked during call, but the DenseFallbackError did not reach pytest*",
+            "fusionguard: dense FlexAttention forward blocked*",
+        ]
+    )
+    assert "fusionguard (call)" in out  # report section with the verdicts
+    summary = section(result.outlines, "fusionguard")
+    assert "strict mode: 4 dense FlexAttention call(s) in 4 of 6 test(s)" in summary
+    assert re.search(r"test_inner.py::test_dense\s+1  forward eager_call \(blocked\)", summary)
+    assert re.search(r"test_inner.py::test_swallowed\s+1  forward eager_call \(blocked\)", summary)
+    assert re.search(r"test_inner.py::test_reference\s+1  forward eager_call \(allowed\)", summary)
+    assert re.search(r"test_inner.py::test_guarded_again\s+1  forward eager_call \(blocked\)", summary)
+    assert "test_clean" not in summary and "by cause: eager_call 4" in summary
+    result.stdout.fnmatch_lines(
+        ["FAILED test_inner.py::test_dense - *DenseFallbackError*", "FAILED test_inner.py::test_swallowed*", "FAILED test_inner.py::test_guarded_again*"],
+        consecutive=False,
+    )
+    # the log: in the session's base temporary directory, one record per dense call
+    (log,) = pytester.path.rglob("fusionguard.jsonl")
+    events = read_jsonl(log)
+    calls = [e for e in events if e["event"] == "flex_call"]
+    assert [c["action"] for c in calls] == ["raise", "raise", "allow", "raise"]
+    assert all(c["call_site"]["function"] == "attend" for c in calls)
+    assert [e["event"] for e in events].count("header") == 2, "re-enabled after the test turned it off"
+    assert events[-1]["event"] == "shutdown"
+
+
+def test_warn_collects_dense_calls_and_reports_them(pytester):
+    pytester.makepyfile(
+        test_inner=HELPERS
+        + """
+
+def test_twice():
+    attend()
+    attend()
+
+
+def test_clean():
+    pass
+"""
+    )
+    log = pytester.path / "logs" / "fg.jsonl"
+    junit = pytester.path / "junit.xml"
+    result = pytester.runpytest_subprocess(
+        *PLUGIN, "--fusionguard=warn", f"--fusionguard-log={log}", f"--junitxml={junit}", "-p", "no:cacheprovider"
+    )
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["*DenseFallbackWarning: fusionguard: dense FlexAttention forward is materialising a 2.05 KB score matrix"])
+    summary = section(result.outlines, "fusionguard")
+    assert f"warn mode: 2 dense FlexAttention call(s) in 1 of 2 test(s); log: {log}" in summary
+    assert re.search(r"test_inner.py::test_twice\s+2  forward eager_call \(ran\) x2", summary)
+    calls = [e for e in read_jsonl(log) if e["event"] == "flex_call"]
+    assert [c["action"] for c in calls] == ["warn", "warn"]
+    # the per-test record travels on the report (user_properties: junitxml, xdist)
+    xml = junit.read_text()
+    assert '<property name="fusionguard"' in xml and "eager_call" in xml
+
+
+def test_off_by_default_imports_nothing_heavy(pytester):
+    pytester.makepyfile(
+        test_inner="""
+import sys
+
+
+def test_untouched(request):
+    assert "torch" not in sys.modules, "the plugin imported torch"
+    assert not request.config.pluginmanager.has_plugin("fusionguard-session")
+    assert "fusionguard.pytest_plugin" in sys.modules
+"""
+    )
+    for extra in ((), ("--fusionguard=off",)):
+        result = pytester.runpytest_subprocess(*PLUGIN, *extra, "-p", "no:cacheprovider")
+        result.assert_outcomes(passed=1)
+        # no header line, no summary section (the "plugins:" line may name the distribution)
+        noise = [line for line in result.outlines if "fusionguard:" in line or re.match(r"=+ fusionguard =+$", line)]
+        assert noise == [], result.outlines
+    assert not list(pytester.path.rglob("fusionguard*.jsonl"))

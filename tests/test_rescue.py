@@ -1,0 +1,79 @@
+"""Rescue mode on CPU: an eager flex_attention call runs Inductor's fused C++ kernel instead of
+the dense one; what the user asked to keep dense stays dense."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import flex_attention
+
+import fusionguard
+from fusionguard import _state
+
+from conftest import PUBLIC, flex_events, qkv
+
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning")]
+
+
+def shapes(L):
+    return qkv(L=L, HQ=4, HKV=2)
+
+
+def test_eager_call_is_rescued_to_the_fused_kernel(guard, math_spy, dynamo_reset):
+    guard(strict=True, rescue=True)  # strict: would raise if anything ran dense
+    q, k, v = shapes(64)
+    out = flex_attention(q, k, v, enable_gqa=True)
+    assert math_spy == [], "the dense math ran although the call was rescued"
+    with fusionguard.allow_dense():
+        ref = flex_attention(q, k, v, enable_gqa=True)  # allowed: stays dense, our reference
+    assert len(math_spy) == 1
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    (rescued,) = [e for e in flex_events() if e["path"] == "rescued"]
+    assert rescued["cause"] == "eager_call" and rescued["q_shape"] == [1, 4, 64, 8]
+    fused = flex_events("flex_compile")
+    assert fused and fused[0]["template"] == "cpp"
+    assert _state.STATE.counts.get("rescue_compiles", 0) <= 1
+
+
+def test_new_lengths_do_not_recompile_every_time(guard, dynamo_reset):
+    guard(rescue=True)
+    for L in (32, 48, 80, 96, 112):
+        q, k, v = shapes(L)
+        flex_attention(q, k, v, enable_gqa=True)
+    rescued = [e for e in flex_events() if e["path"] == "rescued"]
+    assert len(rescued) == 5
+    compiles = sum(1 for e in rescued if e["compiled"])
+    assert compiles <= 2, compiles  # automatic dynamic shapes: one static, one dynamic compile
+    assert not [e for e in flex_events() if e["path"] == "dense"]
+
+
+def test_what_the_user_kept_dense_stays_dense(guard, math_spy, dynamo_reset, monkeypatch):
+    guard(rescue=True)
+    q, k, v = shapes(64)
+
+    @torch.compiler.disable
+    def disabled():
+        return flex_attention(q, k, v, enable_gqa=True)
+
+    with fusionguard.allow_dense():
+        flex_attention(q, k, v, enable_gqa=True)
+    disabled()
+    monkeypatch.setattr(PUBLIC, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", True)
+    flex_attention(q, k, v, enable_gqa=True)
+    monkeypatch.setattr(PUBLIC, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", False)
+    torch.compile(lambda q, k, v: flex_attention(q, k, v, enable_gqa=True), backend="aot_eager")(q, k, v)
+    paths = [(e["path"], e["cause"]) for e in flex_events()]
+    assert paths == [
+        ("dense", "eager_call"),
+        ("dense", "eager_call"),
+        ("dense", "debug_flag"),
+        ("dense", "non_inductor_backend"),
+    ]
+    assert len(math_spy) == 4
+
+
+def test_rescue_off_by_default(guard, math_spy):
+    guard()
+    with pytest.warns(fusionguard.DenseFallbackWarning):
+        flex_attention(*shapes(64), enable_gqa=True)
+    assert len(math_spy) == 1
