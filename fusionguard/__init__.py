@@ -190,6 +190,9 @@ def enable(
               ``FUSIONGUARD_LOG``, else ``./fusionguard.jsonl`` (``fusionguard.rank{N}.jsonl`` under
               torchrun). ``False``: no file, events only in memory (``fusionguard.events()``).
     options:  ``fsync`` (default True: dense events reach the disk before the kernel runs),
+              ``fused_first`` / ``fused_every`` / ``keep_all`` (fused per-call events: the first 10
+              per layer and phase, then a counter every 1000 calls; or all), ``log_max_bytes`` /
+              ``log_backups`` (size-based rotation, off by default),
               ``max_events`` (default 10000: events kept in memory), ``rescue`` (default False:
               run eager FlexAttention calls through a fused Inductor compile instead of the dense
               kernels; logged as ``path: "rescued"``; strict mode then raises only for calls that
@@ -204,6 +207,10 @@ def enable(
         reopen = config.log_path != STATE.config.log_path or STATE.log.sink is None
         STATE.config = config
         STATE.log.set_max_events(config.max_events)
+        from .log import FusedSampler
+
+        STATE.log.flush_sampler()
+        STATE.log.sampler = FusedSampler(first=config.fused_first, every=config.fused_every, keep_all=config.keep_all)
         STATE.log.on_sink_error = _on_sink_error
         first = not STATE.enabled
         if first:
@@ -213,7 +220,7 @@ def enable(
             STATE.log.close()
             if config.log_path is not None:
                 try:
-                    STATE.log.open(config.log_path, fsync=config.fsync)
+                    STATE.log.open(config.log_path, fsync=config.fsync, max_bytes=config.log_max_bytes, backups=config.log_backups)
                     _announce(config.log_path)
                 except OSError as exc:
                     write_stderr(
@@ -229,7 +236,19 @@ def enable(
                 internal_error("header", exc)
         elif STATE.log.sink is not None:
             STATE.log.sink.fsync = config.fsync
+            STATE.log.sink.max_bytes = config.log_max_bytes or None
+            STATE.log.sink.backups = config.log_backups
         STATE.enabled = True
+        try:
+            from . import crash
+
+            crash.install(
+                lambda level, event, **f: STATE.log.emit(level, event, **f),
+                last_flex_event=lambda: crash.last_flex(STATE.log.memory),
+                summary=lambda: {"counts": dict(STATE.counts)},
+            )
+        except Exception as exc:
+            internal_error("crash hooks", exc)
         if not STATE.atexit_registered:
             atexit.register(_at_exit)
             STATE.atexit_registered = True
@@ -251,6 +270,9 @@ def disable() -> None:
         STATE.enabled = False
         STATE.patches.remove_all()
         SIGNALS.remove()
+        from . import crash
+
+        crash.uninstall()
         try:
             STATE.log.emit("info", "summary", **_summary_fields())
             STATE.log.emit("info", "shutdown", reason="disable", counts=dict(STATE.counts))

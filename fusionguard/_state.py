@@ -20,12 +20,17 @@ class Config:
     fsync: bool = True  # fsync dense events / errors before the dense kernel runs
     max_events: int = 10_000  # events kept in memory for fusionguard.events()
     rescue: bool = False  # compile eager FlexAttention calls with Inductor instead of running dense
+    fused_first: int = 10  # fused per-call events kept per (layer, phase) before sampling
+    fused_every: int = 1000  # then one fused_calls counter event every N calls
+    keep_all: bool = False  # keep every fused per-call event
+    log_max_bytes: Optional[int] = None  # size-based rotation of the log file
+    log_backups: int = 3
 
     def public(self) -> Dict[str, Any]:
         return asdict(self)
 
 
-OPTIONS = ("fsync", "max_events", "rescue")
+OPTIONS = ("fsync", "max_events", "rescue", "fused_first", "fused_every", "keep_all", "log_max_bytes", "log_backups")
 
 
 class State:

@@ -8,8 +8,10 @@
   that was there before, unchanged;
 - a SIGTERM handler (main thread only; what schedulers and torchrun send): writes a ``shutdown``
   event with ``reason: "sigterm"`` at level ``warning`` (so it is fsync-ed), then hands the
-  signal to the previous handler: a Python handler is called, ``SIG_DFL`` is restored and the
-  signal re-raised (the process dies of SIGTERM as it would have). Nothing is installed when
+  signal to the previous handler: a Python handler is called, or ``SIG_DFL`` is restored and the
+  signal re-raised (the process dies of SIGTERM as it would have). If the signal interrupted the
+  main thread while it held the log's lock, the write is finished by a helper thread and the
+  signal delivered again (see ``_on_sigterm``): never a deadlock. Nothing is installed when
   SIGTERM was ignored (``SIG_IGN``) or handled outside Python: the process would not stop, or we
   could not hand it on.
 
@@ -23,6 +25,7 @@ caught itself.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -347,12 +350,72 @@ def _write_sigterm_shutdown() -> None:
     emit("warning", "shutdown", **fields)
 
 
+# SIGTERM handling state: "idle"; "pending" (the shutdown event is being written); "done" (written,
+# or given up on: hand the signal over on the next delivery).
+_sigterm_state = "idle"
+_SIGTERM_WAIT_S = 1.0  # the handler waits this long for the write before deferring
+_SIGTERM_GIVE_UP_S = 10.0  # a deferred write that has not finished by then is abandoned
+
+
 def _on_sigterm(signum: int, frame: Any) -> None:
-    # The handler runs in the main thread between two bytecodes, possibly while that thread holds
-    # the log's lock: write from a helper thread and wait a bounded time, never deadlock.
-    writer = threading.Thread(target=_safe(_write_sigterm_shutdown), name="fusionguard-sigterm", daemon=True)
-    writer.start()
-    writer.join(timeout=5.0)
+    """Write the ``shutdown`` event, then hand the signal over.
+
+    The handler runs in the main thread between two bytecodes, possibly while that very thread
+    holds the log's lock (in the middle of writing or fsync-ing an event). So a helper thread
+    writes, and the handler waits a moment. If the write cannot finish (the lock is ours, below
+    us on the stack), the handler returns so the main thread can release it; the helper finishes
+    the write and delivers SIGTERM again, and this time the handler hands it over at once."""
+    global _sigterm_state
+    if _sigterm_state == "pending":
+        return  # a second SIGTERM while the first is being recorded
+    if _sigterm_state == "done" or not _active or _emit is None:
+        _sigterm_state = "idle"
+        _hand_over(signum, frame)
+        return
+    _sigterm_state = "pending"
+    finished = threading.Event()
+    deferred = threading.Event()
+
+    def write() -> None:
+        global _sigterm_state
+        try:
+            _write_sigterm_shutdown()
+        except Exception:
+            pass
+        finished.set()
+        if deferred.is_set() and _sigterm_state == "pending":
+            _sigterm_state = "done"
+            _resend(signum)
+
+    def give_up() -> None:
+        global _sigterm_state
+        if not finished.is_set() and _sigterm_state == "pending":
+            _sigterm_state = "done"
+            _resend(signum)
+
+    threading.Thread(target=write, name="fusionguard-sigterm", daemon=True).start()
+    if finished.wait(_SIGTERM_WAIT_S):
+        _sigterm_state = "idle"
+        _hand_over(signum, frame)
+        return
+    deferred.set()
+    if finished.is_set() and _sigterm_state == "pending":  # finished between wait and set
+        _sigterm_state = "idle"
+        _hand_over(signum, frame)
+        return
+    timer = threading.Timer(_SIGTERM_GIVE_UP_S, give_up)
+    timer.daemon = True
+    timer.start()
+
+
+def _resend(signum: int) -> None:
+    try:
+        os.kill(os.getpid(), signum)
+    except Exception:
+        pass
+
+
+def _hand_over(signum: int, frame: Any) -> None:
     prev = _prev_sigterm
     if callable(prev) and prev is not _on_sigterm:
         prev(signum, frame)
@@ -362,13 +425,3 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     # SIG_DFL (or unknown): die of SIGTERM as the process would have without us.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.raise_signal(signal.SIGTERM)
-
-
-def _safe(fn: Callable[[], None]) -> Callable[[], None]:
-    def run() -> None:
-        try:
-            fn()
-        except Exception:
-            pass
-
-    return run

@@ -224,9 +224,11 @@ def peak_memory_allocated(device: Union[int, torch.device, None] = None) -> int:
     return max(STATS.peak.get(idx, 0), torch.cuda.max_memory_allocated(idx))
 
 
-def _record(layer: str, phase: str, alloc: Optional[int], peak: Optional[int], recompute: bool = False) -> None:
+def _record(layer: str, phase: str, alloc: Optional[int], peak: Optional[int], recompute: bool = False, dense_before: int = -1) -> None:
     with STATS.lock:
         row = STATS.row(layer, phase)
+        # dense if a dense kernel of this layer and phase ran during the span
+        path = "dense" if dense_before >= 0 and row.dense + row.dense_recompute > dense_before else "fused"
         if recompute:
             row.recompute += 1
         else:
@@ -237,7 +239,9 @@ def _record(layer: str, phase: str, alloc: Optional[int], peak: Optional[int], r
             row.alloc_delta_max = alloc if row.alloc_delta_max is None else max(row.alloc_delta_max, alloc)
             row.peak_delta_max = peak if row.peak_delta_max is None else max(row.peak_delta_max, peak)
     if alloc is not None:
-        STATE.log.emit("info", "layer_memory", layer=layer, phase=phase, alloc_delta=alloc, peak_delta=peak, recompute=recompute)
+        STATE.log.emit(
+            "info", "layer_memory", layer=layer, phase=phase, path=path, alloc_delta=alloc, peak_delta=peak, recompute=recompute
+        )
 
 
 # -- hooks ---------------------------------------------------------------------------------------
@@ -259,7 +263,12 @@ def _tensors(obj: Any) -> List[torch.Tensor]:
 
 
 class _Frame:
-    __slots__ = ("token", "measure", "recompute", "grad_inputs")
+    __slots__ = ("token", "measure", "recompute", "grad_inputs", "dense_before")
+
+
+def _dense_count(layer: str, phase: str) -> int:
+    row = STATS.rows.get((layer, phase))
+    return 0 if row is None else row.dense + row.dense_recompute
 
 
 class Watch:
@@ -342,6 +351,7 @@ class Watch:
             frame.measure = None
             frame.recompute = in_backward()
             frame.grad_inputs = None
+            frame.dense_before = _dense_count(name, "forward")
             try:
                 if self_._is_layer(mod, name):
                     if self_.memory:
@@ -372,7 +382,7 @@ class Watch:
             try:
                 if frame.measure is not None or self_._is_layer(mod, name):
                     alloc, peak = measure_stop(frame.measure)
-                    _record(name, "forward", alloc, peak, frame.recompute)
+                    _record(name, "forward", alloc, peak, frame.recompute, frame.dense_before)
                     if frame.grad_inputs and output is not None:
                         self_._watch_backward(name, output, frame.grad_inputs)
             except Exception as exc:
@@ -392,6 +402,7 @@ class Watch:
             try:
                 if "started" not in box:
                     box["started"] = True
+                    box["dense_before"] = _dense_count(name, "backward")
                     box["m"] = measure_start(outs) if memory else None
             except Exception as exc:
                 internal_error("watch backward start", exc)
@@ -400,7 +411,7 @@ class Watch:
             try:
                 if box.pop("started", None):
                     alloc, peak = measure_stop(box.pop("m", None))
-                    _record(name, "backward", alloc, peak)
+                    _record(name, "backward", alloc, peak, dense_before=box.pop("dense_before", -1))
             except Exception as exc:
                 internal_error("watch backward end", exc)
 

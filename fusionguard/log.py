@@ -329,11 +329,14 @@ class EventLog:
         # Optional volume control for fused per-call events (None: every event is written).
         self.sampler: Optional[FusedSampler] = None
         self._header: Optional[dict] = None  # the last header, copied at the top of rotated files
+        self._local = threading.local()
+        self._emit_lock = threading.RLock()
         self.on_sink_error: Optional[Callable[[BaseException], None]] = None
         self._logger = structlog.wrap_logger(
             _SinkLogger(self),
             processors=[
-                structlog.contextvars.merge_contextvars,
+                # Our own chain only: no merge_contextvars (the host's bound context, secrets
+                # included, has no business in this log), never structlog.configure().
                 self._stamp,
                 self._remember,
                 structlog.processors.JSONRenderer(serializer=lambda obj, **_: dumps(obj)),
@@ -345,11 +348,10 @@ class EventLog:
 
     # -- structlog processors -------------------------------------------------------------
     def _stamp(self, logger: Any, method: str, event_dict: dict) -> dict:
-        with self._lock:
-            self._seq += 1
-            seq = self._seq
-        stamped = {"event": event_dict.pop("event", None), "level": method, "ts": time.time(), "seq": seq}
-        stamped.update(event_dict)
+        self._seq += 1  # under self._emit_lock (see _log)
+        stamped = {"event": event_dict.pop("event", None), "level": method, "ts": time.time(), "seq": self._seq}
+        for key, value in event_dict.items():
+            stamped.setdefault(key, value)  # our stamp wins over a field of the same name
         stamped.setdefault("pid", os.getpid())
         if "rank" not in stamped:
             stamped["rank"] = rank_info()["rank"]
@@ -357,7 +359,9 @@ class EventLog:
         return stamped
 
     def _remember(self, logger: Any, method: str, event_dict: dict) -> dict:
-        self.memory.append(dict(event_dict))
+        stored = dict(event_dict)
+        self.memory.append(stored)
+        self._local.last = stored  # what emit() returns: this call's event, not another thread's
         if event_dict.get("event") == "header":
             self._header = dict(event_dict)
         return event_dict
@@ -399,7 +403,7 @@ class EventLog:
         if sampler is None:
             return
         for fields in sampler.flush():
-            self._logger.info("fused_calls", **fields)
+            self._log(self._logger.info, "fused_calls", fields)
 
     def set_max_events(self, n: int) -> None:
         if n != self.memory.maxlen:
@@ -416,10 +420,18 @@ class EventLog:
                 if verdict is None:
                     return {}
                 if verdict is not _KEEP:
-                    self._logger.info("fused_calls", **verdict)
-                    return self.memory[-1] if self.memory else {}
-        getattr(self._logger, level)(event, **fields)
-        return self.memory[-1] if self.memory else {}
+                    return self._log(self._logger.info, "fused_calls", verdict)
+        return self._log(getattr(self._logger, level), event, fields)
+
+    def _log(self, method: Callable[..., Any], event: str, fields: dict) -> dict:
+        local = self._local
+        local.last = None
+        # One lock around stamp, memory and write: seq numbers reach the file in order.
+        with self._emit_lock:
+            method(event, **fields)
+        last = local.last
+        local.last = None
+        return last if last is not None else {}
 
 
 def header_fields(patched: list, not_patched: dict, config: dict) -> dict:

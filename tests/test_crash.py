@@ -1,0 +1,465 @@
+"""Crash records: real uncaught exceptions, a real allocation failure inside a dense FlexAttention
+kernel, SIGTERM and SIGKILL, each in a subprocess; then ``fusionguard report`` on what is left.
+
+The subprocesses that need torch start together (module fixture) so the file runs in seconds."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import traceback
+from pathlib import Path
+
+import pytest
+
+from fusionguard import cli, crash
+
+from conftest import ROOT, read_jsonl
+
+PY = sys.executable
+
+# What enable() will do once crash records are wired in; a no-op when it already did.
+PRELUDE = """
+import sys, os, time, warnings
+import torch
+import fusionguard
+from fusionguard import crash
+from fusionguard._state import STATE
+from torch.nn.attention.flex_attention import flex_attention
+warnings.simplefilter("ignore")
+LOG = sys.argv[1]
+fusionguard.enable(log_path=LOG)
+if not crash.is_installed():
+    crash.install(
+        lambda level, event, **f: STATE.log.emit(level, event, **f),
+        last_flex_event=lambda: crash.last_flex(STATE.log.memory),
+        summary=lambda: {"counts": dict(STATE.counts)},
+    )
+q = torch.randn(1, 2, 16, 8)
+"""
+
+SCRIPTS = {
+    # 1. in a worker thread, a real allocation failure inside PyTorch's dense kernel: q/k/v are
+    #    16 MB, the fp32 score matrix 1 x 1 x 2^19 x 2^19 would be 1.1 TB; the CPU allocator
+    #    refuses it at once. 2. in the main thread, torch.OutOfMemoryError raised by the program
+    #    right after a real dense call. A custom excepthook set before fusionguard still runs.
+    "oom": """
+import sys
+def mine(t, e, tb):
+    sys.stderr.write("MY-HOOK-RAN " + t.__name__ + "\\n")
+sys.excepthook = mine
+""" + PRELUDE + """
+import threading
+def attention_worker():
+    big = torch.randn(1, 1, 2 ** 19, 8)
+    flex_attention(big, big, big)
+t = threading.Thread(target=attention_worker, name="attn-worker")
+t.start(); t.join()
+flex_attention(q, q, q)
+raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.70 GiB")
+""",
+    "sigterm": PRELUDE + """
+for i in range(100000):
+    flex_attention(q, q, q)
+    if i == 5:
+        print("ready", flush=True)
+""",
+    "sigkill": PRELUDE + """
+for i in range(100000):
+    flex_attention(q, q, q)
+    if i == 5:
+        print("ready", flush=True)
+""",
+}
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env.pop("FUSIONGUARD_LOG", None)
+    return env
+
+
+class Runs:
+    """The torch subprocesses, started together when the module starts (they run while the
+    fast tests do); the looping ones get their signal from a helper thread once "ready"."""
+
+    def __init__(self, base):
+        self.procs, self.results, self.threads = {}, {}, {}
+        for name, code in SCRIPTS.items():
+            script = base / f"{name}.py"
+            script.write_text(textwrap.dedent(code))
+            log = base / f"{name}.jsonl"
+            proc = subprocess.Popen(
+                [PY, str(script), str(log)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=base
+            )
+            self.procs[name] = (proc, log)
+        for name, sig in (("sigterm", signal.SIGTERM), ("sigkill", signal.SIGKILL)):
+            t = threading.Thread(target=self._signal_when_ready, args=(name, sig), daemon=True)
+            t.start()
+            self.threads[name] = t
+
+    def _signal_when_ready(self, name, sig):
+        proc, _ = self.procs[name]
+        self.results.setdefault(name, {})["ready"] = proc.stdout.readline().strip()
+        if proc.poll() is None:
+            proc.send_signal(sig)
+
+    def get(self, name):
+        proc, log = self.procs[name]
+        if name in self.threads:
+            self.threads[name].join(timeout=120)
+        out, err = proc.communicate(timeout=120)
+        r = self.results.setdefault(name, {})
+        r.update(rc=proc.returncode, out=out, err=err, log=log)
+        return r
+
+    def close(self):
+        for proc, _ in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def runs(tmp_path_factory):
+    r = Runs(tmp_path_factory.mktemp("crash"))
+    yield r
+    r.close()
+
+
+def _report(log, *extra, capsys):
+    rc = cli.main(["report", str(log), *extra])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+# -- crash-only subprocesses (no torch: fast) ---------------------------------------------------
+
+# crash.py depends on nothing of fusionguard: loaded from its file, without the package (and
+# so without torch), these subprocesses start in a fraction of a second.
+_EMIT_TO_FILE = """
+import importlib.util, json, sys, threading
+spec = importlib.util.spec_from_file_location("fusionguard_crash", sys.argv[2])
+crash = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(crash)
+assert "torch" not in sys.modules
+LOG = sys.argv[1]
+def emit(level, event, **fields):
+    fields.setdefault("thread", threading.current_thread().name)
+    with open(LOG, "a") as fh:
+        fh.write(json.dumps({"event": event, "level": level, **fields}, default=str) + "\\n")
+"""
+
+
+def _run(code, tmp_path, timeout=30):
+    script = tmp_path / "s.py"
+    script.write_text(textwrap.dedent(code))
+    log = tmp_path / "log.jsonl"
+    p = subprocess.run([PY, str(script), str(log), crash.__file__], capture_output=True, text=True, env=_env(), timeout=timeout)
+    return p, (read_jsonl(log) if log.exists() else [])
+
+
+def test_worker_thread_exception_is_recorded_and_chained(tmp_path):
+    p, events = _run(
+        _EMIT_TO_FILE
+        + """
+def theirs(args):
+    sys.stderr.write("THEIR-THREAD-HOOK " + args.thread.name + "\\n")
+threading.excepthook = theirs
+crash.install(emit, last_flex_event=lambda: {"event": "flex_call", "path": "fused", "phase": "backward", "layer": "layers.3"})
+def work():
+    raise KeyError("boom")
+t = threading.Thread(target=work, name="loader-7")
+t.start(); t.join()
+print("main goes on")
+""",
+        tmp_path,
+    )
+    assert p.returncode == 0 and "main goes on" in p.stdout
+    assert "THEIR-THREAD-HOOK loader-7" in p.stderr
+    (event,) = events
+    assert event["event"] == "crash" and event["where"] == "threading.excepthook"
+    assert event["thread"] == "loader-7" and event["exc_type"] == "KeyError" and event["message"] == "'boom'"
+    assert event["diagnosis"] == "KeyError outside FlexAttention; last FlexAttention event: fused backward of layers.3"
+    assert any("in work" in f for f in event["frames"])
+
+
+def test_main_thread_exception_default_hook_still_prints(tmp_path):
+    p, events = _run(_EMIT_TO_FILE + "crash.install(emit)\nraise ValueError('bad shape')\n", tmp_path)
+    assert p.returncode == 1
+    assert "ValueError: bad shape" in p.stderr and "Traceback" in p.stderr
+    (event,) = events
+    assert event["exc_type"] == "ValueError" and event["last_flex"] is None
+    assert event["diagnosis"] == "ValueError; no FlexAttention event was recorded before it"
+
+
+def test_sigterm_hands_over_to_a_previous_python_handler(tmp_path):
+    p, events = _run(
+        _EMIT_TO_FILE
+        + """
+import os, signal, time
+def theirs(signum, frame):
+    print("THEIR-HANDLER", signum, flush=True)
+    raise SystemExit(7)
+signal.signal(signal.SIGTERM, theirs)
+crash.install(emit, summary=lambda: {"counts": {"dense_forward": 3}})
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(5)
+""",
+        tmp_path,
+    )
+    assert p.returncode == 7 and "THEIR-HANDLER 15" in p.stdout
+    (event,) = events
+    assert event["event"] == "shutdown" and event["reason"] == "sigterm" and event["counts"] == {"dense_forward": 3}
+
+
+def test_ignored_sigterm_is_left_alone(tmp_path):
+    p, events = _run(
+        _EMIT_TO_FILE
+        + """
+import os, signal
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+crash.install(emit)
+assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+os.kill(os.getpid(), signal.SIGTERM)
+print("still here")
+""",
+        tmp_path,
+    )
+    assert p.returncode == 0 and "still here" in p.stdout and events == []
+
+
+# -- in-process: exact restoration ----------------------------------------------------------------
+
+
+@pytest.fixture
+def clean_hooks():
+    saved = (sys.excepthook, threading.excepthook, signal.getsignal(signal.SIGTERM))
+    yield
+    crash.uninstall()
+    sys.excepthook, threading.excepthook = saved[0], saved[1]
+    signal.signal(signal.SIGTERM, saved[2])
+
+
+def test_uninstall_restores_the_exact_previous_hooks(clean_hooks):
+    def my_hook(*a):
+        pass
+
+    def my_thread_hook(args):
+        pass
+
+    def my_handler(signum, frame):
+        pass
+
+    sys.excepthook, threading.excepthook = my_hook, my_thread_hook
+    signal.signal(signal.SIGTERM, my_handler)
+    events = []
+    crash.install(lambda level, event, **f: events.append(event))
+    crash.install(lambda level, event, **f: events.append(event))  # twice: never chains to itself
+    assert sys.excepthook is crash._sys_hook and threading.excepthook is crash._thread_hook
+    assert signal.getsignal(signal.SIGTERM) is crash._on_sigterm
+    assert crash._prev_sys is my_hook and crash._prev_threading is my_thread_hook
+    crash.uninstall()
+    assert sys.excepthook is my_hook and threading.excepthook is my_thread_hook
+    assert signal.getsignal(signal.SIGTERM) is my_handler
+    assert not crash.is_installed()
+
+
+def test_uninstall_leaves_a_hook_installed_after_ours(clean_hooks):
+    seen = []
+
+    def later(t, e, tb):
+        seen.append(t)
+
+    crash.install(lambda level, event, **f: None)
+    sys.excepthook = later  # somebody replaced ours
+    crash.uninstall()
+    assert sys.excepthook is later
+    # ours, if still called by someone's chain, is a pass-through that writes nothing
+    written = []
+    crash._emit = written.append  # type: ignore[assignment]
+    try:
+        raise ValueError("x")
+    except ValueError as exc:
+        prev = crash._prev_sys
+        crash._prev_sys = lambda *a: seen.append("chained")
+        try:
+            crash._sys_hook(type(exc), exc, exc.__traceback__)
+        finally:
+            crash._prev_sys = prev
+            crash._emit = None
+    assert written == [] and seen == ["chained"]
+
+
+def test_real_thread_exception_in_process(clean_hooks):
+    events = []
+    crash.install(lambda level, event, **f: events.append((level, event, f)), sigterm=False)
+    prev = crash._prev_threading
+    crash._prev_threading = lambda args: None  # keep pytest's output clean
+
+    def work():
+        [][1]
+
+    try:
+        t = threading.Thread(target=work, name="w1")
+        t.start()
+        t.join()
+    finally:
+        crash._prev_threading = prev
+    ((level, event, f),) = events
+    assert (level, event, f["thread"], f["exc_type"]) == ("error", "crash", "w1", "IndexError")
+
+
+def test_record_writes_a_crash_for_a_caught_exception(clean_hooks):
+    events = []
+    crash.install(lambda level, event, **f: events.append(f) or f, sigterm=False)
+    try:
+        int("x")
+    except ValueError as exc:
+        crash.record(exc)
+    assert events[0]["where"] == "record" and events[0]["exc_type"] == "ValueError"
+
+
+# -- the one-line diagnosis --------------------------------------------------------------------------
+
+
+def _frames(*names):
+    return [traceback.FrameSummary("/x/torch/_higher_order_ops/flex_attention.py", 1, n) for n in names]
+
+
+DENSE_BWD = {"event": "flex_call", "path": "dense", "phase": "backward", "layer": "layers.17.self_attn", "cause": "eager_call", "scores_bytes": 2_700_000_000}
+
+
+def test_diagnosis_wording():
+    import torch
+
+    oom = torch.OutOfMemoryError
+    assert crash.diagnose(oom, "CUDA out of memory", DENSE_BWD, _frames("sdpa_dense_backward")) == (
+        "OOM inside dense backward of layers.17.self_attn; the dense score matrix is 2.70 GB in fp32"
+    )
+    autograd = [traceback.FrameSummary("/x/site-packages/torch/autograd/graph.py", 1, "_engine_run_backward")]
+    assert crash.diagnose(oom, "CUDA out of memory", DENSE_BWD, autograd) == (
+        "OOM during backward, right after a dense backward of layers.17.self_attn; the dense score matrix is 2.70 GB in fp32"
+    )
+    fused = dict(DENSE_BWD, path="fused", cause=None)
+    assert crash.diagnose(oom, "x", fused, []) == (
+        "OOM outside FlexAttention; last FlexAttention event: fused backward of layers.17.self_attn; the dense fallback is not the cause"
+    )
+    from fusionguard.errors import DenseFallbackError
+
+    assert crash.diagnose(DenseFallbackError, "x", dict(DENSE_BWD, phase="forward"), []) == (
+        "strict mode blocked a dense forward of layers.17.self_attn (cause eager_call) before it allocated its 2.70 GB fp32 score matrix"
+    )
+    assert crash.diagnose(RuntimeError, "DefaultCPUAllocator: can't allocate memory", None, []) == (
+        "OOM; no FlexAttention event was recorded before it"
+    )
+
+
+# -- the torch subprocesses (started with the module, checked last) --------------------------------
+
+
+def test_oom_inside_a_real_dense_kernel_in_a_worker_thread(runs, capsys):
+    r = runs.get("oom")
+    assert r["rc"] == 1, r["err"]
+    assert "can't allocate memory" in r["err"], "the default threading.excepthook still printed"
+    assert "MY-HOOK-RAN OutOfMemoryError" in r["err"], "the previous sys.excepthook still ran"
+    events = read_jsonl(r["log"])
+    first, second = [e for e in events if e["event"] == "crash"]
+    assert first["level"] == "error" and first["where"] == "threading.excepthook" and first["thread"] == "attn-worker"
+    assert first["exc_type"] == "RuntimeError" and "can't allocate memory" in first["message"]
+    last = first["last_flex"]
+    assert last["event"] == "flex_call" and last["path"] == "dense" and last["phase"] == "forward"
+    assert last["cause"] == "eager_call" and last["scores_bytes"] == 2 ** 38 * 4
+    assert first["diagnosis"].startswith("OOM inside dense forward at ")
+    assert "in attention_worker" in first["diagnosis"]
+    assert first["diagnosis"].endswith("; the dense score matrix is 1.10 TB in fp32")
+    assert any("_math_attention_inner" in f for f in first["frames"])
+    assert "cuda" not in first, "no allocator figures without CUDA"
+
+    # main thread: torch.OutOfMemoryError raised by the program after a small dense call
+    assert second["where"] == "sys.excepthook" and second["thread"] == "MainThread"
+    assert second["exc_type"] == "torch.OutOfMemoryError"
+    assert second["message"] == "CUDA out of memory. Tried to allocate 2.70 GiB"
+    assert second["last_flex"]["path"] == "dense" and second["last_flex"]["seq"] > last["seq"]
+    assert second["diagnosis"].startswith("OOM outside FlexAttention; the last FlexAttention call was a dense forward at ")
+    assert second["diagnosis"].endswith("the dense score matrix is 2.05 KB in fp32")
+    kinds = [e["event"] for e in events]
+    assert kinds.index("crash") < kinds.index("shutdown"), "normal-exit records still follow"
+
+    rc, out, _ = _report(r["log"], capsys=capsys)
+    assert rc == 0
+    assert "ended:    crash (rank 0)" in out
+    assert "CRASH rank 0" in out and "in thread attn-worker" in out
+    assert "diagnosis: OOM inside dense forward" in out
+    first_section = out.split("CRASH", 2)[1]
+    assert "flex_call  (no layer) forward  path=dense  cause=eager_call" in first_section
+    assert "scores=1.10 TB" in first_section
+
+    rc, out, _ = _report(r["log"], "--format", "json", capsys=capsys)
+    rep = json.loads(out)
+    assert [c["crash"]["exc_type"] for c in rep["crashes"]] == ["RuntimeError", "torch.OutOfMemoryError"]
+    assert [e["event"] for e in rep["crashes"][0]["last_events"]] == ["header", "flex_call"]
+
+
+def test_sigterm_writes_shutdown_then_dies_of_sigterm(runs, capsys):
+    r = runs.get("sigterm")
+    assert r["rc"] == -signal.SIGTERM, r["err"]
+    events = read_jsonl(r["log"])  # every line parses: nothing torn
+    last = events[-1]
+    assert last["event"] == "shutdown" and last["reason"] == "sigterm" and last["level"] == "warning"
+    calls = [e for e in events if e["event"] == "flex_call"]
+    assert len(calls) >= 6
+    assert last["counts"]["dense_forward"] >= len(calls)
+    rc, out, _ = _report(r["log"], capsys=capsys)
+    assert rc == 0 and "ended:    sigterm (rank 0)" in out
+    assert "CRASH" not in out and "STOPPED" not in out
+
+
+def test_sigkill_leaves_a_readable_log_that_report_calls_stopped(runs, capsys):
+    r = runs.get("sigkill")
+    assert r["rc"] == -signal.SIGKILL
+    raw = Path(r["log"]).read_bytes()
+    events = read_jsonl(r["log"])  # one os.write per line: every line parses
+    n_calls = sum(e["event"] == "flex_call" for e in events)
+    assert n_calls >= 6 and not any(e["event"] == "shutdown" for e in events)
+    assert raw.endswith(b"\n")
+    rc, out, _ = _report(r["log"], "--last", "4", capsys=capsys)
+    assert rc == 0
+    assert "STOPPED rank 0" in out and "without a shutdown event" in out
+    tail = out.split("last events", 1)[1].strip().splitlines()[1:]
+    assert len(tail) == 4 and all("flex_call" in line for line in tail)
+    assert f"eager_call×{n_calls}" in out
+
+
+def test_sigterm_while_the_main_thread_holds_the_log_lock(tmp_path):
+    """The handler must not deadlock on a lock held by the code it interrupted: it defers the
+    write to a helper thread, which re-delivers SIGTERM once written; then SIG_DFL ends it."""
+    p, events = _run(
+        _EMIT_TO_FILE
+        + """
+import os, signal, time
+LOCK = threading.Lock()
+def locked_emit(level, event, **fields):
+    with LOCK:
+        emit(level, event, **fields)
+crash.install(locked_emit)
+with LOCK:  # as if the signal arrived in the middle of writing an event
+    os.kill(os.getpid(), signal.SIGTERM)
+    for _ in range(3):
+        time.sleep(0.01)
+    print("lock released", flush=True)
+time.sleep(20)
+print("not reached", flush=True)
+""",
+        tmp_path,
+    )
+    assert p.returncode == -signal.SIGTERM
+    assert "lock released" in p.stdout and "not reached" not in p.stdout
+    (event,) = events
+    assert event["event"] == "shutdown" and event["reason"] == "sigterm"

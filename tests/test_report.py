@@ -1,0 +1,453 @@
+"""``fusionguard report`` on real logs (eager dense calls through the guard) and on fabricated
+logs for the events other parts produce (layer_memory, summary, crash), plus the bounded-log
+helpers of fusionguard.log (fused-event sampler, size-based rotation)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import struct
+import subprocess
+import sys
+import tracemalloc
+import warnings
+from pathlib import Path
+
+import pytest
+from torch.nn.attention.flex_attention import flex_attention
+
+from fusionguard import cli, report
+from fusionguard.log import EventLog, FusedSampler
+
+from conftest import ROOT, qkv, read_jsonl
+
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+ROW_KEYS = {
+    "layer", "phase", "dense", "fused", "fused_calls", "compiles", "blocked", "inlined", "causes",
+    "alloc_delta_median", "alloc_delta_max", "peak_delta_median", "peak_delta_max", "memory_samples",
+    "scores_bytes_max", "templates", "first_dense", "first_dense_call_site", "dense_ranks", "fused_ranks",
+}
+TOP_KEYS = {"report_version", "run", "totals", "rows", "ranks", "disagreements", "endings", "crashes", "files", "warnings"}
+SITE = {"file": "train.py", "line": 7, "function": "attention"}
+
+
+def ev(kind, seq, pid=100, rank=0, ts0=1_800_000_000.0, **fields):
+    return {"event": kind, "level": "info", "ts": ts0 + seq, "seq": seq, "pid": pid, "rank": rank, "thread": "MainThread", **fields}
+
+
+def header(pid=100, rank=0, schema=1, host="node1", **extra):
+    cuda = {"available": True, "count": 2, "version": "13.0", "devices": ["NVIDIA H200", "NVIDIA H200"]}
+    return ev(
+        "header", 1, pid=pid, rank=rank, schema=schema, fusionguard="0.1.0", torch="2.13.0", triton="3.6.0",
+        python="3.11.7", hostname=host, cuda=cuda, world_size=2, local_rank=rank, **extra,
+    )
+
+
+def write(path, events, tail=b""):
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as fh:
+        for e in events:
+            fh.write(json.dumps(e).encode() + b"\n")
+        fh.write(tail)
+    return path
+
+
+def run_cli(capsys, *args):
+    rc = cli.main(["report", *map(str, args)])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def as_json(capsys, *args):
+    rc, out, err = run_cli(capsys, *args, "--format", "json")
+    assert rc == 0, err
+    return json.loads(out)
+
+
+# -- a real log ----------------------------------------------------------------------------------
+
+
+def test_report_on_a_real_log_of_eager_dense_calls(guard, capsys):
+    log = guard()
+    q, k, v = qkv(L=16, KV=24)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first_line = sys._getframe().f_lineno + 1
+        flex_attention(q, k, v)
+        flex_attention(q, k, v)
+    import fusionguard
+
+    fusionguard.disable()
+
+    rc, out, _ = run_cli(capsys, log)
+    assert rc == 0
+    assert "DENSE: 2 dense FlexAttention calls in 1 layer/phase pair; causes: eager_call×2" in out
+    assert "ended:    disable (rank 0)" in out and "CRASH" not in out and "STOPPED" not in out
+    site = f"{__file__}:{first_line} in test_report_on_a_real_log_of_eager_dense_calls"
+    table = out.split("first dense call site", 1)[1]
+    assert "(no layer)" in table and "forward" in table and "eager_call×2" in table and site in table
+
+    rep = as_json(capsys, log)
+    assert set(rep) == TOP_KEYS
+    (row,) = rep["rows"]
+    assert set(row) == ROW_KEYS
+    assert (row["layer"], row["phase"], row["dense"], row["fused_calls"]) == ("(no layer)", "forward", 2, None)
+    assert row["causes"] == {"eager_call": 2} and row["scores_bytes_max"] == 1 * 2 * 16 * 24 * 4
+    assert row["first_dense_call_site"] == site
+    assert rep["run"]["versions"][0]["torch"].startswith("2.")
+    assert rep["endings"][0]["ending"] == "disable"
+
+    rc, out, _ = run_cli(capsys, log, "--format", "csv")
+    rows = list(csv.reader(io.StringIO(out)))
+    assert tuple(rows[0]) == report.CSV_COLUMNS
+    got = dict(zip(rows[0], rows[1]))
+    assert got["dense"] == "2" and got["causes"] == "eager_call=2" and got["first_dense_call_site"] == site
+
+    assert cli.main(["report", str(log), "--fail-on-dense"]) == 1
+    capsys.readouterr()
+
+
+# -- per layer, memory, ranks --------------------------------------------------------------------
+
+
+def _two_ranks(tmp_path):
+    r0 = [
+        header(pid=100, rank=0),
+        *[ev("layer_memory", 2 + i, layer="layers.0.attn", phase="forward", path="fused", alloc_delta=a, peak_delta=p)
+          for i, (a, p) in enumerate([(100, 1_000), (300, 9_000), (200, 2_000)])],
+        ev("layer_memory", 5, layer="layers.0.attn", phase="backward", path="fused", alloc_delta=-50, peak_delta=4_000),
+        ev("flex_compile", 6, layer="layers.1.attn", phase="forward", path="fused", template="triton"),
+        ev("layer_memory", 7, layer="layers.1.attn", phase="forward", path="fused", alloc_delta=10, peak_delta=20),
+        ev("shutdown", 8, reason="exit", counts={}),
+    ]
+    r1 = [
+        header(pid=200, rank=1),
+        ev("layer_memory", 2, pid=200, rank=1, layer="layers.0.attn", phase="forward", path="fused", alloc_delta=400, peak_delta=3_000),
+        dict(ev("flex_call", 3, pid=200, rank=1, layer="layers.1.attn", phase="forward", path="dense", cause="recompile_limit",
+                call_site=SITE, scores_bytes=301_989_888, action="warn"), level="warning"),
+        ev("layer_memory", 4, pid=200, rank=1, layer="layers.1.attn", phase="forward", path="dense", alloc_delta=5_000_000, peak_delta=310_000_000),
+        ev("shutdown", 5, pid=200, rank=1, reason="sigterm", counts={}),
+    ]
+    write(tmp_path / "run" / "a" / "fusionguard.rank0.jsonl", r0)
+    write(tmp_path / "run" / "b" / "fusionguard.rank1.jsonl", r1)
+    return tmp_path / "run"
+
+
+def test_per_layer_memory_causes_and_rank_disagreement(tmp_path, capsys):
+    run = _two_ranks(tmp_path)
+    rep = as_json(capsys, run)  # a directory: both files, found recursively
+    assert rep["run"]["files"] == 2 and rep["run"]["ranks"] == [0, 1] and rep["run"]["world_size"] == 2
+    assert rep["run"]["devices"] == {"node1": ["NVIDIA H200", "NVIDIA H200"]}
+    assert rep["run"]["duration_s"] == 7.0
+    rows = {(r["layer"], r["phase"]): r for r in rep["rows"]}
+    assert list(rows) == [("layers.0.attn", "forward"), ("layers.0.attn", "backward"), ("layers.1.attn", "forward")]
+    f0 = rows[("layers.0.attn", "forward")]
+    assert (f0["dense"], f0["fused_calls"], f0["fused"]) == (0, 4, 4)
+    assert (f0["alloc_delta_median"], f0["alloc_delta_max"]) == (250, 400)  # 100 200 300 400
+    assert (f0["peak_delta_median"], f0["peak_delta_max"]) == (2_500, 9_000)
+    assert f0["fused_ranks"] == [0, 1] and f0["dense_ranks"] == []
+    f1 = rows[("layers.1.attn", "forward")]
+    assert (f1["dense"], f1["fused_calls"], f1["compiles"]) == (1, 1, 1)
+    assert f1["causes"] == {"recompile_limit": 1} and f1["templates"] == ["triton"]
+    assert f1["first_dense_call_site"] == "train.py:7 in attention" and f1["first_dense"]["rank"] == 1
+    assert f1["peak_delta_max"] == 310_000_000
+    assert rep["disagreements"] == [{"layer": "layers.1.attn", "phase": "forward", "dense_ranks": [1], "fused_ranks": [0]}]
+    assert rep["ranks"] == [
+        {"rank": 0, "dense_calls": 0, "dense": []},
+        {"rank": 1, "dense_calls": 1, "dense": [{"layer": "layers.1.attn", "phase": "forward", "dense": 1}]},
+    ]
+    assert sorted(e["ending"] for e in rep["endings"]) == ["exit", "sigterm"]
+    assert rep["crashes"] == []
+
+    rc, out, _ = run_cli(capsys, run)
+    assert "ranks 0-1 of world size 2" in out and "node1: 2× NVIDIA H200" in out
+    assert "rank 1: 1 dense: layers.1.attn forward ×1" in out and "rank 0: no dense" in out
+    assert "layers.1.attn forward: dense on rank 1, fused on rank 0" in out
+    line = next(l for l in out.splitlines() if l.startswith("layers.0.attn  forward"))
+    assert "250 B / 400 B" in line and "2.50 KB / 9.00 KB" in line
+
+
+def test_plot_is_a_png_of_plausible_size(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    run = _two_ranks(tmp_path)
+    png = tmp_path / "layers.png"
+    rc, out, err = run_cli(capsys, run, "--plot", png)
+    assert rc == 0 and "plot written to" in err
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", data[16:24])
+    assert 700 <= width <= 4000 and 400 <= height <= 1000
+    assert 15_000 < len(data) < 1_000_000
+
+
+def test_plot_without_matplotlib_says_how_to_get_it(tmp_path, capsys, monkeypatch):
+    run = _two_ranks(tmp_path)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
+    png = tmp_path / "x.png"
+    rc, out, err = run_cli(capsys, run, "--plot", png)
+    assert rc == 2 and out == ""
+    assert "--plot needs matplotlib" in err and "pip install 'fusionguard[plot]'" in err
+    assert not png.exists()
+
+
+# -- summary rows and sampled counters -------------------------------------------------------------
+
+
+def test_summary_rows_and_fused_call_counters(tmp_path, capsys):
+    events = [
+        header(),
+        ev("layer_memory", 2, layer="layers.0", phase="forward", path="fused", alloc_delta=1, peak_delta=10),
+        ev("fused_calls", 3, layer="layers.0", phase="forward", path="fused", of="layer_memory", count=999, total=1000,
+           alloc_delta_max=7, alloc_delta_last=2, peak_delta_max=77, peak_delta_last=20),
+        # all of layers.5's calls were sampled out: only the process's own summary knows them
+        ev("summary", 4, rows=[
+            {"layer": "layers.5", "phase": "backward", "calls": 40, "dense": 40, "fused": 0, "causes": {"eager_call": 40},
+             "alloc_delta_last": 5, "alloc_delta_max": 6, "peak_delta_last": 8e9, "peak_delta_max": 9e9, "scores_bytes": 2_700_000_000, "rank": 0},
+            {"layer": "layers.0", "phase": "forward", "calls": 1000, "dense": 0, "fused": 1000, "causes": {}, "rank": 0},
+            {"layer": "layers.0", "phase": "forward", "calls": 10, "dense": 10, "fused": 0, "causes": {"graph_break": 10}, "rank": 3},
+        ]),
+        ev("shutdown", 5, reason="exit"),
+    ]
+    rep = as_json(capsys, write(tmp_path / "fg.jsonl", events))
+    rows = {(r["layer"], r["phase"]): r for r in rep["rows"]}
+    l0 = rows[("layers.0", "forward")]
+    assert l0["fused_calls"] == 1000 + 10 * 0 and l0["dense"] == 10  # rank 3's gathered row counts
+    assert l0["alloc_delta_max"] == 7 and l0["peak_delta_max"] == 77
+    assert l0["dense_ranks"] == [3] and l0["fused_ranks"] == [0]
+    l5 = rows[("layers.5", "backward")]
+    assert (l5["dense"], l5["causes"], l5["peak_delta_max"], l5["scores_bytes_max"]) == (40, {"eager_call": 40}, 9e9, 2_700_000_000)
+    assert {e["rank"]: e["ending"] for e in rep["endings"]} == {0: "exit", 3: "summary only"}
+
+
+# -- how the run ended ---------------------------------------------------------------------------
+
+
+def test_crash_section_shows_the_events_before_the_crash(tmp_path, capsys):
+    events = [header()] + [
+        dict(ev("flex_call", s, layer=f"layers.{s}", phase="backward", path="dense", cause="eager_call", scores_bytes=2_700_000_000), level="warning")
+        for s in range(2, 16)
+    ]
+    crash = dict(
+        ev("crash", 16, exc_type="torch.OutOfMemoryError", message="CUDA out of memory. Tried to allocate 2.70 GiB\nmore",
+           where="sys.excepthook", diagnosis="OOM inside dense backward of layers.15; the dense score matrix is 2.70 GB in fp32",
+           last_flex={"event": "flex_call", "layer": "layers.15", "phase": "backward", "path": "dense", "cause": "eager_call", "scores_bytes": 2_700_000_000},
+           cuda={"device": 0, "allocated": 120_000_000_000, "reserved": 130_000_000_000, "peak": 139_000_000_000},
+           frames=["train.py:40 in step"]),
+        level="error",
+    )
+    events += [crash, ev("summary", 17, rows=[]), ev("shutdown", 18, reason="exit")]
+    rep = as_json(capsys, write(tmp_path / "fg.jsonl", events))
+    (c,) = rep["crashes"]
+    assert c["kind"] == "crash" and c["crash"]["exc_type"] == "torch.OutOfMemoryError"
+    assert [e["seq"] for e in c["last_events"]] == list(range(6, 16))
+    assert rep["endings"][0]["ending"] == "crash"
+
+    rc, out, _ = run_cli(capsys, tmp_path / "fg.jsonl")
+    section = out.split("CRASH rank 0 (pid 100 on node1)", 1)[1]
+    assert "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.70 GiB\n" in section
+    assert "diagnosis: OOM inside dense backward of layers.15" in section
+    assert "CUDA memory: allocated 120.00 GB, reserved 130.00 GB, peak 139.00 GB" in section
+    lines = section.split("before the crash", 1)[1].splitlines()[1:]
+    assert len(lines) == 10
+    assert lines[0].split()[:3] == ["-10.000s", "seq", "6"] and "layers.6 backward" in lines[0]
+    assert lines[-1].split()[:3] == ["-1.000s", "seq", "15"]
+
+
+def test_a_worker_thread_crash_does_not_end_the_run(tmp_path, capsys):
+    events = [
+        header(),
+        dict(ev("crash", 2, thread="loader-3", where="threading.excepthook", exc_type="KeyError", message="'img'",
+                diagnosis="KeyError; no FlexAttention event was recorded before it"), level="error"),
+        ev("shutdown", 3, reason="exit"),
+    ]
+    rep = as_json(capsys, write(tmp_path / "fg.jsonl", events))
+    assert rep["endings"][0]["ending"] == "exit after thread crash"
+    assert [c["kind"] for c in rep["crashes"]] == ["crash"]
+    rc, out, _ = run_cli(capsys, tmp_path / "fg.jsonl")
+    assert "ended:    exit after thread crash (rank 0)" in out
+    assert "CRASH rank 0 (pid 100 on node1) in thread loader-3" in out and "KeyError: 'img'" in out
+
+
+def test_a_log_that_just_stops(tmp_path, capsys):
+    events = [header()] + [ev("flex_compile", s, layer="l", phase="forward", path="fused", template="cpp") for s in range(2, 9)]
+    rc, out, _ = run_cli(capsys, write(tmp_path / "fg.jsonl", events), "--last", "3")
+    assert rc == 0 and "ended:    stopped (rank 0)" in out
+    assert "STOPPED rank 0 (pid 100 on node1): the log ends at" in out and "without a shutdown event" in out
+    lines = out.split("last events (time relative to the last event):", 1)[1].strip().splitlines()
+    assert [l.split()[2] for l in lines] == ["6", "7", "8"]
+    assert "OK: no dense FlexAttention" in out
+
+
+# -- malformed input ---------------------------------------------------------------------------------
+
+
+def test_torn_corrupt_foreign_and_unknown_lines_are_counted_never_fatal(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(report, "MAX_LINE", 512)
+    path = tmp_path / "fg.jsonl"
+    good = [header(), dict(ev("flex_call", 2, phase="forward", path="dense", cause="eager_call"), level="warning")]
+    with open(path, "wb") as fh:
+        for e in good:
+            fh.write(json.dumps(e).encode() + b"\n")
+        fh.write(b'{"event": "flex_call", "pha\n')  # line 3: a torn line that a restart closed
+        fh.write(b"\n   \n")  # blank lines: nothing
+        fh.write(b"[1, 2]\n")  # line 6: JSON, not an event
+        fh.write(b"\xff\xfe not utf-8\n")  # line 7
+        fh.write(b'{"event": "x", "pad": "' + b"a" * 2000 + b'"}\n')  # line 8: longer than MAX_LINE
+        fh.write(json.dumps(ev("from_the_future", 9, shiny=True)).encode() + b"\n")
+        fh.write(json.dumps(dict(ev("flex_call", 10, phase="backward", path="dense", cause="eager_call"), level="warning")).encode() + b"\n")
+        fh.write(b'{"event": "flex_call", "seq": 11, "ph')  # torn last line: the crash
+    rep = as_json(capsys, path)
+    (f,) = rep["files"]
+    assert (f["corrupt_lines"], f["first_corrupt_lines"], f["torn_last_line"], f["oversized_lines"]) == (4, [3, 6, 7, 8], True, 1)
+    assert f["events"] == 4 and rep["totals"]["dense_calls"] == 2
+    w = " | ".join(rep["warnings"])
+    assert "4 corrupt lines skipped (fg.jsonl:3, fg.jsonl:6, fg.jsonl:7, fg.jsonl:8)" in w
+    assert "torn last line" in w and "unknown event kinds ignored: from_the_future (1)" in w
+    rc, out, _ = run_cli(capsys, path)
+    assert rc == 0 and "warning:  4 corrupt lines skipped" in out and "STOPPED" in out
+
+
+def test_mixed_schema_versions(tmp_path, capsys):
+    write(tmp_path / "d" / "a.jsonl", [header(pid=1), dict(ev("flex_call", 2, pid=1, phase="forward", path="dense", cause="eager_call"))])
+    write(tmp_path / "d" / "b.jsonl", [header(pid=2, schema=2, new_field={"x": 1}), dict(ev("flex_call", 2, pid=2, phase="forward", path="dense", cause="graph_break", extra=[1]))])
+    write(tmp_path / "d" / "c.jsonl", [dict(ev("flex_call", 5, pid=3, phase="forward", path="dense", cause="eager_call"))])  # no header
+    rep = as_json(capsys, tmp_path / "d")
+    assert rep["run"]["schemas"] == {"1": 1, "2": 1, "none": 1}
+    w = " | ".join(rep["warnings"])
+    assert "mixed schema versions: 1 (1 file), 2 (1 file), none (1 file)" in w
+    assert "schema 2 is newer than this report understands (1)" in w
+    assert rep["rows"][0]["dense"] == 3 and rep["rows"][0]["causes"] == {"eager_call": 2, "graph_break": 1}
+
+
+def test_empty_file_empty_directory_missing_path(tmp_path, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_bytes(b"")
+    rc, out, err = run_cli(capsys, empty)
+    assert rc == 0 and "No events in the input." in out and "1 file without events: empty.jsonl" in out
+
+    (tmp_path / "nologs").mkdir()
+    (tmp_path / "nologs" / "notes.txt").write_text("hi")
+    rc, out, err = run_cli(capsys, tmp_path / "nologs")
+    assert rc == 2 and out == "" and f"no fusionguard logs (*.jsonl) in directory {tmp_path / 'nologs'}" in err
+
+    rc, out, err = run_cli(capsys, tmp_path / "missing.jsonl")
+    assert rc == 2 and "no such file or directory" in err
+
+    assert cli.main(["report"]) == 2  # argparse: PATH is required
+    assert cli.main([]) == 2
+    capsys.readouterr()
+
+
+# -- bounded logs: sampler and rotation (fusionguard.log) ---------------------------------------------
+
+
+def test_sampler_keeps_first_events_then_counters_and_loses_no_call(tmp_path, capsys):
+    path = tmp_path / "fg.jsonl"
+    log = EventLog()
+    log.sampler = FusedSampler(first=3, every=100)
+    log.open(str(path), fsync=False)
+    log.emit("info", "header", schema=1, hostname="h")
+    for i in range(500):
+        for layer in ("layers.0", "layers.1"):
+            peak = 10_000 if (layer, i) == ("layers.1", 250) else i  # the spike is in a dropped event
+            log.emit("info", "layer_memory", layer=layer, phase="forward", path="fused", alloc_delta=i, peak_delta=peak)
+    log.emit("warning", "flex_call", layer="layers.0", phase="forward", path="dense", cause="eager_call")
+    log.emit("info", "flex_compile", layer="layers.0", phase="forward", path="fused", template="cpp")
+    log.emit("info", "layer_memory", layer="layers.0", phase="forward", path="dense", alloc_delta=1, peak_delta=1)
+    log.emit("info", "shutdown", reason="exit")  # flushes the pending counters first
+    log.close()
+    events = read_jsonl(path)
+    kinds = [e["event"] for e in events]
+    assert kinds.count("layer_memory") == 3 * 2 + 1 and kinds.count("flex_call") == 1 and kinds.count("flex_compile") == 1
+    counters = [e for e in events if e["event"] == "fused_calls"]
+    assert [c["count"] for c in counters if c["layer"] == "layers.1"] == [100, 100, 100, 100, 97]
+    assert max(c["peak_delta_max"] for c in counters if c["layer"] == "layers.1") == 10_000
+    assert kinds.index("shutdown") == len(kinds) - 1
+    rep = as_json(capsys, path)
+    rows = {(r["layer"], r["phase"]): r for r in rep["rows"]}
+    assert rows[("layers.1", "forward")]["fused_calls"] == 500
+    assert rows[("layers.1", "forward")]["peak_delta_max"] == 10_000
+    assert rows[("layers.0", "forward")]["dense"] == 1
+
+    keep = tmp_path / "all.jsonl"
+    log = EventLog()
+    log.sampler = FusedSampler(keep_all=True)
+    log.open(str(keep), fsync=False)
+    for i in range(300):
+        log.emit("info", "layer_memory", layer="l", phase="forward", path="fused", alloc_delta=i, peak_delta=i)
+    log.close()
+    assert len(read_jsonl(keep)) == 300
+
+
+def test_size_rotation_keeps_backups_and_report_reads_them_in_order(tmp_path, capsys):
+    path = tmp_path / "logs" / "fg.jsonl"
+    log = EventLog()
+    log.open(str(path), fsync=False, max_bytes=4000, backups=2)
+    log.emit("info", "header", schema=1, hostname="h", fusionguard="0.1.0", torch="2.13.0", triton=None, python="3")
+    for i in range(300):
+        log.emit("warning", "flex_call", layer=f"layers.{i % 4}", phase="forward", path="dense", cause="eager_call")
+    log.emit("info", "shutdown", reason="disable")
+    rotations = log.sink.rotations
+    log.close()
+    parts = sorted(p.name for p in path.parent.iterdir())
+    assert parts == ["fg.jsonl", "fg.jsonl.1", "fg.jsonl.2"] and rotations > 3
+    kept = []
+    for name in ("fg.jsonl.2", "fg.jsonl.1", "fg.jsonl"):
+        p = path.parent / name
+        assert p.stat().st_size <= 4000
+        events = read_jsonl(p)
+        assert events[0]["event"] == "header"
+        if name != "fg.jsonl.2":
+            assert events[0]["rotated"] is True
+        kept += [e for e in events if e["event"] != "header"]
+    seqs = [e["seq"] for e in kept]
+    assert seqs == sorted(seqs) and seqs[-1] == 302, "oldest part first, nothing out of order"
+    rep = as_json(capsys, path)  # the file alone: its rotated parts are named, not read
+    assert len(rep["files"]) == 1
+    assert "fg.jsonl has rotated parts (fg.jsonl.1 ...) that were not read: pass its directory" in rep["warnings"][0]
+    rep = as_json(capsys, path.parent)
+    assert [f["path"].rsplit("/", 1)[1] for f in rep["files"]] == ["fg.jsonl.2", "fg.jsonl.1", "fg.jsonl"]
+    assert rep["totals"]["dense_calls"] == len(kept) - 1
+    assert rep["endings"][0]["ending"] == "disable"
+
+
+# -- bounded memory, entry points ------------------------------------------------------------------
+
+
+def test_reading_is_streaming_and_bounded(tmp_path):
+    path = tmp_path / "big.jsonl"
+    with open(path, "w") as fh:
+        for s in range(30_000):
+            e = ev("layer_memory", s, layer=f"layers.{s % 8}", phase="forward", path="fused", alloc_delta=s, peak_delta=s * 2, pad="x" * 150)
+            fh.write(json.dumps(e) + "\n")
+    size = path.stat().st_size
+    tracemalloc.start()
+    try:
+        rep = report.build([str(path)])
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert rep["totals"]["fused_calls"] == 30_000
+    assert rep["rows"][0]["alloc_delta_max"] == 29_992 and rep["rows"][0]["memory_samples"] == 3_750
+    assert peak < size / 3 and peak < 3_000_000, (peak, size)
+    r = report.Reservoir(cap=100)
+    for x in range(10_000):
+        r.add(x)
+    assert len(r.sample) == 100 and r.max == 9_999 and 2_500 < r.median() < 7_500
+
+
+def test_python_dash_m_and_console_script(tmp_path):
+    path = write(tmp_path / "fg.jsonl", [header(), dict(ev("flex_call", 2, phase="forward", path="dense", cause="eager_call"))])
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-m", "fusionguard", "report", str(path), "--format", "csv"], capture_output=True, text=True, env=env, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines()[0] == ",".join(report.CSV_COLUMNS)
+    script = Path(sys.executable).parent / "fusionguard"
+    if not script.exists():
+        pytest.skip("console script not installed in this environment")
+    p = subprocess.run([str(script), "report", str(path), "--fail-on-dense"], capture_output=True, text=True, env=env, timeout=60)
+    assert p.returncode == 1 and "DENSE: 1 dense FlexAttention call in 1 layer/phase pair" in p.stdout
