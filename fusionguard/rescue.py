@@ -90,6 +90,15 @@ def _out_only(inductor: Any, gm: Any, example_inputs: Any) -> Any:
     return run
 
 
+def _dynamic_ok() -> Any:
+    try:
+        import torch._dynamo
+
+        return torch._dynamo.config.patch(automatic_dynamic_shapes=True)
+    except Exception:
+        return contextlib.nullcontext()
+
+
 def _caller(frame: Any) -> Any:
     """Skip contextlib's frames (we run inside a generator-based context manager)."""
     f = frame
@@ -162,7 +171,10 @@ def make_setup_env_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
             }
             token = RESCUING.set(record)
             try:
-                yield rescue_backend
+                # A user's torch.compile(dynamic=False) around a frame that slid to eager is still
+                # in force here: without this, every new sequence length would recompile.
+                with _dynamic_ok():
+                    yield rescue_backend
             finally:
                 RESCUING.reset(token)
                 try:

@@ -77,3 +77,20 @@ def test_rescue_off_by_default(guard, math_spy):
     with pytest.warns(fusionguard.DenseFallbackWarning):
         flex_attention(*shapes(64), enable_gqa=True)
     assert len(math_spy) == 1
+
+
+def test_recompile_limit_slide_is_rescued_with_few_compiles(guard, dynamo_reset, dynamo_config):
+    """The seed's failure: dynamic=False, a new length per step, the recompile limit hit."""
+    dynamo_config(recompile_limit=1)
+    guard(strict=True, rescue=True)
+
+    def attention(q, k, v):
+        return flex_attention(q, k, v, enable_gqa=True)
+
+    attn = torch.compile(attention, dynamic=False)
+    for L in (64, 48, 80, 96, 112):
+        attn(*shapes(L))
+    rescued = [e for e in flex_events() if e["path"] == "rescued"]
+    assert {e["cause"] for e in rescued} == {"recompile_limit"} and len(rescued) == 4
+    assert sum(1 for e in rescued if e["compiled"]) <= 2
+    assert any(e["event"] == "recompile_limit" for e in fusionguard.events())
