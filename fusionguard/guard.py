@@ -84,20 +84,18 @@ def _note_inlined(phase: str) -> int:
     return token
 
 
-def _note_inlined_forward() -> int:
-    try:
-        return _note_inlined("forward")
-    except Exception as exc:
-        internal_error("inlined dense note", exc)
-        return 0
+def _make_note(phase: str) -> Callable[[], int]:
+    # No arguments: Dynamo calls an assume_constant_result function at trace time and bakes in
+    # the result, so the phase is closed over, not passed.
+    def note() -> int:
+        try:
+            return _note_inlined(phase)
+        except Exception as exc:
+            internal_error("inlined dense note", exc)
+            return 0
 
-
-def _note_inlined_backward() -> int:
-    try:
-        return _note_inlined("backward")
-    except Exception as exc:
-        internal_error("inlined dense note", exc)
-        return 0
+    note.__name__ = f"fusionguard_note_inlined_{phase}"
+    return note
 
 
 def _dense_out_of_graph(token: int, phase: str, *args: Any, **kwargs: Any) -> Any:
@@ -110,7 +108,7 @@ def _dense_out_of_graph(token: int, phase: str, *args: Any, **kwargs: Any) -> An
 
 
 _WRAPPERS: Dict[str, Callable[..., Any]] = {}
-_NOTE = {"forward": _note_inlined_forward, "backward": _note_inlined_backward}
+_NOTE = {phase: _make_note(phase) for phase in ("forward", "backward")}
 try:  # trace-time hook and out-of-graph call, both Dynamo's own mechanisms
     _NOTE = {k: torch._dynamo.assume_constant_result(v) for k, v in _NOTE.items()}
     _dense_out_of_graph_disabled = torch._dynamo.disable(_dense_out_of_graph)
