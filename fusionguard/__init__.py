@@ -212,6 +212,9 @@ def enable(
         STATE.log.flush_sampler()
         STATE.log.sampler = FusedSampler(first=config.fused_first, every=config.fused_every, keep_all=config.keep_all)
         STATE.log.on_sink_error = _on_sink_error
+        from .log import to_torch_trace
+
+        STATE.log.mirror = to_torch_trace
         first = not STATE.enabled
         if first:
             STATE.not_patched = {}
@@ -269,6 +272,7 @@ def disable() -> None:
             return
         STATE.enabled = False
         STATE.patches.remove_all()
+        STATE.log.mirror = None
         SIGNALS.remove()
         from . import crash
 

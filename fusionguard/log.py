@@ -331,6 +331,7 @@ class EventLog:
         self._header: Optional[dict] = None  # the last header, copied at the top of rotated files
         self._local = threading.local()
         self._emit_lock = threading.RLock()
+        self.mirror: Optional[Callable[[dict], None]] = None  # e.g. to PyTorch's structured trace
         self.on_sink_error: Optional[Callable[[BaseException], None]] = None
         self._logger = structlog.wrap_logger(
             _SinkLogger(self),
@@ -431,7 +432,36 @@ class EventLog:
             method(event, **fields)
         last = local.last
         local.last = None
+        mirror = self.mirror
+        if mirror is not None and last:
+            mirror(last)
         return last if last is not None else {}
+
+
+TRACE_EVENTS = frozenset(
+    {"flex_call", "flex_compile", "flex_inlined", "recompile_limit", "compile_error", "graph_break", "rescue_failed"}
+)
+
+
+def to_torch_trace(event: dict) -> None:
+    """Put a verdict into PyTorch's structured trace (TORCH_TRACE), next to the compile that
+    caused it, so tlparse shows it. A no-op unless the trace is on; never raises."""
+    if event.get("event") not in TRACE_EVENTS:
+        return
+    try:
+        from torch._logging._internal import trace_log
+        from torch._logging import trace_structured
+
+        if not trace_log.handlers:
+            return
+        name = f"fusionguard_{event['event']}"
+        trace_structured(
+            "artifact",
+            metadata_fn=lambda: {"name": name, "encoding": "json"},
+            payload_fn=lambda: dumps(event),
+        )
+    except Exception:
+        pass
 
 
 def header_fields(patched: list, not_patched: dict, config: dict) -> dict:

@@ -171,3 +171,25 @@ def test_allowed_dense_is_logged_as_allowed(guard):
         flex_attention(*qkv())
     e = only_cause()
     assert e["allowed"] is True and e["cause"] == "eager_call"
+
+
+def test_verdicts_go_into_torch_trace(tmp_path):
+    """With TORCH_TRACE on, tlparse sees fusionguard's verdicts next to the compiles."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    code = (
+        "import sys, torch, warnings; sys.path.insert(0, %r)\n"
+        "import fusionguard\n"
+        "from torch.nn.attention.flex_attention import flex_attention\n"
+        "fusionguard.enable(log_path=False)\n"
+        "warnings.simplefilter('ignore')\n"
+        "flex_attention(torch.randn(1, 2, 16, 8), torch.randn(1, 2, 16, 8), torch.randn(1, 2, 16, 8))\n"
+    ) % str(ROOT)
+    env = dict(__import__("os").environ, TORCH_TRACE=str(tmp_path / "trace"))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    text = "".join(p.read_text() for p in (tmp_path / "trace").glob("*"))
+    assert "fusionguard_flex_call" in text and "eager_call" in text
