@@ -55,7 +55,14 @@ def main() -> None:
     mark(out, rank, "enabled")
 
     if scenario == "both":
-        attention(16 + 8 * rank)
+
+        class Attn(torch.nn.Module):
+            def forward(self, q_len):
+                return attention(q_len)
+
+        model = torch.nn.ModuleDict({"attn": Attn()})
+        with fusionguard.watch(model):
+            model["attn"](16 + 8 * rank)
     elif scenario == "rank1":
         if rank == 1:
             attention(16)
@@ -80,8 +87,10 @@ def main() -> None:
         "pid": os.getpid(),
     }
     gathered = gather_to_rank0(mine)
+    rows = fusionguard.summary(all_ranks=True)  # a collective: every rank calls it
     if rank == 0:
         (out / "gathered.json").write_text(json.dumps(gathered))
+        (out / "all_ranks.json").write_text(json.dumps(list(rows), default=str))
     else:
         assert gathered is None, gathered
     mark(out, rank, "done")

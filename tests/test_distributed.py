@@ -112,6 +112,12 @@ def test_every_rank_dense_one_log_per_rank_and_gather(tmp_path):
         assert g["alone"] == [{"rank": rank}], "no process group yet: [obj]"
         assert g["dense"] == [flex_calls(logs[rank])[0]["seq"]]
         assert (tmp_path / "logs" / f"fusionguard.rank{rank}.pid{g['pid']}.jsonl").exists()
+    # summary(all_ranks=True): rank 0 holds every rank's per-layer rows
+    rows = json.loads((tmp_path / "all_ranks.json").read_text())
+    assert sorted((r["rank"], r["layer"], r["phase"], r["dense"]) for r in rows) == [
+        (0, "attn", "forward", 1),
+        (1, "attn", "forward", 1),
+    ]
 
 
 @torchrun
