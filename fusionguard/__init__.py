@@ -219,6 +219,8 @@ def enable(
         if first:
             STATE.not_patched = {}
             _install_patches()
+            for name, why in STATE.not_patched.items():
+                write_stderr(f"fusionguard: could not patch {name} ({why}); that part is not guarded\n")
         if reopen or first:
             STATE.log.close()
             if config.log_path is not None:
