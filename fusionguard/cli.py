@@ -1,4 +1,4 @@
-"""Command line: ``fusionguard report PATH...`` (also ``python -m fusionguard report``).
+"""Command line: ``fusionguard report PATH...`` and ``fusionguard doctor`` (also ``python -m fusionguard``).
 
 Exit status: 0 done; 1 ``--fail-on-dense`` and dense calls were found; 2 bad input (a missing
 path, a directory without logs), a bad option, or ``--plot`` without matplotlib.
@@ -29,7 +29,34 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--last", type=int, default=10, metavar="N", help="events shown before a crash or stop (default 10)")
     r.add_argument("-o", "--output", metavar="FILE", help="write the report here instead of stdout")
     r.add_argument("--fail-on-dense", action="store_true", help="exit status 1 when any dense FlexAttention call is in the logs")
+    d = sub.add_parser(
+        "doctor",
+        help="check that this machine's torch.compile fuses FlexAttention forward and backward",
+        description="Run eager vs torch.compile(flex_attention), without and with a causal BlockMask, "
+        "with GQA, forward and backward (CPU: inference only); print what fusionguard logged and the "
+        "peak memory of each, then FUSED - OK (exit 0) or what failed (exit 1).",
+    )
+    d.add_argument("--shape", metavar="B,HQ,HKV,Q,KV,D", help="default: the seed shape 1,32,8,2048,10240,128 on a GPU with room, smaller otherwise")
+    d.add_argument("--device", help="cuda, cuda:1, cpu (default: cuda if available)")
     return p
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    shape = None
+    if args.shape:
+        try:
+            shape = tuple(int(x) for x in args.shape.split(","))
+            if len(shape) != 6 or min(shape) < 1:
+                raise ValueError
+        except ValueError:
+            sys.stderr.write("fusionguard doctor: --shape takes six positive integers B,HQ,HKV,Q,KV,D\n")
+            return 2
+        if shape[1] % shape[2]:
+            sys.stderr.write("fusionguard doctor: HQ must be a multiple of HKV (GQA)\n")
+            return 2
+    from . import doctor
+
+    return doctor.main(shape=shape, device=args.device)
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -76,6 +103,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return int(exc.code or 0)
     if args.command == "report":
         return _report(args)
+    if args.command == "doctor":
+        return _doctor(args)
     parser.print_help(sys.stderr)
     return 2
 

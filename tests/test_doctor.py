@@ -1,0 +1,36 @@
+"""`fusionguard doctor` on CPU: inference only, eager dense vs compiled fused, exit status."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+
+def test_doctor_on_cpu_says_fused_ok():
+    proc = subprocess.run(
+        [sys.executable, "-m", "fusionguard", "doctor", "--shape", "1,4,2,64,64,8", "--device", "cpu"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[-1] == "FUSED - OK"
+    assert any("torch 2." in ln for ln in lines[:3])
+    eager = [ln for ln in lines if ln.strip().startswith("eager")]
+    compiled = [ln for ln in lines if ln.strip().startswith("compiled")]
+    assert len(eager) == len(compiled) == 2
+    assert all("dense (eager_call)" in ln for ln in eager)
+    assert all("fused (cpp)" in ln for ln in compiled)
+
+
+@pytest.mark.parametrize("shape", ["1,2,3", "1,3,2,64,64,8", "a,b,c,d,e,f"])
+def test_doctor_rejects_bad_shapes(shape):
+    proc = subprocess.run(
+        [sys.executable, "-m", "fusionguard", "doctor", "--shape", shape], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert proc.returncode == 2 and "--shape" in proc.stderr or "GQA" in proc.stderr
