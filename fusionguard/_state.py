@@ -60,9 +60,9 @@ ALLOW_DENSE: contextvars.ContextVar[bool] = contextvars.ContextVar("fusionguard_
 _COUNT_LOCK = threading.Lock()
 
 
-def count(key: str) -> None:
+def count(key: str, n: int = 1) -> None:
     with _COUNT_LOCK:
-        STATE.counts[key] = STATE.counts.get(key, 0) + 1
+        STATE.counts[key] = STATE.counts.get(key, 0) + n
 
 
 def write_stderr(text: str) -> None:

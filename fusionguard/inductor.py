@@ -204,7 +204,7 @@ def _parse_graph(text: str) -> List[Dict[str, Any]]:
     return calls
 
 
-def record_compiled_graph(compiled: Any) -> None:
+def record_compiled_graph(compiled: Any) -> List[Dict[str, Any]]:
     from .guard import scores_bytes
 
     text = getattr(compiled, "inductor_post_grad_graph_str", None) or getattr(compiled, "runnable_graph_str", None) or ""
@@ -228,6 +228,7 @@ def record_compiled_graph(compiled: Any) -> None:
         source = "cache"
         for r in records:
             by_phase.setdefault(r.get("phase"), []).append(r)
+    emitted: List[Dict[str, Any]] = []
     for call in calls:
         rec = by_phase.get(call["phase"], [])
         lowering = rec.pop(0) if rec else None
@@ -239,6 +240,7 @@ def record_compiled_graph(compiled: Any) -> None:
         except Exception:
             size = None
         count(f"fused_compile_{call['phase']}")
+        emitted.append({"phase": call["phase"], "layer": (lowering or {}).get("layer") or around, "template": template, "graph": graph})
         STATE.log.emit(
             "info",
             "flex_compile",
@@ -257,6 +259,7 @@ def record_compiled_graph(compiled: Any) -> None:
             scores_bytes=size,
             call_site=site,
         )
+    return emitted
 
 
 def _sidecar_path(graph: Optional[str]) -> Optional[str]:
@@ -307,12 +310,56 @@ def _template_from_source(compiled: Any, device: Optional[str]) -> str:
     return "triton"
 
 
+def count_runs(compiled: Any, records: List[Dict[str, Any]]) -> None:
+    """Per-call evidence for a compiled graph holding fused FlexAttention: count its executions.
+
+    The fused kernels run without any Python call into the operator, but every execution of the
+    compiled graph goes through ``CompiledFxGraph.current_callable`` (also a CUDA-graph replay,
+    which is started from there). Wrapping that one callable costs one Python call per graph
+    execution, not per kernel, and never changes which launcher runs. Each execution logs a
+    ``flex_run`` event (sampled like every fused per-call event: the first few per layer and
+    phase, then counters) with the number of fused FlexAttention calls it made."""
+    fn = getattr(compiled, "current_callable", None)
+    if fn is None or getattr(fn, "_fusionguard_records", None) is not None or not records:
+        return
+    per_phase: Dict[str, List[Dict[str, Any]]] = {}
+    for r in records:
+        per_phase.setdefault(r["phase"], []).append(r)
+    summaries = [
+        {
+            "phase": phase,
+            "flex_calls": len(rs),
+            "layer": rs[0].get("layer") if len({r.get("layer") for r in rs}) == 1 else None,
+            "layers": sorted({r.get("layer") for r in rs if r.get("layer")}) or None,
+            "template": rs[0].get("template"),
+            "graph": rs[0].get("graph"),
+            "cudagraphs": bool(getattr(compiled, "cudagraph_info", None)) or None,
+        }
+        for phase, rs in per_phase.items()
+    ]
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        out = fn(*args, **kwargs)
+        if STATE.enabled:
+            try:
+                for s in summaries:
+                    count(f"fused_runs_{s['phase']}", s["flex_calls"])
+                    STATE.log.emit("info", "flex_run", path="fused", traced=True, cause=None, **s)
+            except Exception as exc:
+                internal_error("fused run count", exc)
+        return out
+
+    counted._fusionguard_records = summaries  # type: ignore[attr-defined]
+    counted.__wrapped__ = fn  # type: ignore[attr-defined]
+    compiled.current_callable = counted
+
+
 def make_post_compile_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     def post_compile(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
         if STATE.enabled:
             try:
-                record_compiled_graph(self)
+                count_runs(self, record_compiled_graph(self))
             except Exception as exc:
                 internal_error("inductor post_compile record", exc)
         return result

@@ -132,3 +132,20 @@ def test_fused_record_survives_inductor_caches_across_processes(tmp_path):
         assert rec["q_shape"] == [1, 4, 64, 8]
         assert rec["call_site"]["file"] == str(script)  # the cache hit reads what the lowering kept
     assert records[0]["graph"] == records[1]["graph"]
+
+
+@pytest.mark.slow
+def test_every_fused_execution_is_counted(guard, dynamo_reset):
+    """Per-call evidence without Python in the kernels: each compiled-graph execution counts."""
+    guard(fused_first=2, fused_every=5)
+    q, k, v = qkv(L=64, HQ=4, HKV=2)
+    fn = torch.compile(lambda q, k, v: flex_attention(q, k, v, enable_gqa=True))
+    for _ in range(12):
+        fn(q, k, v)
+    from fusionguard import _state
+
+    assert _state.STATE.counts["fused_runs_forward"] == 12
+    kept = flex_events("flex_run")
+    assert len(kept) == 2 and kept[0]["template"] == "cpp" and kept[0]["flex_calls"] == 1
+    counters = flex_events("fused_calls")
+    assert sum(c["count"] for c in counters) == 10 and counters[-1]["total"] == 12

@@ -200,3 +200,17 @@ def test_fused_records_from_inductor_cache_in_a_new_process(tmp_path):
         assert all(r["template"].startswith("triton") for r in recs)
         sources.append({r["source"] for r in recs})
     assert sources == [{"lowering"}, {"cache"}]
+
+
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_fused_forward_and_backward_runs_are_counted(guard, dynamo_reset, mode):
+    from fusionguard import _state
+
+    guard(strict=True)
+    fn = torch.compile(flex_attention, mode=mode) if mode else torch.compile(flex_attention)
+    for _ in range(4):
+        q, k, v, mask = make()
+        step(fn, q, k, v, mask)
+    assert _state.STATE.counts.get("fused_runs_forward") == 4
+    assert _state.STATE.counts.get("fused_runs_backward") == 4
+    assert flex_events("flex_call") == []

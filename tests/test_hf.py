@@ -1,0 +1,140 @@
+"""Hugging Face transformers (pinned in the `test` extra): a tiny random Llama with
+attn_implementation="flex_attention", inference on CPU, verdicts per layer against what really ran.
+
+What transformers does (docs/transformers.md): its `flex_attention_forward` never calls
+flex_attention eagerly. Outside a user's compile it goes through `WrappedFlexAttention`, a process-wide
+singleton holding `torch.compile(flex_attention)` (default dynamic=None: a new length recompiles
+once, then the graph is dynamic); inside a user's compile it calls plain `flex_attention`, captured
+by the user's backend. Every call passes a new `score_mod` closure, which does not recompile.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fusionguard
+from fusionguard import _state
+from conftest import read_jsonl
+
+transformers = pytest.importorskip("transformers")  # the `test` extra pins it; see setup.cfg
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers.integrations import flex_attention as hf_flex  # noqa: E402
+
+pytestmark = pytest.mark.slow
+LAYERS = ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+
+
+def tiny_llama():
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                      intermediate_size=128, vocab_size=128, attn_implementation="flex_attention")
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def ids(length, seed=0):
+    return torch.randint(0, 128, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def fresh_hf_wrapper():
+    """Forget transformers' singleton torch.compile(flex_attention) and Dynamo's caches."""
+    torch._dynamo.reset()
+    hf_flex.WrappedFlexAttention._instance = None
+    hf_flex.WrappedFlexAttention._is_flex_compiled = False
+    hf_flex.WrappedFlexAttention._compiled_flex_attention = None
+
+
+def kinds(log, *names):
+    return [e for e in read_jsonl(log) if e["event"] in names]
+
+
+@pytest.fixture(scope="module")
+def hf_wrapper_run(tmp_path_factory):
+    """The uncompiled model, lengths 32, 32, 48, 64: all through transformers' own compile wrapper."""
+    log = tmp_path_factory.mktemp("hf") / "wrapper.jsonl"
+    fresh_hf_wrapper()
+    model = tiny_llama()
+    fusionguard.enable(strict=True, log_path=str(log))
+    try:
+        with fusionguard.watch(model), torch.no_grad():
+            outs = [model(ids(n)).logits for n in (32, 32, 48, 64)]
+            rows = list(fusionguard.summary())
+    finally:
+        fusionguard.disable()
+        _state.reset_for_tests()
+    return log, outs, rows, model
+
+
+def test_wrapper_runs_fused_for_every_layer(hf_wrapper_run):
+    log, outs, rows, _ = hf_wrapper_run
+    assert [o.shape[1] for o in outs] == [32, 32, 48, 64]
+    assert kinds(log, "flex_call", "flex_inlined", "recompile_limit") == []  # strict mode: no dense, no raise
+    by_layer = {r["layer"]: r for r in rows if r["phase"] == "forward"}
+    assert sorted(by_layer) == LAYERS
+    for layer in LAYERS:
+        assert (by_layer[layer]["calls"], by_layer[layer]["dense"], by_layer[layer]["fused"]) == (4, 0, 4)
+
+
+def test_wrapper_compiles_once_per_shape_kind(hf_wrapper_run):
+    """One compile for the first length, one dynamic recompile at 48 (reused for 64); both are
+    attributed to the first layer that triggered them, the template is Inductor's C++ one."""
+    log, *_ = hf_wrapper_run
+    compiles = kinds(log, "flex_compile")
+    assert [(c["layer"], c["phase"], c["path"], c["template"]) for c in compiles] == [
+        (LAYERS[0], "forward", "fused", "cpp")] * 2
+    assert compiles[0]["q_shape"] == [1, 4, 32, 16]
+    assert isinstance(compiles[1]["q_shape"][2], str)  # symbolic: automatic dynamic shapes
+    assert compiles[0]["call_site"]["file"].endswith("transformers/integrations/flex_attention.py")
+
+
+def test_fused_matches_dense_reference(hf_wrapper_run, guard):
+    """The same model run densely on purpose (force_eager: transformers' compiled wrapper runs eagerly)."""
+    _, outs, _, model = hf_wrapper_run
+    log = guard(strict=True)
+    with fusionguard.watch(model), torch.no_grad(), torch.compiler.set_stance("force_eager"):
+        with pytest.raises(fusionguard.DenseFallbackError) as err:
+            model(ids(32))
+        with fusionguard.allow_dense():
+            ref = model(ids(32)).logits
+    assert err.value.event["layer"] == LAYERS[0]
+    assert err.value.event["cause"] == "compiler_disabled"
+    calls = kinds(log, "flex_call")
+    assert [(c["layer"], c["path"], c["cause"], c["action"]) for c in calls] == [
+        (LAYERS[0], "dense", "compiler_disabled", "raise"),
+        (LAYERS[0], "dense", "compiler_disabled", "allow"),
+        (LAYERS[1], "dense", "compiler_disabled", "allow"),
+    ]
+    torch.testing.assert_close(outs[0], ref, rtol=1e-4, atol=1e-4)
+
+
+def test_wrapper_hits_recompile_limit_when_lengths_change(guard, dynamo_config):
+    """recompile_limit=1: the second length cannot recompile transformers' wrapper, which then
+    runs flex_attention eagerly: dense in every layer, cause recompile_limit."""
+    fresh_hf_wrapper()
+    dynamo_config(recompile_limit=1)
+    model = tiny_llama()
+    log = guard(strict=False)
+    with fusionguard.watch(model), torch.no_grad():
+        model(ids(32))
+        with pytest.warns(fusionguard.DenseFallbackWarning):
+            model(ids(48))
+    calls = kinds(log, "flex_call")
+    assert [(c["layer"], c["phase"], c["path"], c["cause"]) for c in calls] == [
+        (layer, "forward", "dense", "recompile_limit") for layer in LAYERS]
+    assert calls[0]["q_shape"] == [1, 4, 48, 16]
+    assert [c["function"] for c in kinds(log, "recompile_limit")] == ["flex_attention"]
+    fresh_hf_wrapper()
+
+
+def test_compiled_model_aot_eager_is_dense(guard, dynamo_reset):
+    """torch.compile(model, backend="aot_eager"): transformers sees Dynamo compiling and calls plain
+    flex_attention, which the non-fusing backend runs densely."""
+    model = tiny_llama()
+    log = guard(strict=False)
+    compiled = torch.compile(model, backend="aot_eager")
+    with fusionguard.watch(model), torch.no_grad(), pytest.warns(fusionguard.DenseFallbackWarning):
+        compiled(ids(32))
+    calls = kinds(log, "flex_call")
+    assert [(c["phase"], c["path"], c["cause"], c["traced"]) for c in calls] == [
+        ("forward", "dense", "non_inductor_backend", True)] * 2
+    assert kinds(log, "flex_compile") == []
