@@ -15,6 +15,7 @@ order.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -37,6 +38,7 @@ def torch_dir() -> str:
     return _TORCH_DIR
 
 
+@functools.lru_cache(maxsize=4096)
 def is_torch_file(filename: str) -> bool:
     return filename.startswith(torch_dir())
 

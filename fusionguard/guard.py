@@ -288,9 +288,10 @@ def _check_dense(phase: str, args: tuple, kwargs: dict, frame: Any) -> Optional[
 
 def _warn(message: str) -> None:
     # Point the warning at the user's line so filters by module work and the output is useful.
-    f = sys._getframe(1)
-    level = 2
-    while f is not None and causes._first_user_frame(f) is not f:
+    start = sys._getframe(1)
+    target = causes._first_user_frame(start)
+    f, level = start, 2
+    while f is not None and f is not target:
         f = f.f_back
         level += 1
     warnings.warn(message, DenseFallbackWarning, stacklevel=level if f is not None else 1)
