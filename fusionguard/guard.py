@@ -13,6 +13,7 @@ constant ``True`` for it and the wrapper reduces to the original call: no graph 
 from __future__ import annotations
 
 import contextvars
+import functools
 import itertools
 import sys
 import threading
@@ -148,6 +149,12 @@ def human_bytes(n: Optional[int]) -> str:
     return f"{n} B"
 
 
+@functools.lru_cache(maxsize=64)
+def _device_name(index: int) -> str:
+    # get_device_name reads the device properties: not a per-call cost on the dense path.
+    return torch.cuda.get_device_name(index)
+
+
 def _allowed(origin: Optional[dict]) -> bool:
     if ALLOW_DENSE.get():
         return True
@@ -262,7 +269,7 @@ def _check_dense(phase: str, args: tuple, kwargs: dict, frame: Any) -> Optional[
     if origin is not None:
         fields["forward_seq"] = origin.get("seq")
     if q.is_cuda and torch.cuda.is_initialized():
-        fields["device_name"] = torch.cuda.get_device_name(q.device)
+        fields["device_name"] = _device_name(q.device.index if q.device.index is not None else torch.cuda.current_device())
     if phase == "forward" and layers.in_backward():
         fields["recompute"] = True  # activation checkpointing re-running a forward in backward
     count(f"dense_{phase}")
