@@ -202,7 +202,7 @@ def enable(
     if unknown:
         raise TypeError(f"fusionguard.enable() got unknown option(s) {sorted(unknown)}; known: {list(OPTIONS)}")
     with STATE.lock:
-        config = Config(strict=bool(strict), **options)
+        config = Config(strict=strict, **options)
         config.log_path = _resolve_log_path(log_path)
         reopen = config.log_path != STATE.config.log_path or STATE.log.sink is None
         STATE.config = config

@@ -26,6 +26,17 @@ class Config:
     log_max_bytes: Optional[int] = None  # size-based rotation of the log file
     log_backups: int = 3
 
+    def __post_init__(self) -> None:
+        for name in ("strict", "fsync", "rescue", "keep_all"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"fusionguard.enable(): {name} must be True or False, not {getattr(self, name)!r}")
+        for name, low in (("max_events", 1), ("fused_first", 0), ("fused_every", 0), ("log_backups", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"fusionguard.enable(): {name} must be an integer >= {low}, not {value!r}")
+        if self.log_max_bytes is not None and (not isinstance(self.log_max_bytes, int) or self.log_max_bytes < 1024):
+            raise ValueError(f"fusionguard.enable(): log_max_bytes must be None or an integer >= 1024, not {self.log_max_bytes!r}")
+
     def public(self) -> Dict[str, Any]:
         return asdict(self)
 

@@ -92,6 +92,10 @@ def _is_compile_entry(code: types.CodeType) -> bool:
     )
 
 
+def _is_public_flex(code: types.CodeType) -> bool:
+    return code.co_name == "flex_attention" and code.co_filename.endswith(os.path.join("nn", "attention", "flex_attention.py"))
+
+
 def _seen_by_dynamo(code: types.CodeType) -> bool:
     """Has Dynamo looked at this code since its last reset? (Stale signals do not count.)"""
     try:
@@ -217,7 +221,9 @@ def diagnose_forward(frame: Optional[types.FrameType]) -> Diagnosis:
                 and not fn_code.co_filename.startswith(("<", _FG_DIR))
             ):
                 disabled_fn = f"{getattr(fn, '__qualname__', fn_code.co_name)} ({fn_code.co_filename}:{fn_code.co_firstlineno})"
-        elif not is_torch_file(code.co_filename) and not code.co_filename.startswith(_FG_DIR):
+        elif _is_public_flex(code) or (not is_torch_file(code.co_filename) and not code.co_filename.startswith(_FG_DIR)):
+            # PyTorch's public flex_attention is a candidate too: torch.compile(flex_attention)
+            # compiles that very frame, and it is the one that hits the recompile limit.
             if not code.co_filename.startswith("<"):
                 user_frames.append((f, depth))
         f = f.f_back

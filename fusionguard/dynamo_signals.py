@@ -43,6 +43,14 @@ def is_torch_file(filename: str) -> bool:
     return filename.startswith(torch_dir())
 
 
+def _reportable(info: dict) -> bool:
+    """Signals about the user's code, and about PyTorch's public flex_attention when the user
+    compiled it directly (``torch.compile(flex_attention)``, the common pattern)."""
+    return not is_torch_file(info["file"]) or (
+        info.get("function") == "flex_attention" and info["file"].endswith(os.path.join("nn", "attention", "flex_attention.py"))
+    )
+
+
 def reason_summary(text: object, limit: int = 300) -> str:
     """Dynamo's multi-line graph-break text as one line: the headline and its explanation."""
     lines = [ln.strip() for ln in str(text).strip().splitlines() if ln.strip()]
@@ -152,7 +160,7 @@ class Signals:
             }
             with self.lock:
                 self.recompile_limit[(info["file"], info["line"])] = info
-            if not is_torch_file(info["file"]):
+            if _reportable(info):
                 self.emit("warning", "recompile_limit", **info)
         elif "WON'T CONVERT" in msg:
             text = record.getMessage()
@@ -167,7 +175,7 @@ class Signals:
             info = {"function": m.group("name"), "file": m.group("file"), "line": int(m.group("line")), "error": error}
             with self.lock:
                 self.compile_error[(info["file"], info["line"])] = info
-            if not is_torch_file(info["file"]):
+            if _reportable(info):
                 self.emit("warning", "compile_error", **info)
 
     def read_metrics(self) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import threading
 from typing import Any, Callable, Dict, List, Optional
 
@@ -72,6 +73,12 @@ def _node_call_site() -> Optional[Dict[str, Any]]:
     for m in _STACK_LINE.finditer(trace):
         if not is_torch_file(m.group("file")):
             site = {"file": m.group("file"), "line": int(m.group("line")), "function": m.group("function")}
+    if site is None:
+        # torch.compile(flex_attention) compiled directly: the graph holds only torch frames, but
+        # the compile runs inside the user's first call, so the live stack has their line.
+        from .causes import user_call_site
+
+        site = user_call_site(sys._getframe(1))
     return site
 
 
@@ -91,6 +98,10 @@ def _node_layer() -> Optional[str]:
         fqn = last[0] if isinstance(last, (tuple, list)) else str(last)
         inner = clean_name(_fqn_from_source(str(fqn)))
     name = ".".join(x for x in (outer, inner) if x)
+    if name:
+        from .layers import resolve_watched_name
+
+        name = resolve_watched_name(name)
     return name or None
 
 
@@ -220,6 +231,9 @@ def record_compiled_graph(compiled: Any) -> List[Dict[str, Any]]:
     from .layers import note_flex_call
 
     around = note_flex_call() if calls else None  # the watched layer compiling this graph, if any
+    from .causes import user_call_site
+
+    live_site = user_call_site(sys._getframe(1)) if calls else None  # compiles run inside the user's call
     if records:
         _save_sidecar(graph, records)
         source = "lowering"
@@ -233,14 +247,19 @@ def record_compiled_graph(compiled: Any) -> List[Dict[str, Any]]:
         rec = by_phase.get(call["phase"], [])
         lowering = rec.pop(0) if rec else None
         template = lowering["template"] if lowering else _template_from_source(compiled, call.get("device"))
-        site = (lowering or {}).get("call_site") or call.get("source_site")
+        site = (lowering or {}).get("call_site") or call.get("source_site") or live_site
         q_shape, kv_shape = call.get("q_shape"), call.get("kv_shape")
         try:
             size = scores_bytes(q_shape, kv_shape) if q_shape and all(isinstance(d, int) for d in q_shape + (kv_shape or [])) else None
         except Exception:
             size = None
         count(f"fused_compile_{call['phase']}")
-        emitted.append({"phase": call["phase"], "layer": (lowering or {}).get("layer") or around, "template": template, "graph": graph})
+        layer = (lowering or {}).get("layer") or around
+        if layer:
+            from .layers import resolve_watched_name
+
+            layer = resolve_watched_name(layer)
+        emitted.append({"phase": call["phase"], "layer": layer, "template": template, "graph": graph})
         STATE.log.emit(
             "info",
             "flex_compile",
@@ -248,7 +267,7 @@ def record_compiled_graph(compiled: Any) -> List[Dict[str, Any]]:
             path="fused",
             traced=True,
             cause=None,
-            layer=(lowering or {}).get("layer") or around,
+            layer=layer,
             template=template,
             source=source,
             graph=graph,

@@ -46,6 +46,19 @@ def clean_name(name: str) -> str:
     return _ORIG_MOD.sub("", name).lstrip(".")
 
 
+_WATCHED_NAMES: Dict[str, int] = {}  # qualified names of modules under an active watch()
+
+
+def resolve_watched_name(name: str) -> str:
+    """Dynamo names modules relative to the frame it compiled (``layers.0.attn`` when a graph
+    break made it compile the inner model); map that to the watched model's own spelling
+    (``model.layers.0.attn``) when exactly one watched name ends with it."""
+    if not _WATCHED_NAMES or name in _WATCHED_NAMES:
+        return name
+    matches = [n for n in _WATCHED_NAMES if n.endswith("." + name)]
+    return matches[0] if len(matches) == 1 else name
+
+
 def current_layer() -> Optional[str]:
     stack = _LAYER.get()
     return stack[-1][0] if stack else None
@@ -180,7 +193,10 @@ def measure_start(where: Any = None) -> Optional[_Measure]:
     """Start measuring on the CUDA device of ``where`` (tensors or a module); None on CPU."""
     if not _cuda_ready():
         return None
-    device = _cuda_device(where) if where is not None else torch.cuda.current_device()
+    if isinstance(where, int):
+        device: Optional[int] = where
+    else:
+        device = _cuda_device(where) if where is not None else torch.cuda.current_device()
     if device is None:
         return None
     _fold(device, torch.cuda.max_memory_allocated(device))
@@ -285,6 +301,8 @@ class Watch:
         self.layer_types = tuple(x for x in layers if isinstance(x, type))
         self.layer_names = {x for x in layers if isinstance(x, str)}
         self._handles: List[Any] = []
+        self._names: List[str] = []
+        self._bw_handles: Dict[object, List[Any]] = {}  # backward spans still waiting to end
         self._depth = 0
         self._lock = threading.Lock()
 
@@ -331,6 +349,9 @@ class Watch:
                 if hasattr(module, "_orig_mod") and hasattr(module, "_torchdynamo_orig_callable") or type(module).__name__ == "OptimizedModule":
                     compiled_roots.append(f"{raw_name}._orig_mod" if raw_name else "_orig_mod")
                 name = clean_name(raw_name)
+                if name:
+                    _WATCHED_NAMES[name] = _WATCHED_NAMES.get(name, 0) + 1
+                    self._names.append(name)
                 self._handles.append(module.register_forward_pre_hook(self._pre(module, name)))
                 self._handles.append(module.register_forward_hook(self._post(module, name), always_call=True))
 
@@ -338,6 +359,17 @@ class Watch:
         handles, self._handles = self._handles, []
         for h in handles:
             h.remove()
+        pending, self._bw_handles = self._bw_handles, {}
+        for hs in pending.values():
+            for h in hs:
+                h.remove()
+        names, self._names = self._names, []
+        for n in names:
+            left = _WATCHED_NAMES.get(n, 1) - 1
+            if left <= 0:
+                _WATCHED_NAMES.pop(n, None)
+            else:
+                _WATCHED_NAMES[n] = left
 
     def _pre(self, module: torch.nn.Module, name: str) -> Callable[..., None]:
         frames: List[_Frame] = []
@@ -394,16 +426,21 @@ class Watch:
         outs = [t for t in _tensors(output) if t.requires_grad and t.grad_fn is not None]
         if not outs or not inputs:
             return
+        # The hooks must not hold the tensors (tensor -> grad_fn -> hook -> closure -> tensor is a
+        # cycle through C++ that gc cannot free): close over a device index, and remove both
+        # hooks when the span ends or when watch() exits.
+        device = _cuda_device(outs) if self.memory and _cuda_ready() else None
         box: Dict[str, Any] = {}
-
-        memory = self.memory
+        handles: List[Any] = []
+        key = object()
+        pending = self._bw_handles
 
         def start(*_: Any) -> None:
             try:
                 if "started" not in box:
                     box["started"] = True
                     box["dense_before"] = _dense_count(name, "backward")
-                    box["m"] = measure_start(outs) if memory else None
+                    box["m"] = measure_start(device) if device is not None else None
             except Exception as exc:
                 internal_error("watch backward start", exc)
 
@@ -412,11 +449,15 @@ class Watch:
                 if box.pop("started", None):
                     alloc, peak = measure_stop(box.pop("m", None))
                     _record(name, "backward", alloc, peak, dense_before=box.pop("dense_before", -1))
+                for h in handles:
+                    h.remove()
+                pending.pop(key, None)
             except Exception as exc:
                 internal_error("watch backward end", exc)
 
-        torch.autograd.graph.register_multi_grad_hook(outs, start, mode="any")
-        torch.autograd.graph.register_multi_grad_hook(list(inputs), end, mode="all")
+        handles.append(torch.autograd.graph.register_multi_grad_hook(outs, start, mode="any"))
+        handles.append(torch.autograd.graph.register_multi_grad_hook(list(inputs), end, mode="all"))
+        pending[key] = handles
 
 
 _FRAMES = threading.local()

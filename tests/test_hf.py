@@ -86,8 +86,6 @@ def test_wrapper_compiles_once_per_shape_kind(hf_wrapper_run):
     assert isinstance(compiles[1]["q_shape"][2], str)  # symbolic: automatic dynamic shapes
 
 
-@pytest.mark.xfail(strict=True, reason="fusionguard bug: torch.compile(flex_attention) compiled directly "
-                   "leaves only torch frames on the FX node, so inductor.py:_node_call_site returns None")
 def test_wrapper_compile_has_a_call_site(hf_wrapper_run):
     log, *_ = hf_wrapper_run
     assert kinds(log, "flex_compile")[0]["call_site"] is not None
@@ -141,9 +139,6 @@ def test_wrapper_goes_dense_at_recompile_limit(recompile_limit_run):
     assert calls[0]["call_site"]["file"].endswith("transformers/integrations/flex_attention.py")
 
 
-@pytest.mark.xfail(strict=True, reason="fusionguard bug: the frame that hit recompile_limit is torch's own "
-                   "flex_attention (compiled directly), which causes.py:220 skips as a torch file; "
-                   "the call is named eager_call")
 def test_wrapper_recompile_limit_cause(recompile_limit_run):
     assert [c["cause"] for c in recompile_limit_run] == ["recompile_limit"] * 2
 
@@ -190,10 +185,6 @@ def test_compiled_model_inductor_is_fused_per_layer(inductor_model_run, hf_wrapp
     assert sorted(c["layer"].split("layers.", 1)[1] for c in compiles) == ["0.self_attn", "1.self_attn"]
 
 
-@pytest.mark.xfail(strict=True, reason="fusionguard bug: under torch.compile(LlamaForCausalLM) Dynamo's "
-                   "nn_module_stack is relative to the compiled frame's self (L['self'].layers.0.self_attn, "
-                   "the inner LlamaModel), inductor.py:_node_layer reports layers.0.self_attn, not "
-                   "watch's model.layers.0.self_attn")
 def test_compiled_model_layer_names_match_watch(inductor_model_run):
     log, _ = inductor_model_run
     assert sorted(c["layer"] for c in kinds(log, "flex_compile")) == LAYERS

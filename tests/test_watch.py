@@ -249,3 +249,34 @@ def test_watch_compiled_model_adds_no_graphs(guard, tmp_path, monkeypatch):
     fusionguard.disable()
     assert run(False) == watched
     torch._dynamo.reset()
+
+
+def test_watch_keeps_no_tensors_alive(guard):
+    import gc
+    import weakref
+
+    guard()
+    model = Model()
+    leaf = x_in()
+    refs = []
+    with fusionguard.watch(model, layers=[Attention]):
+        for i in range(4):
+            x = x_in(seed=i)
+            out = model(x)
+            refs += [weakref.ref(x), weakref.ref(out)]
+            if i % 2 == 0:
+                out.sum().backward()
+            del x, out
+        model(leaf).sum().backward()
+    gc.collect()
+    assert [r for r in refs if r() is not None] == []
+
+
+def test_bad_options_are_clear_errors_and_change_nothing(guard):
+    guard()
+    before = fusionguard._state.STATE.config
+    with pytest.raises(TypeError, match="rescue must be True or False"):
+        fusionguard.enable(rescue="no", log_path=False)
+    with pytest.raises(ValueError, match="max_events"):
+        fusionguard.enable(max_events=-1, log_path=False)
+    assert fusionguard._state.STATE.config is before
