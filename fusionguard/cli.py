@@ -38,6 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     d.add_argument("--shape", metavar="B,HQ,HKV,Q,KV,D", help="default: the seed shape 1,32,8,2048,10240,128 on a GPU with room, smaller otherwise")
     d.add_argument("--device", help="cuda, cuda:1, cpu (default: cuda if available)")
+    d.add_argument("--backend", default="inductor", help="torch.compile backend for the compiled cases (default inductor; aot_eager shows a failing stack)")
     return p
 
 
@@ -56,7 +57,7 @@ def _doctor(args: argparse.Namespace) -> int:
             return 2
     from . import doctor
 
-    return doctor.main(shape=shape, device=args.device)
+    return doctor.main(shape=shape, device=args.device, backend=args.backend)
 
 
 def _report(args: argparse.Namespace) -> int:

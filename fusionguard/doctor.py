@@ -85,7 +85,7 @@ def _peak(fn: Any, cuda: bool) -> Tuple[Optional[int], Any, Optional[BaseExcepti
     return torch.cuda.max_memory_allocated() - base, result, error
 
 
-def run_case(name: str, compiled: bool, masked: bool, shape: Sequence[int], device: str) -> Dict[str, Any]:
+def run_case(name: str, compiled: bool, masked: bool, shape: Sequence[int], device: str, backend: str = "inductor") -> Dict[str, Any]:
     import torch
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -101,7 +101,7 @@ def run_case(name: str, compiled: bool, masked: bool, shape: Sequence[int], devi
     mask = create_block_mask(_causal, None, None, q_len, kv_len, device=device) if masked else None
     if compiled:
         torch._dynamo.reset()  # a fresh compile (or cache load), so the fused record is made now
-    fn = torch.compile(flex_attention) if compiled else flex_attention
+    fn = torch.compile(flex_attention, backend=backend) if compiled else flex_attention
     before = len(fusionguard.events())
     fwd_peak, out, fwd_err = _peak(lambda: fn(q, k, v, block_mask=mask, enable_gqa=True), cuda)
     bwd_peak, bwd_err = None, None
@@ -127,7 +127,7 @@ def _gb(n: Optional[int]) -> str:
     return "-" if n is None else f"{n / 1e9:.2f} GB"
 
 
-def main(shape: Optional[Sequence[int]] = None, device: Optional[str] = None, out: Any = None) -> int:
+def main(shape: Optional[Sequence[int]] = None, device: Optional[str] = None, out: Any = None, backend: str = "inductor") -> int:
     """Run the experiment, print the table and the verdict; 0 only if compiled is fused both ways."""
     import torch
 
@@ -141,6 +141,8 @@ def main(shape: Optional[Sequence[int]] = None, device: Optional[str] = None, ou
     out.write("  " + ", ".join(f"{k} {v}" for k, v in info.items() if v is not None) + "\n")
     out.write(f"  shape B={shape[0]} Hq={shape[1]} Hkv={shape[2]} Q={shape[3]} KV={shape[4]} D={shape[5]} on {device}")
     out.write("" if device.startswith("cuda") else " (CPU: inference only; PyTorch trains FlexAttention on accelerators)")
+    if backend != "inductor":
+        out.write(f"\n  compiled with backend={backend!r}")
     out.write("\n\n")
     was_enabled = fusionguard.is_enabled()
     fusionguard.enable(strict=False, log_path=False)
@@ -154,7 +156,7 @@ def main(shape: Optional[Sequence[int]] = None, device: Optional[str] = None, ou
                 for compiled in (False, True):
                     name = f"{'compiled' if compiled else 'eager':<8} {'causal BlockMask' if masked else 'no mask':<16} GQA"
                     t0 = time.perf_counter()
-                    row = run_case(name, compiled, masked, shape, device)
+                    row = run_case(name, compiled, masked, shape, device, backend)
                     row["seconds"] = time.perf_counter() - t0
                     rows.append(row)
                     verdict = "; ".join(f"{p}: " + ", ".join(f"{a} ({b})" for a, b in row["paths"].get(p, [])) or f"{p}: nothing logged" for p in row["phases"])

@@ -34,3 +34,13 @@ def test_doctor_rejects_bad_shapes(shape):
         [sys.executable, "-m", "fusionguard", "doctor", "--shape", shape], capture_output=True, text=True, timeout=120, cwd=ROOT
     )
     assert proc.returncode == 2 and "--shape" in proc.stderr or "GQA" in proc.stderr
+
+
+def test_doctor_fails_clearly_on_a_non_fusing_stack():
+    proc = subprocess.run(
+        [sys.executable, "-m", "fusionguard", "doctor", "--shape", "1,4,2,64,64,8", "--device", "cpu", "--backend", "aot_eager"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-1].startswith("DENSE")
+    assert "ran DENSE (cause: non_inductor_backend)" in proc.stdout

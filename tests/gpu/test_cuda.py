@@ -214,3 +214,42 @@ def test_fused_forward_and_backward_runs_are_counted(guard, dynamo_reset, mode):
     assert _state.STATE.counts.get("fused_runs_forward") == 4
     assert _state.STATE.counts.get("fused_runs_backward") == 4
     assert flex_events("flex_call") == []
+
+
+@pytest.mark.parametrize("backend, code", [("inductor", 0), ("aot_eager", 1)])
+def test_doctor_exit_codes_on_gpu(backend, code):
+    proc = subprocess.run(
+        [sys.executable, "-m", "fusionguard", "doctor", "--shape", "1,8,2,512,2048,64", "--backend", backend],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )
+    assert proc.returncode == code, proc.stdout + proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-1].startswith("FUSED - OK" if code == 0 else "DENSE")
+
+
+def test_model_compiled_whole_counts_fused_runs(guard, dynamo_reset):
+    from torch import nn
+
+    from fusionguard import _state
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(64, 64, device="cuda", dtype=torch.bfloat16)
+
+        def forward(self, q, k, v, mask):
+            return self.proj(flex_attention(q, k, v, block_mask=mask, enable_gqa=True))
+
+    model = nn.ModuleList([Block(), Block()])
+
+    def run(q, k, v, mask):
+        x = model[0](q, k, v, mask)
+        return model[1](x, k, v, mask)
+
+    guard(strict=True)
+    compiled = torch.compile(run)
+    for _ in range(3):
+        q, k, v, mask = make()
+        compiled(q, k, v, mask).float().sum().backward()
+    assert _state.STATE.counts.get("fused_runs_forward") == 6  # 2 layers x 3 steps
+    assert _state.STATE.counts.get("fused_runs_backward") == 6
+    assert flex_events("flex_call") == []
