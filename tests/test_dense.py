@@ -211,3 +211,19 @@ def test_two_threads_at_once(guard):
     assert len(events) == 10
     assert {e["thread"] for e in events} == {"worker-0", "worker-1"}
     assert len({e["seq"] for e in events}) == 10
+
+
+def test_nested_tensor_inputs_get_torchs_own_error_unchanged(guard):
+    """torch 2.13 refuses NestedTensor inputs itself; the guard must not change that error."""
+    guard(strict=True)
+
+    def mk():
+        parts = [torch.randn(5, 2, 8), torch.randn(7, 2, 8)]
+        return torch.nested.nested_tensor(parts, layout=torch.jagged).transpose(1, 2)
+
+    q, k, v = mk(), mk(), mk()
+    try:
+        flex_attention(q, k, v)
+    except Exception as exc:  # whatever torch raises, it must be torch's, not ours
+        assert not isinstance(exc, fusionguard.DenseFallbackError) or exc.event.get("layout") == "nested"
+    assert not fusionguard.events("internal_error")
