@@ -54,6 +54,7 @@ def rescue_backend(gm: Any, example_inputs: Any) -> Any:
             return _out_only(inductor, gm, example_inputs)
         return inductor(gm, example_inputs)
     except Exception as exc:
+        record["failed"] = True  # the call runs densely (and is guarded and logged as such)
         count("rescue_failed")
         try:
             STATE.log.emit("warning", "rescue_failed", error=f"{type(exc).__name__}: {' '.join(str(exc).split())[:400]}")
@@ -187,6 +188,8 @@ def make_setup_env_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _log_rescue(record: dict, frame: Any) -> None:
+    if record.get("failed"):
+        return  # not rescued: the dense run logged its own event
     compiles = STATE.counts.get("fused_compile_forward", 0) - record["compiles_before"]
     seconds = time.perf_counter() - record["t0"]
     count("rescued")

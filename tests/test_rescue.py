@@ -94,3 +94,19 @@ def test_recompile_limit_slide_is_rescued_with_few_compiles(guard, dynamo_reset,
     assert {e["cause"] for e in rescued} == {"recompile_limit"} and len(rescued) == 4
     assert sum(1 for e in rescued if e["compiled"]) <= 2
     assert any(e["event"] == "recompile_limit" for e in fusionguard.events())
+
+
+def test_a_failed_rescue_runs_dense_guarded_and_says_so(guard, dynamo_reset, monkeypatch):
+    from fusionguard import rescue
+
+    def broken_inductor(gm, example_inputs):
+        raise RuntimeError("inductor exploded")
+
+    monkeypatch.setitem(rescue._INDUCTOR, "inductor", broken_inductor)
+    guard(rescue=True)
+    q, k, v = shapes(64)
+    with pytest.warns(fusionguard.DenseFallbackWarning):
+        out = flex_attention(q, k, v, enable_gqa=True)
+    assert out.shape == q.shape
+    assert [e["path"] for e in flex_events()] == ["dense"]
+    assert "inductor exploded" in fusionguard.events("rescue_failed")[0]["error"]
