@@ -21,7 +21,7 @@ import types
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
-from .dynamo_signals import SIGNALS, is_torch_file
+from .dynamo_signals import SIGNALS, is_public_flex, is_torch_file
 
 CAUSES: Dict[str, str] = {
     "eager_call": "flex_attention was called with no torch.compile around it",
@@ -90,10 +90,6 @@ def _is_compile_entry(code: types.CodeType) -> bool:
         and "DisableContext" not in qual
         and code.co_filename.endswith("eval_frame.py")
     )
-
-
-def _is_public_flex(code: types.CodeType) -> bool:
-    return code.co_name == "flex_attention" and code.co_filename.endswith(os.path.join("nn", "attention", "flex_attention.py"))
 
 
 def _seen_by_dynamo(code: types.CodeType) -> bool:
@@ -221,7 +217,7 @@ def diagnose_forward(frame: Optional[types.FrameType]) -> Diagnosis:
                 and not fn_code.co_filename.startswith(("<", _FG_DIR))
             ):
                 disabled_fn = f"{getattr(fn, '__qualname__', fn_code.co_name)} ({fn_code.co_filename}:{fn_code.co_firstlineno})"
-        elif _is_public_flex(code) or (not is_torch_file(code.co_filename) and not code.co_filename.startswith(_FG_DIR)):
+        elif is_public_flex(code.co_name, code.co_filename) or (not is_torch_file(code.co_filename) and not code.co_filename.startswith(_FG_DIR)):
             # PyTorch's public flex_attention is a candidate too: torch.compile(flex_attention)
             # compiles that very frame, and it is the one that hits the recompile limit.
             if not code.co_filename.startswith("<"):

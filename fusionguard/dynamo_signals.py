@@ -43,12 +43,18 @@ def is_torch_file(filename: str) -> bool:
     return filename.startswith(torch_dir())
 
 
+_PUBLIC_FLEX_FILE = os.path.join("nn", "attention", "flex_attention.py")
+
+
+def is_public_flex(function: object, filename: str) -> bool:
+    """PyTorch's public ``flex_attention``: the frame ``torch.compile(flex_attention)`` compiles."""
+    return function == "flex_attention" and filename.endswith(_PUBLIC_FLEX_FILE)
+
+
 def _reportable(info: dict) -> bool:
     """Signals about the user's code, and about PyTorch's public flex_attention when the user
     compiled it directly (``torch.compile(flex_attention)``, the common pattern)."""
-    return not is_torch_file(info["file"]) or (
-        info.get("function") == "flex_attention" and info["file"].endswith(os.path.join("nn", "attention", "flex_attention.py"))
-    )
+    return not is_torch_file(info["file"]) or is_public_flex(info.get("function"), info["file"])
 
 
 def reason_summary(text: object, limit: int = 300) -> str:

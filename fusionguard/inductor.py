@@ -98,11 +98,7 @@ def _node_layer() -> Optional[str]:
         fqn = last[0] if isinstance(last, (tuple, list)) else str(last)
         inner = clean_name(_fqn_from_source(str(fqn)))
     name = ".".join(x for x in (outer, inner) if x)
-    if name:
-        from .layers import resolve_watched_name
-
-        name = resolve_watched_name(name)
-    return name or None
+    return name or None  # mapped to the watched model's spelling when the record is emitted
 
 
 _SOURCE_PART = re.compile(r"\[(?:'([^']*)'|(\d+))\]|\.(\w+)")
