@@ -7,7 +7,7 @@ breaks / recompiles, and the ratio to the unguarded run. Then the eager dense pa
 call with and without the guard, and the guard's own work per dense call as a share of it.
 
     python benchmarks/overhead.py                 # GPU, seed-like shapes
-    python benchmarks/overhead.py --device cpu --small --steps 5   # smoke run (inference)
+    python benchmarks/overhead.py --device cpu --small --steps 5 --rounds 1  # smoke run (inference)
 """
 
 from __future__ import annotations
@@ -147,34 +147,42 @@ def profiled(model):
 
 
 def dense_cost(args, shape):
-    """The eager dense call with and without the guard; the guard's own work per call."""
+    """The eager dense call with and without the guard, in alternating blocks (drift cancels):
+    at the seed-like shape (the ratio users see) and at a tiny shape, where the kernel is short
+    and the guard's fixed per-call work (stack walk, event, JSON line, fsync) shows clearly."""
     n, dim, hq, hkv, d = shape
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    q = torch.randn(1, hq, n, d, device=args.device, dtype=dtype)
-    k = torch.randn(1, hkv, n * args.kv_factor, d, device=args.device, dtype=dtype)
-    v = torch.randn_like(k)
-
-    def med(reps=args.dense_reps):
-        ts = []
-        for _ in range(reps):
-            sync(args.device)
-            t = time.perf_counter()
-            flex_attention(q, k, v, enable_gqa=True)
-            sync(args.device)
-            ts.append(time.perf_counter() - t)
-        return statistics.median(ts)
-
     warnings.simplefilter("ignore")
-    med(3)
-    plain = med()
-    out = {"dense_ms": plain * 1e3}
-    for fsync in (True, False):
-        fusionguard.enable(log_path=args.log, fsync=fsync)
-        med(2)
-        guarded = med()
-        fusionguard.disable()
-        out[f"guarded_ms_fsync_{fsync}"] = guarded * 1e3
-        out[f"ratio_fsync_{fsync}"] = guarded / plain
+    out = {}
+    for label, q_len, kv_len in (("seed", n, n * args.kv_factor), ("tiny", 128, 128)):
+        q = torch.randn(1, hq, q_len, d, device=args.device, dtype=dtype)
+        k = torch.randn(1, hkv, kv_len, d, device=args.device, dtype=dtype)
+        v = torch.randn_like(k)
+        reps = args.dense_reps if label == "seed" else 10 * args.dense_reps
+        times = {"plain": [], "fsync_default": [], "fsync_always": []}
+        for _ in range(args.rounds):
+            for variant in times:
+                if variant != "plain":
+                    fusionguard.enable(log_path=args.log, fsync=True if variant == "fsync_default" else "always")
+                flex_attention(q, k, v, enable_gqa=True)  # untimed: the first event of a site is fsync-ed
+                for _ in range(reps):
+                    sync(args.device)
+                    t = time.perf_counter()
+                    flex_attention(q, k, v, enable_gqa=True)
+                    sync(args.device)
+                    times[variant].append(time.perf_counter() - t)
+                if variant != "plain":
+                    fusionguard.disable()
+        plain = statistics.median(times["plain"])
+        out[label] = {"plain_ms": plain * 1e3}
+        for variant in ("fsync_default", "fsync_always"):
+            guarded = statistics.median(times[variant])
+            out[label][f"{variant}_ms"] = guarded * 1e3
+            out[label][f"{variant}_ratio"] = guarded / plain
+            out[label][f"{variant}_cost_us"] = (guarded - plain) * 1e6
+    # the guard's fixed cost (measured at the tiny shape) as a share of the seed-shape dense call
+    for variant in ("fsync_default", "fsync_always"):
+        out[f"{variant}_fixed_share"] = out["tiny"][f"{variant}_cost_us"] / (out["seed"]["plain_ms"] * 1e3)
     return out
 
 
@@ -185,43 +193,82 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--dense-reps", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=5, help="each variant runs once per round, in rotated order")
+    ap.add_argument("--dense-reps", type=int, default=10, help="timed dense calls per variant and round")
     ap.add_argument("--kv-factor", type=int, default=5, help="KV = factor x Q in the dense check (seed: 10240/2048)")
     ap.add_argument("--log", default="/tmp/fusionguard-overhead.jsonl")
     ap.add_argument("--json")
+    ap.add_argument("--skip-steps", action="store_true", help="only the dense-path measurement")
     args = ap.parse_args()
     shape = (2048, 2048, 32, 8, 128) if not args.small else (128, 64, 4, 2, 16)  # N, dim, Hq, Hkv, D
     meta = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
         "torch": torch.__version__,
+        "triton": _triton_version(),
         "layers": args.layers,
         "shape(N,dim,Hq,Hkv,D)": shape,
         "steps": args.steps,
+        "rounds": args.rounds,
         "train": args.device.startswith("cuda"),
     }
-    run_variant("warm-up", args, shape, none)  # fills Inductor's caches: every variant then compiles warm
-    rows = [run_variant(name, args, shape, f) for name, f in (("none", none), ("enabled", enabled), ("watched", watched), ("profiler", profiled))]
-    base = rows[0]
-    for r in rows:
-        r["step_ratio"] = r["median_ms"] / base["median_ms"]
-        r["compile_ratio"] = r["compile_s"] / base["compile_s"]
+    print(json.dumps(meta), flush=True)
+    variants = (("none", none), ("enabled", enabled), ("watched", watched), ("profiler", profiled))
+    summary = []
+    if not args.skip_steps:
+        run_variant("warm-up", args, shape, none)  # fills Inductor's caches: every variant then compiles warm
+        per_round = []
+        for r in range(args.rounds):
+            order = variants[r % len(variants):] + variants[: r % len(variants)]
+            rows = {name: run_variant(name, args, shape, f) for name, f in order}
+            per_round.append(rows)
+            print(f"round {r}: " + ", ".join(f"{k} {v['median_ms']:.3f} ms / {v['compile_s']:.2f} s" for k, v in rows.items()), flush=True)
+        for name, _ in variants:
+            step_ratios = [rows[name]["median_ms"] / rows["none"]["median_ms"] for rows in per_round]
+            compile_ratios = [rows[name]["compile_s"] / rows["none"]["compile_s"] for rows in per_round]
+            last = per_round[-1][name]
+            summary.append({
+                "variant": name,
+                "compile_s": statistics.median(rows[name]["compile_s"] for rows in per_round),
+                "compile_ratio": statistics.median(compile_ratios),
+                "compile_ratio_range": (min(compile_ratios), max(compile_ratios)),
+                "median_ms": statistics.median(rows[name]["median_ms"] for rows in per_round),
+                "step_ratio": statistics.median(step_ratios),
+                "step_ratio_range": (min(step_ratios), max(step_ratios)),
+                "graphs": last["graphs"], "breaks": last["breaks"], "frames": last["frames"],
+            })
+        print(f"{'variant':<10} {'compile s':>9} {'x (min-max)':>20} {'step ms':>9} {'x (min-max)':>20} {'graphs':>6} {'breaks':>6} {'frames':>6}")
+        for r in summary:
+            cr, sr = r["compile_ratio_range"], r["step_ratio_range"]
+            print(
+                f"{r['variant']:<10} {r['compile_s']:>9.2f} {r['compile_ratio']:>6.3f} ({cr[0]:.3f}-{cr[1]:.3f}) "
+                f"{r['median_ms']:>9.3f} {r['step_ratio']:>6.3f} ({sr[0]:.3f}-{sr[1]:.3f}) "
+                f"{r['graphs']:>6} {r['breaks']:>6} {r['frames']:>6}"
+            )
     dense = dense_cost(args, shape)
-    print(json.dumps(meta))
-    print(f"{'variant':<10} {'compile s':>9} {'x':>6} {'step ms':>9} {'x':>6} {'graphs':>6} {'breaks':>6} {'frames':>6}")
-    for r in rows:
+    for label in ("seed", "tiny"):
+        d = dense[label]
         print(
-            f"{r['variant']:<10} {r['compile_s']:>9.2f} {r['compile_ratio']:>6.3f} {r['median_ms']:>9.3f} "
-            f"{r['step_ratio']:>6.3f} {r['graphs']:>6} {r['breaks']:>6} {r['frames']:>6}"
+            f"dense call ({label}) {d['plain_ms']:.3f} ms plain; guarded {d['fsync_default_ms']:.3f} ms "
+            f"(x{d['fsync_default_ratio']:.4f}, {d['fsync_default_cost_us']:+.0f} us, fsync=True) / "
+            f"{d['fsync_always_ms']:.3f} ms (x{d['fsync_always_ratio']:.4f}, {d['fsync_always_cost_us']:+.0f} us, fsync='always')"
         )
     print(
-        f"eager dense call {dense['dense_ms']:.3f} ms; guarded {dense['guarded_ms_fsync_True']:.3f} ms "
-        f"(x{dense['ratio_fsync_True']:.4f}, fsync on) / {dense['guarded_ms_fsync_False']:.3f} ms "
-        f"(x{dense['ratio_fsync_False']:.4f}, fsync off)"
+        f"guard's fixed cost per dense call as a share of the seed-shape call: "
+        f"{dense['fsync_default_fixed_share'] * 100:.2f} % (fsync=True), {dense['fsync_always_fixed_share'] * 100:.2f} % (fsync='always')"
     )
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"meta": meta, "rows": rows, "dense": dense}, fh, indent=1)
+            json.dump({"meta": meta, "rows": summary, "dense": dense}, fh, indent=1)
+
+
+def _triton_version():
+    try:
+        import triton
+
+        return triton.__version__
+    except Exception:
+        return None
 
 
 if __name__ == "__main__":

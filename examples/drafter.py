@@ -210,6 +210,14 @@ def make_attend(mode: str) -> Callable:
 # -- main ------------------------------------------------------------------------------------------
 
 
+def peak_text(device: str) -> str:
+    """Peak allocated CUDA memory so far (``watch`` resets PyTorch's peak counter per layer;
+    fusionguard keeps the true peak)."""
+    if not device.startswith("cuda"):
+        return ""
+    return f"  peak so far {fusionguard.peak_memory_allocated() / 1e9:.2f} GB"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mode", choices=MODES, default="eager")
@@ -257,12 +265,12 @@ def main(argv=None) -> int:
                         opt.zero_grad(set_to_none=True)
             except fusionguard.DenseFallbackError as err:
                 stopped = err
-                print(f"step {step}: STOPPED by fusionguard (strict)\n{err}")
+                print(f"step {step}: STOPPED by fusionguard (strict){peak_text(device)}\n{err}")
                 break
             calls = fusionguard.events("flex_call")[n_dense:]
             verdict = ", ".join(sorted({f"{e['phase']} {e['path']} ({e['cause']})" for e in calls})) or "no dense call"
             print(f"step {step}: KV={context + draft.shape[1]} loss={loss.item():.3f} "
-                  f"{time.perf_counter() - t0:.2f}s  flex: {verdict}")
+                  f"{time.perf_counter() - t0:.2f}s{peak_text(device)}  flex: {verdict}")
 
     fused = fusionguard.events("flex_compile")
     dense = [e for e in fusionguard.events("flex_call") if e["path"] == "dense"]

@@ -189,7 +189,9 @@ def enable(
     log_path: JSON-lines file (or a directory: one file per rank and process). Default: env
               ``FUSIONGUARD_LOG``, else ``./fusionguard.jsonl`` (``fusionguard.rank{N}.jsonl`` under
               torchrun). ``False``: no file, events only in memory (``fusionguard.events()``).
-    options:  ``fsync`` (default True: dense events reach the disk before the kernel runs),
+    options:  ``fsync`` (default True: the first dense event of each call site, layer and phase
+              reaches the disk before the kernel runs, repeats are written but not fsync-ed;
+              ``"always"``: every one; False: none),
               ``fused_first`` / ``fused_every`` / ``keep_all`` (fused per-call events: the first 10
               per layer and phase, then a counter every 1000 calls; or all), ``log_max_bytes`` /
               ``log_backups`` (size-based rotation, off by default),
@@ -226,6 +228,7 @@ def enable(
             if config.log_path is not None:
                 try:
                     STATE.log.open(config.log_path, fsync=config.fsync, max_bytes=config.log_max_bytes, backups=config.log_backups)
+                    STATE.durable_keys.clear()
                     _announce(config.log_path)
                 except OSError as exc:
                     write_stderr(

@@ -7,7 +7,7 @@ import sys
 import threading
 import traceback
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, Optional, Set, Tuple
+from typing import Any, Dict, Optional, Set, Tuple, Union
 
 from .log import EventLog
 from .patches import PatchRegistry
@@ -17,7 +17,9 @@ from .patches import PatchRegistry
 class Config:
     strict: bool = False
     log_path: Optional[str] = None  # resolved absolute path, or None for memory only
-    fsync: bool = True  # fsync dense events / errors before the dense kernel runs
+    # True: the first dense event of each (call site, layer, phase, action) and every error are
+    # fsync-ed before the dense kernel runs; "always": every dense event; False: none.
+    fsync: Union[bool, str] = True
     max_events: int = 10_000  # events kept in memory for fusionguard.events()
     rescue: bool = False  # compile eager FlexAttention calls with Inductor instead of running dense
     fused_first: int = 10  # fused per-call events kept per (layer, phase) before sampling
@@ -27,7 +29,9 @@ class Config:
     log_backups: int = 3
 
     def __post_init__(self) -> None:
-        for name in ("strict", "fsync", "rescue", "keep_all"):
+        if self.fsync != "always" and not isinstance(self.fsync, bool):
+            raise TypeError(f"fusionguard.enable(): fsync must be True, False or 'always', not {self.fsync!r}")
+        for name in ("strict", "rescue", "keep_all"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"fusionguard.enable(): {name} must be True or False, not {getattr(self, name)!r}")
         for name, low in (("max_events", 1), ("fused_first", 0), ("fused_every", 0), ("log_backups", 0)):
@@ -56,6 +60,8 @@ class State:
         self.announced_path: Optional[str] = None
         self.atexit_registered = False
         self.counts: Dict[str, int] = {}
+        # dense-event keys already fsync-ed to the current log file (see guard._check_dense)
+        self.durable_keys: Set[tuple] = set()
         self.signal_hooks: list = []
         # threads currently inside allow_dense(): lets a backward that PyTorch runs on its own
         # autograd device thread (CUDA) see a block opened by the thread that called backward().

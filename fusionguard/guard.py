@@ -274,7 +274,12 @@ def _check_dense(phase: str, args: tuple, kwargs: dict, frame: Any) -> Optional[
         fields["recompute"] = True  # activation checkpointing re-running a forward in backward
     count(f"dense_{phase}")
     layers.STATS.on_dense(layer, phase, diagnosis.cause, fields.get("scores_bytes"), bool(fields.get("recompute")))
-    logged = STATE.log.emit("warning", "flex_call", **fields)
+    site = call_site or {}
+    key = (phase, site.get("file"), site.get("line"), layer, action, diagnosis.cause)
+    durable = STATE.config.fsync == "always" or key not in STATE.durable_keys
+    if durable and len(STATE.durable_keys) < 10_000:
+        STATE.durable_keys.add(key)
+    logged = STATE.log.emit("warning", "flex_call", durable=durable, **fields)
     # Decide from what we built, never from the log's "latest" event (another thread's, maybe).
     event = {**logged, **fields} if logged and logged.get("seq") is not None else dict(fields)
     slot = _FORWARD_SLOT.get()

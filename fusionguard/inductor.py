@@ -92,7 +92,9 @@ def _node_layer() -> Optional[str]:
     outer = note_flex_call() or ""
     inner = ""
     node = getattr(V.graph, "current_node", None)
-    stack = (getattr(node, "meta", None) or {}).get("nn_module_stack") or {}
+    meta = getattr(node, "meta", None) or {}
+    # backward nodes carry their forward node's stack (AOTAutograd copies it by seq_nr)
+    stack = meta.get("nn_module_stack") or meta.get("fwd_nn_module_stack") or {}
     if stack:
         last = list(stack.values())[-1]
         fqn = last[0] if isinstance(last, (tuple, list)) else str(last)
@@ -325,6 +327,25 @@ def _template_from_source(compiled: Any, device: Optional[str]) -> str:
     return "triton"
 
 
+def _at_runtime(summary: Dict[str, Any]) -> Dict[str, Any]:
+    """One compiled flex_attention often serves every layer (``torch.compile(flex_attention)``
+    called from eager modules): its compile-time layer is the first caller's. For a graph with one
+    FlexAttention call, name the layer running it now (forward hooks, or the open backward span),
+    unless the compile-time name is a more specific module inside it."""
+    if summary["flex_calls"] != 1:
+        return summary
+    from .layers import note_flex_call, resolve_watched_name
+
+    now = note_flex_call()
+    if not now:
+        return summary
+    known = summary.get("layer")
+    if known and known.startswith(now + "."):
+        return summary
+    now = resolve_watched_name(now)
+    return {**summary, "layer": now, "layers": [now]}
+
+
 def count_runs(compiled: Any, records: List[Dict[str, Any]]) -> None:
     """Per-call evidence for a compiled graph holding fused FlexAttention: count its executions.
 
@@ -359,7 +380,7 @@ def count_runs(compiled: Any, records: List[Dict[str, Any]]) -> None:
             try:
                 for s in summaries:
                     count(f"fused_runs_{s['phase']}", s["flex_calls"])
-                    STATE.log.emit("info", "flex_run", path="fused", traced=True, cause=None, **s)
+                    STATE.log.emit("info", "flex_run", path="fused", traced=True, cause=None, **_at_runtime(s))
             except Exception as exc:
                 internal_error("fused run count", exc)
         return out

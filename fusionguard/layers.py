@@ -66,14 +66,41 @@ def current_layer() -> Optional[str]:
 
 def note_flex_call() -> Optional[str]:
     """Called for each FlexAttention call we see (dense run, compile): remembers that the
-    innermost watched module's class makes FlexAttention calls, returns its name."""
+    innermost watched module's class makes FlexAttention calls, returns its name. In a backward
+    (no forward hooks run there) the name is that of the innermost open backward span."""
     stack = _LAYER.get()
     if not stack:
-        return None
+        return backward_layer()
     name, cls = stack[-1]
     if cls not in STATS.flex_classes:
         STATS.flex_classes.add(cls)
-    return name
+    return name or backward_layer()
+
+
+# Backward spans open on this thread (the autograd engine runs a device's backward on one
+# thread, hooks and kernels alike): names the layer of a backward that carries no forward
+# context, e.g. the AOTAutograd backward of a compiled flex_attention.
+_BW_OPEN = threading.local()
+
+
+def backward_layer() -> Optional[str]:
+    spans = getattr(_BW_OPEN, "names", None)
+    return spans[-1] if spans else None
+
+
+def _bw_push(name: str) -> None:
+    spans = getattr(_BW_OPEN, "names", None)
+    if spans is None:
+        spans = _BW_OPEN.names = []
+    spans.append(name)
+
+
+def _bw_pop(name: str) -> None:
+    spans = getattr(_BW_OPEN, "names", None) or []
+    for i in range(len(spans) - 1, -1, -1):
+        if spans[i] == name:
+            del spans[i]
+            return
 
 
 def in_backward() -> bool:
@@ -287,6 +314,11 @@ def _dense_count(layer: str, phase: str) -> int:
     return 0 if row is None else row.dense + row.dense_recompute
 
 
+def _builtin(module: torch.nn.Module) -> bool:
+    mod = type(module).__module__ or ""
+    return mod.startswith(("torch.nn.", "torch.ao.")) and mod != "torch.nn.utils.parametrize"
+
+
 class Watch:
     """``with fusionguard.watch(model): ...`` or ``@fusionguard.watch(model)``."""
 
@@ -352,8 +384,13 @@ class Watch:
                 if name:
                     _WATCHED_NAMES[name] = _WATCHED_NAMES.get(name, 0) + 1
                     self._names.append(name)
-                self._handles.append(module.register_forward_pre_hook(self._pre(module, name)))
-                self._handles.append(module.register_forward_hook(self._post(module, name), always_call=True))
+                if _builtin(module) and not (self.layer_types and isinstance(module, self.layer_types)) and name not in self.layer_names:
+                    # torch.nn's own modules (Linear, norms, containers) never call FlexAttention;
+                    # a hook would make Dynamo trace their whole __call__ under torch.compile
+                    continue
+                # with_kwargs: Hugging Face layers take their tensors as keyword arguments
+                self._handles.append(module.register_forward_pre_hook(self._pre(module, name), with_kwargs=True))
+                self._handles.append(module.register_forward_hook(self._post(module, name), with_kwargs=True, always_call=True))
 
     def _remove(self) -> None:
         handles, self._handles = self._handles, []
@@ -375,7 +412,7 @@ class Watch:
         frames: List[_Frame] = []
         self_ = self
 
-        def pre_hook(mod: torch.nn.Module, args: Any) -> None:
+        def pre_hook(mod: torch.nn.Module, args: Any, kwargs: Any) -> None:
             if _is_dynamo_compiling():
                 return
             frame = _Frame()
@@ -386,10 +423,11 @@ class Watch:
             frame.dense_before = _dense_count(name, "forward")
             try:
                 if self_._is_layer(mod, name):
+                    inputs = _tensors((args, kwargs))
                     if self_.memory:
-                        frame.measure = measure_start(args if _tensors(args) else mod)
+                        frame.measure = measure_start(inputs if inputs else mod)
                     if torch.is_grad_enabled() and not frame.recompute:
-                        frame.grad_inputs = [t for t in _tensors(args) if t.requires_grad]
+                        frame.grad_inputs = [t for t in inputs if t.requires_grad]
             except Exception as exc:
                 internal_error("watch pre-hook", exc)
             _stack(mod).append(frame)
@@ -399,7 +437,7 @@ class Watch:
     def _post(self, module: torch.nn.Module, name: str) -> Callable[..., None]:
         self_ = self
 
-        def post_hook(mod: torch.nn.Module, args: Any, output: Any) -> None:
+        def post_hook(mod: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
             if _is_dynamo_compiling():
                 return
             stack = _stack(mod)
@@ -415,6 +453,9 @@ class Watch:
                 if frame.measure is not None or self_._is_layer(mod, name):
                     alloc, peak = measure_stop(frame.measure)
                     _record(name, "forward", alloc, peak, frame.recompute, frame.dense_before)
+                    if frame.grad_inputs is None and torch.is_grad_enabled() and not frame.recompute:
+                        # first call of a layer class: known as a layer only now; its backward counts
+                        frame.grad_inputs = [t for t in _tensors((args, kwargs)) if t.requires_grad]
                     if frame.grad_inputs and output is not None:
                         self_._watch_backward(name, output, frame.grad_inputs)
             except Exception as exc:
@@ -439,6 +480,7 @@ class Watch:
             try:
                 if "started" not in box:
                     box["started"] = True
+                    _bw_push(name)
                     box["dense_before"] = _dense_count(name, "backward")
                     box["m"] = measure_start(device) if device is not None else None
             except Exception as exc:
@@ -447,6 +489,7 @@ class Watch:
         def end(*_: Any) -> None:
             try:
                 if box.pop("started", None):
+                    _bw_pop(name)
                     alloc, peak = measure_stop(box.pop("m", None))
                     _record(name, "backward", alloc, peak, dense_before=box.pop("dense_before", -1))
                 for h in handles:

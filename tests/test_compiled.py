@@ -149,3 +149,26 @@ def test_every_fused_execution_is_counted(guard, dynamo_reset):
     assert len(kept) == 2 and kept[0]["template"] == "cpp" and kept[0]["flex_calls"] == 1
     counters = flex_events("fused_calls")
     assert sum(c["count"] for c in counters) == 10 and counters[-1]["total"] == 12
+
+
+@pytest.mark.slow
+def test_a_compiled_flex_shared_by_layers_names_each_run_s_layer(guard, dynamo_reset):
+    """The seed pattern: one torch.compile(flex_attention) called from every layer. The compile
+    record names the first caller; each run names the layer that ran it."""
+    from torch import nn
+
+    guard(keep_all=True)
+    fn = torch.compile(lambda q, k, v: flex_attention(q, k, v, enable_gqa=True))
+
+    class Attend(nn.Module):
+        def forward(self, q, k, v):
+            return fn(q, k, v)
+
+    model = nn.ModuleList([Attend(), Attend()])
+    q, k, v = qkv(L=64, HQ=4, HKV=2)
+    with fusionguard.watch(model), torch.no_grad():
+        for _ in range(2):
+            for layer in model:
+                layer(q, k, v)
+    assert [e["layer"] for e in flex_events("flex_compile")] == ["0"]
+    assert [e["layer"] for e in flex_events("flex_run")] == ["0", "1", "0", "1"]

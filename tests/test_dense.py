@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 
@@ -227,3 +228,26 @@ def test_nested_tensor_inputs_get_torchs_own_error_unchanged(guard):
     except Exception as exc:  # whatever torch raises, it must be torch's, not ours
         assert not isinstance(exc, fusionguard.DenseFallbackError) or exc.event.get("layout") == "nested"
     assert not fusionguard.events("internal_error")
+
+
+@pytest.mark.parametrize("fsync, expected", [(True, 1), ("always", 3), (False, 0)])
+def test_repeated_dense_calls_are_fsynced_once_per_site(guard, monkeypatch, fsync, expected):
+    """A repeat of an on-disk record is written (a killed process loses nothing) but not fsync-ed:
+    an fsync costs more than 1 % of a dense call."""
+    log = guard(fsync=fsync)
+    q, k, v = qkv()
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(3):
+            flex_attention(q, k, v)
+    assert len(synced) == expected
+    assert len([e for e in read_jsonl(log) if e["event"] == "flex_call"]) == 3
+
+
+def test_fsync_option_is_validated():
+    with pytest.raises(TypeError, match="fsync"):
+        fusionguard.enable(fsync="sometimes")
+    assert not fusionguard.is_enabled()

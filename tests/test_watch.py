@@ -206,6 +206,45 @@ def test_summary_export_and_log(guard, tmp_path):
     assert summaries[-1]["rows"] and summaries[-1]["rows"][0]["layer"]
 
 
+class KeywordAttention(nn.Module):
+    """Hugging Face style: tensors as keyword arguments, flex_attention compiled on its own."""
+
+    def __init__(self, attend):
+        super().__init__()
+        self.qkv = nn.Linear(H * D, 3 * H * D)
+        self.attend = attend
+
+    def forward(self, *, hidden_states):
+        b, n, _ = hidden_states.shape
+        q, k, v = self.qkv(hidden_states).view(b, n, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)
+        o = self.attend(q.contiguous(), k.contiguous(), v.contiguous())
+        return o.transpose(1, 2).reshape(b, n, H * D)
+
+
+def test_compiled_backward_and_keyword_layers_are_attributed(guard, dynamo_reset):
+    """An AOTAutograd backward (here aot_eager: dense) carries no forward context: its layer is
+    the open backward span's. Layers taking keyword tensors get backward spans from the first step."""
+    guard()
+    attend = torch.compile(lambda q, k, v: op_call(q, k, v)[0], backend="aot_eager")
+    layers = nn.ModuleList(KeywordAttention(attend) for _ in range(2))
+    with fusionguard.watch(layers):
+        for step in range(2):
+            x = x_in(seed=step)
+            for layer in layers:
+                x = x + layer(hidden_states=x)
+            x.sum().backward()
+    ev = flex_events()
+    assert [(e["phase"], e["layer"], e["cause"]) for e in ev] == [
+        ("forward", "0", "non_inductor_backend"),
+        ("forward", "1", "non_inductor_backend"),
+        ("backward", "1", "non_inductor_backend"),
+        ("backward", "0", "non_inductor_backend"),
+    ] * 2
+    rows = {(r["layer"], r["phase"]): r for r in fusionguard.summary()}
+    for name in ("0", "1"):
+        assert (rows[(name, "backward")]["calls"], rows[(name, "backward")]["dense"]) == (2, 2)
+
+
 class InferenceAttention(nn.Module):
     def forward(self, q, k, v):
         return torch.nn.attention.flex_attention.flex_attention(q, k, v, enable_gqa=True)
