@@ -94,7 +94,7 @@ def run_variant(name, args, shape, ctx_factory):
             with torch.no_grad():
                 compiled(x, mask)
 
-    with ctx_factory(model) as ctx:
+    with ctx_factory(model, compiled) as ctx:
         t0 = time.perf_counter()
         step()
         sync(args.device)
@@ -114,12 +114,12 @@ def run_variant(name, args, shape, ctx_factory):
 
 
 @contextlib.contextmanager
-def none(model):
+def none(model, compiled):
     yield None
 
 
 @contextlib.contextmanager
-def enabled(model):
+def enabled(model, compiled):
     fusionguard.enable(strict=True, log_path=False)
     try:
         yield None
@@ -128,7 +128,8 @@ def enabled(model):
 
 
 @contextlib.contextmanager
-def watched(model):
+def watched(model, compiled):
+    """watch() given the module that torch.compile wraps: Dynamo traces the hooked modules."""
     fusionguard.enable(strict=True, log_path=False)
     try:
         with fusionguard.watch(model):
@@ -138,7 +139,18 @@ def watched(model):
 
 
 @contextlib.contextmanager
-def profiled(model):
+def watched_compiled(model, compiled):
+    """watch() given the compiled module (``model = torch.compile(model)``): no hooks inside it."""
+    fusionguard.enable(strict=True, log_path=False)
+    try:
+        with fusionguard.watch(compiled):
+            yield None
+    finally:
+        fusionguard.disable()
+
+
+@contextlib.contextmanager
+def profiled(model, compiled):
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -213,7 +225,7 @@ def main() -> None:
         "train": args.device.startswith("cuda"),
     }
     print(json.dumps(meta), flush=True)
-    variants = (("none", none), ("enabled", enabled), ("watched", watched), ("profiler", profiled))
+    variants = (("none", none), ("enabled", enabled), ("watched", watched), ("watched_c", watched_compiled), ("profiler", profiled))
     summary = []
     if not args.skip_steps:
         run_variant("warm-up", args, shape, none)  # fills Inductor's caches: every variant then compiles warm

@@ -162,6 +162,34 @@ def _recompile_limit_value() -> Optional[int]:
         return None
 
 
+_OTHER, _TORCH_WRAPPER, _COMPILE_ENTRY, _DISABLE_WRAPPER, _CANDIDATE = range(5)
+# What each code object on a dense call's stack is, worked out once: the stack walk is on the
+# dense path, ahead of the kernel, and its string tests dominated the guard's cost.
+_KINDS: Dict[types.CodeType, int] = {}
+
+
+def _code_kind(code: types.CodeType) -> int:
+    if code.co_name == _WRAPPER_NAME and is_torch_file(code.co_filename):
+        kind = _TORCH_WRAPPER
+    elif _is_compile_entry(code):
+        kind = _COMPILE_ENTRY
+    elif _is_disable_wrapper(code):
+        kind = _DISABLE_WRAPPER
+    elif (
+        is_public_flex(code.co_name, code.co_filename)
+        or (not is_torch_file(code.co_filename) and not code.co_filename.startswith(_FG_DIR))
+    ) and not code.co_filename.startswith("<"):
+        # PyTorch's public flex_attention is a candidate too: torch.compile(flex_attention)
+        # compiles that very frame, and it is the one that hits the recompile limit.
+        kind = _CANDIDATE
+    else:
+        kind = _OTHER
+    if len(_KINDS) > 50_000:
+        _KINDS.clear()
+    _KINDS[code] = kind
+    return kind
+
+
 def diagnose_forward(frame: Optional[types.FrameType]) -> Diagnosis:
     """Walk outward from the dense kernel's caller and explain the call."""
     code_map = _orig_code_map()
@@ -201,26 +229,29 @@ def diagnose_forward(frame: Optional[types.FrameType]) -> Diagnosis:
                 # was left out of the graph.
                 cause, info = SIGNALS.lookup(orig.co_filename, orig.co_firstlineno)
                 return Diagnosis(False, "graph_break", {"compiled_frame": _frame_where(f), "dynamo": info})
-        elif code.co_name == _WRAPPER_NAME and is_torch_file(code.co_filename):
-            internal = internal or "plain"
-        elif _is_compile_entry(code):
-            depth_of_entries.append(depth)
-            if disabled_fn is not None:
-                disabled_in_compile = True
-        elif _is_disable_wrapper(code):
-            fn = f.f_locals.get("fn")
-            fn_code = getattr(fn, "__code__", None)
-            if (
-                fn_code is not None
-                and disabled_fn is None
-                and not is_torch_file(fn_code.co_filename)
-                and not fn_code.co_filename.startswith(("<", _FG_DIR))
-            ):
-                disabled_fn = f"{getattr(fn, '__qualname__', fn_code.co_name)} ({fn_code.co_filename}:{fn_code.co_firstlineno})"
-        elif is_public_flex(code.co_name, code.co_filename) or (not is_torch_file(code.co_filename) and not code.co_filename.startswith(_FG_DIR)):
-            # PyTorch's public flex_attention is a candidate too: torch.compile(flex_attention)
-            # compiles that very frame, and it is the one that hits the recompile limit.
-            if not code.co_filename.startswith("<"):
+        else:
+            kind = _KINDS.get(code)
+            if kind is None:
+                kind = _code_kind(code)
+            if kind == _OTHER:
+                pass
+            elif kind == _TORCH_WRAPPER:
+                internal = internal or "plain"
+            elif kind == _COMPILE_ENTRY:
+                depth_of_entries.append(depth)
+                if disabled_fn is not None:
+                    disabled_in_compile = True
+            elif kind == _DISABLE_WRAPPER:
+                fn = f.f_locals.get("fn")
+                fn_code = getattr(fn, "__code__", None)
+                if (
+                    fn_code is not None
+                    and disabled_fn is None
+                    and not is_torch_file(fn_code.co_filename)
+                    and not fn_code.co_filename.startswith(("<", _FG_DIR))
+                ):
+                    disabled_fn = f"{getattr(fn, '__qualname__', fn_code.co_name)} ({fn_code.co_filename}:{fn_code.co_firstlineno})"
+            elif kind == _CANDIDATE:
                 user_frames.append((f, depth))
         f = f.f_back
     # A user frame can only have slid to eager because of Dynamo if it runs under a
