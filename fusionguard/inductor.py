@@ -89,7 +89,10 @@ def _node_layer() -> Optional[str]:
 
     from .layers import clean_name, note_flex_call
 
-    outer = note_flex_call() or ""
+    graph = getattr(getattr(V, "graph", None), "graph", None)
+    flex_nodes = sum(1 for n in graph.nodes if "flex_attention" in str(n.target)) if graph is not None else 0
+    # a graph with several FlexAttention calls was compiled around a container, not a layer
+    outer = note_flex_call(learn=flex_nodes <= 1) or ""
     inner = ""
     node = getattr(V.graph, "current_node", None)
     meta = getattr(node, "meta", None) or {}

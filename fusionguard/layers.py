@@ -64,15 +64,18 @@ def current_layer() -> Optional[str]:
     return stack[-1][0] if stack else None
 
 
-def note_flex_call() -> Optional[str]:
+def note_flex_call(learn: bool = True) -> Optional[str]:
     """Called for each FlexAttention call we see (dense run, compile): remembers that the
-    innermost watched module's class makes FlexAttention calls, returns its name. In a backward
-    (no forward hooks run there) the name is that of the innermost open backward span."""
+    innermost watched module's class makes FlexAttention calls (unless ``learn`` is False: a
+    compiled graph of several layers' calls, whose caller is a container), returns its name. In
+    a backward (no forward hooks run there) the name is that of the innermost open backward span."""
     stack = _LAYER.get()
     if not stack:
         return backward_layer()
     name, cls = stack[-1]
-    if cls not in STATS.flex_classes:
+    if learn and cls not in STATS.flex_classes and cls.__name__ != "OptimizedModule":
+        # (a torch.compile wrapper is never the attention layer: measuring it would time the
+        # whole compiled model, +12 % step time measured on an H200)
         STATS.flex_classes.add(cls)
     return name or backward_layer()
 

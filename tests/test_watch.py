@@ -319,3 +319,31 @@ def test_bad_options_are_clear_errors_and_change_nothing(guard):
     with pytest.raises(ValueError, match="max_events"):
         fusionguard.enable(max_events=-1, log_path=False)
     assert fusionguard._state.STATE.config is before
+
+
+@pytest.mark.slow
+def test_a_compiled_model_is_never_taken_for_an_attention_layer(guard, dynamo_reset):
+    """Compiled inside watch(): the compile wrapper (or a root holding several layers' calls) is
+    not measured as a layer (that timed the whole model: +12 % step time on an H200)."""
+    from fusionguard.layers import STATS
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = InferenceAttention(), InferenceAttention()
+
+        def forward(self, q, k, v):
+            return self.b(self.a(q, k, v), k, v)
+
+    q, k, v = torch.randn(1, 4, 64, 8), torch.randn(1, 2, 64, 8), torch.randn(1, 2, 64, 8)
+    guard(strict=True)
+    for target in ("compiled", "raw"):
+        torch._dynamo.reset()
+        model = Two()
+        compiled = torch.compile(model)
+        with fusionguard.watch(compiled if target == "compiled" else model):
+            compiled(q, k, v)
+            compiled(q, k, v)
+        assert not [c for c in STATS.flex_classes if c.__name__ in ("OptimizedModule", "Two")], target
+        assert "" not in {r["layer"] for r in fusionguard.summary()}, target
+    assert sorted({e["layer"] for e in flex_events("flex_compile")}) == ["a", "b"]
