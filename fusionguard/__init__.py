@@ -243,6 +243,8 @@ def enable(
             except Exception as exc:  # the guard must be on even if the header cannot be built
                 internal_error("header", exc)
         elif STATE.log.sink is not None:
+            if STATE.log.sink.fsync != config.fsync:
+                STATE.durable_keys.clear()  # sites seen with fsync off were never made durable
             STATE.log.sink.fsync = config.fsync
             STATE.log.sink.max_bytes = config.log_max_bytes or None
             STATE.log.sink.backups = config.log_backups

@@ -165,7 +165,7 @@ def _recompile_limit_value() -> Optional[int]:
 _OTHER, _TORCH_WRAPPER, _COMPILE_ENTRY, _DISABLE_WRAPPER, _CANDIDATE = range(5)
 # What each code object on a dense call's stack is, worked out once: the stack walk is on the
 # dense path, ahead of the kernel, and its string tests dominated the guard's cost.
-_KINDS: Dict[types.CodeType, int] = {}
+_KINDS: Dict[tuple, int] = {}  # (code, filename): code objects compare equal across files
 
 
 def _code_kind(code: types.CodeType) -> int:
@@ -186,7 +186,7 @@ def _code_kind(code: types.CodeType) -> int:
         kind = _OTHER
     if len(_KINDS) > 50_000:
         _KINDS.clear()
-    _KINDS[code] = kind
+    _KINDS[(code, code.co_filename)] = kind
     return kind
 
 
@@ -230,7 +230,7 @@ def diagnose_forward(frame: Optional[types.FrameType]) -> Diagnosis:
                 cause, info = SIGNALS.lookup(orig.co_filename, orig.co_firstlineno)
                 return Diagnosis(False, "graph_break", {"compiled_frame": _frame_where(f), "dynamo": info})
         else:
-            kind = _KINDS.get(code)
+            kind = _KINDS.get((code, code.co_filename))
             if kind is None:
                 kind = _code_kind(code)
             if kind == _OTHER:

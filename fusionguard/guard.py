@@ -277,7 +277,7 @@ def _check_dense(phase: str, args: tuple, kwargs: dict, frame: Any) -> Optional[
     site = call_site or {}
     key = (phase, site.get("file"), site.get("line"), layer, action, diagnosis.cause)
     durable = STATE.config.fsync == "always" or key not in STATE.durable_keys
-    if durable and len(STATE.durable_keys) < 10_000:
+    if durable and STATE.config.fsync and len(STATE.durable_keys) < 10_000:
         STATE.durable_keys.add(key)
     logged = STATE.log.emit("warning", "flex_call", durable=durable, **fields)
     # Decide from what we built, never from the log's "latest" event (another thread's, maybe).

@@ -231,7 +231,8 @@ def record_compiled_graph(compiled: Any) -> List[Dict[str, Any]]:
     graph = getattr(compiled, "cache_key", None) or getattr(compiled, "_fx_graph_cache_key", None)
     from .layers import note_flex_call
 
-    around = note_flex_call() if calls else None  # the watched layer compiling this graph, if any
+    # the watched layer compiling this graph, if any (learned as a layer only for a single call)
+    around = note_flex_call(learn=len(calls) <= 1) if calls else None
     from .causes import user_call_site
 
     live_site = user_call_site(sys._getframe(1)) if calls else None  # compiles run inside the user's call
@@ -339,7 +340,7 @@ def _at_runtime(summary: Dict[str, Any]) -> Dict[str, Any]:
         return summary
     from .layers import note_flex_call, resolve_watched_name
 
-    now = note_flex_call()
+    now = note_flex_call(learn=False)
     if not now:
         return summary
     known = summary.get("layer")

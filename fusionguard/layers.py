@@ -71,13 +71,13 @@ def note_flex_call(learn: bool = True) -> Optional[str]:
     a backward (no forward hooks run there) the name is that of the innermost open backward span."""
     stack = _LAYER.get()
     if not stack:
-        return backward_layer()
+        return backward_layer() if in_backward() else None
     name, cls = stack[-1]
     if learn and cls not in STATS.flex_classes and cls.__name__ != "OptimizedModule":
         # (a torch.compile wrapper is never the attention layer: measuring it would time the
         # whole compiled model, +12 % step time measured on an H200)
         STATS.flex_classes.add(cls)
-    return name or backward_layer()
+    return name or (backward_layer() if in_backward() else None)
 
 
 # Backward spans open on this thread (the autograd engine runs a device's backward on one
@@ -86,24 +86,62 @@ def note_flex_call(learn: bool = True) -> Optional[str]:
 _BW_OPEN = threading.local()
 
 
+def _graph_task() -> int:
+    try:
+        return torch._C._current_graph_task_id()
+    except Exception:
+        return -1
+
+
 def backward_layer() -> Optional[str]:
-    spans = getattr(_BW_OPEN, "names", None)
-    return spans[-1] if spans else None
+    """The innermost backward span open in *this* backward pass (spans of a backward that raised,
+    or whose inputs' gradients were never asked for, never end: they belong to another pass)."""
+    spans = getattr(_BW_OPEN, "spans", None)
+    if not spans:
+        return None
+    task = _graph_task()
+    for name, span_task in reversed(spans):
+        if span_task == task:
+            return name
+    return None
 
 
 def _bw_push(name: str) -> None:
-    spans = getattr(_BW_OPEN, "names", None)
+    spans = getattr(_BW_OPEN, "spans", None)
     if spans is None:
-        spans = _BW_OPEN.names = []
-    spans.append(name)
+        spans = _BW_OPEN.spans = []
+    task = _graph_task()
+    if len(spans) >= 64:  # drop spans left open by earlier backward passes
+        spans[:] = [s for s in spans if s[1] == task]
+    spans.append((name, task))
 
 
 def _bw_pop(name: str) -> None:
-    spans = getattr(_BW_OPEN, "names", None) or []
+    spans = getattr(_BW_OPEN, "spans", None) or []
+    task = _graph_task()
     for i in range(len(spans) - 1, -1, -1):
-        if spans[i] == name:
+        if spans[i] == (name, task):
             del spans[i]
             return
+    for i in range(len(spans) - 1, -1, -1):
+        if spans[i][0] == name:
+            del spans[i]
+            return
+
+
+def _span_inputs(args: Any, kwargs: Any) -> List[torch.Tensor]:
+    """The tensors a layer's backward span ends on: its positional inputs, else the
+    ``hidden_states`` keyword (Hugging Face), else every keyword tensor. Keyword tensors shared by
+    all layers (``encoder_hidden_states``, a T5 ``position_bias``) would keep every earlier
+    layer's span open until the last layer's backward."""
+    found = _tensors(args)
+    if found:
+        return found
+    if isinstance(kwargs, dict) and kwargs.get("hidden_states") is not None:
+        found = _tensors(kwargs["hidden_states"])
+        if found:
+            return found
+    return _tensors(kwargs)
 
 
 def in_backward() -> bool:
@@ -426,7 +464,7 @@ class Watch:
             frame.dense_before = _dense_count(name, "forward")
             try:
                 if self_._is_layer(mod, name):
-                    inputs = _tensors((args, kwargs))
+                    inputs = _span_inputs(args, kwargs)
                     if self_.memory:
                         frame.measure = measure_start(inputs if inputs else mod)
                     if torch.is_grad_enabled() and not frame.recompute:
@@ -458,7 +496,7 @@ class Watch:
                     _record(name, "forward", alloc, peak, frame.recompute, frame.dense_before)
                     if frame.grad_inputs is None and torch.is_grad_enabled() and not frame.recompute:
                         # first call of a layer class: known as a layer only now; its backward counts
-                        frame.grad_inputs = [t for t in _tensors((args, kwargs)) if t.requires_grad]
+                        frame.grad_inputs = [t for t in _span_inputs(args, kwargs) if t.requires_grad]
                     if frame.grad_inputs and output is not None:
                         self_._watch_backward(name, output, frame.grad_inputs)
             except Exception as exc:

@@ -251,3 +251,18 @@ def test_fsync_option_is_validated():
     with pytest.raises(TypeError, match="fsync"):
         fusionguard.enable(fsync="sometimes")
     assert not fusionguard.is_enabled()
+
+
+def test_turning_fsync_on_makes_known_sites_durable(guard, monkeypatch):
+    """A site first seen with fsync off was never fsync-ed: turning it on must fsync it."""
+    guard(fsync=False)
+    q, k, v = qkv()
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for fsync in (False, True):
+            guard(fsync=fsync)
+            flex_attention(q, k, v)  # same line both times
+    assert len(synced) == 1

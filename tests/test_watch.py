@@ -347,3 +347,59 @@ def test_a_compiled_model_is_never_taken_for_an_attention_layer(guard, dynamo_re
         assert not [c for c in STATS.flex_classes if c.__name__ in ("OptimizedModule", "Two")], target
         assert "" not in {r["layer"] for r in fusionguard.summary()}, target
     assert sorted({e["layer"] for e in flex_events("flex_compile")}) == ["a", "b"]
+
+
+def test_a_backward_span_left_open_never_names_later_calls(guard):
+    """A backward that never reaches a layer's inputs (autograd.grad of one weight) leaves its
+    span open; calls after it, outside any layer, must not inherit that layer's name."""
+    from conftest import qkv
+
+    guard()
+    model = Model()
+    with fusionguard.watch(model):
+        y = model(x_in())
+        torch.autograd.grad(y.sum(), [model.layers[1].attn.out.weight])
+        op_call(*qkv())  # outside every watched module, not in a backward
+    assert flex_events()[-1]["layer"] is None
+
+
+def test_span_inputs_prefer_the_hidden_states():
+    """Keyword tensors shared by every layer (a T5 position_bias) must not end a layer's span."""
+    from fusionguard.layers import _span_inputs
+
+    h, bias, other = torch.ones(1), torch.ones(2), torch.ones(3)
+    assert _span_inputs((), {"hidden_states": h, "position_bias": bias}) == [h]
+    assert _span_inputs((h,), {"position_bias": bias}) == [h]
+    assert _span_inputs((), {"x": other}) == [other]
+
+
+@pytest.mark.slow
+def test_a_container_compiled_in_place_is_not_a_layer(guard, dynamo_reset):
+    """module.compile() in place: the watched parent is on the stack while Inductor records a
+    graph of two layers' calls; it must not be learned as an attention layer."""
+    from fusionguard.layers import STATS
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = InferenceAttention(), InferenceAttention()
+
+        def forward(self, q, k, v):
+            return self.b(self.a(q, k, v), k, v)
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.two = Two()
+
+        def forward(self, q, k, v):
+            return self.two(q, k, v)
+
+    q, k, v = torch.randn(1, 4, 64, 8), torch.randn(1, 2, 64, 8), torch.randn(1, 2, 64, 8)
+    guard(strict=True)
+    model = Outer()
+    model.two.compile()
+    with fusionguard.watch(model):
+        model(q, k, v)
+        model(q, k, v)
+    assert not [c for c in STATS.flex_classes if c.__name__ in ("Outer", "Two", "OptimizedModule")]
