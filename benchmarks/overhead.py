@@ -119,34 +119,27 @@ def none(model, compiled):
 
 
 @contextlib.contextmanager
-def enabled(model, compiled):
+def guarded(watch_target):
     fusionguard.enable(strict=True, log_path=False)
     try:
-        yield None
+        with fusionguard.watch(watch_target) if watch_target is not None else contextlib.nullcontext():
+            yield None
     finally:
         fusionguard.disable()
 
 
-@contextlib.contextmanager
+def enabled(model, compiled):
+    return guarded(None)
+
+
 def watched(model, compiled):
     """watch() given the module that torch.compile wraps: Dynamo traces the hooked modules."""
-    fusionguard.enable(strict=True, log_path=False)
-    try:
-        with fusionguard.watch(model):
-            yield None
-    finally:
-        fusionguard.disable()
+    return guarded(model)
 
 
-@contextlib.contextmanager
 def watched_compiled(model, compiled):
     """watch() given the compiled module (``model = torch.compile(model)``): no hooks inside it."""
-    fusionguard.enable(strict=True, log_path=False)
-    try:
-        with fusionguard.watch(compiled):
-            yield None
-    finally:
-        fusionguard.disable()
+    return guarded(compiled)
 
 
 @contextlib.contextmanager

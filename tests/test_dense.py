@@ -230,20 +230,27 @@ def test_nested_tensor_inputs_get_torchs_own_error_unchanged(guard):
     assert not fusionguard.events("internal_error")
 
 
+@pytest.fixture
+def fsync_spy(monkeypatch):
+    """Counts os.fsync calls (and still makes them)."""
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
+    return synced
+
+
 @pytest.mark.parametrize("fsync, expected", [(True, 1), ("always", 3), (False, 0)])
-def test_repeated_dense_calls_are_fsynced_once_per_site(guard, monkeypatch, fsync, expected):
+def test_repeated_dense_calls_are_fsynced_once_per_site(guard, fsync_spy, fsync, expected):
     """A repeat of an on-disk record is written (a killed process loses nothing) but not fsync-ed:
     an fsync costs more than 1 % of a dense call."""
     log = guard(fsync=fsync)
     q, k, v = qkv()
-    synced = []
-    real_fsync = os.fsync
-    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
+    fsync_spy.clear()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for _ in range(3):
             flex_attention(q, k, v)
-    assert len(synced) == expected
+    assert len(fsync_spy) == expected
     assert len([e for e in read_jsonl(log) if e["event"] == "flex_call"]) == 3
 
 
@@ -253,16 +260,14 @@ def test_fsync_option_is_validated():
     assert not fusionguard.is_enabled()
 
 
-def test_turning_fsync_on_makes_known_sites_durable(guard, monkeypatch):
+def test_turning_fsync_on_makes_known_sites_durable(guard, fsync_spy):
     """A site first seen with fsync off was never fsync-ed: turning it on must fsync it."""
     guard(fsync=False)
     q, k, v = qkv()
-    synced = []
-    real_fsync = os.fsync
-    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
+    fsync_spy.clear()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for fsync in (False, True):
             guard(fsync=fsync)
             flex_attention(q, k, v)  # same line both times
-    assert len(synced) == 1
+    assert len(fsync_spy) == 1

@@ -250,6 +250,15 @@ class InferenceAttention(nn.Module):
         return torch.nn.attention.flex_attention.flex_attention(q, k, v, enable_gqa=True)
 
 
+class Two(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = InferenceAttention(), InferenceAttention()
+
+    def forward(self, q, k, v):
+        return self.b(self.a(q, k, v), k, v)
+
+
 @pytest.mark.slow
 def test_watch_compiled_model_adds_no_graphs(guard, tmp_path, monkeypatch):
     """fullgraph=True still compiles, same graph count, the fused record names the layer."""
@@ -327,14 +336,6 @@ def test_a_compiled_model_is_never_taken_for_an_attention_layer(guard, dynamo_re
     not measured as a layer (that timed the whole model: +12 % step time on an H200)."""
     from fusionguard.layers import STATS
 
-    class Two(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a, self.b = InferenceAttention(), InferenceAttention()
-
-        def forward(self, q, k, v):
-            return self.b(self.a(q, k, v), k, v)
-
     q, k, v = torch.randn(1, 4, 64, 8), torch.randn(1, 2, 64, 8), torch.randn(1, 2, 64, 8)
     guard(strict=True)
     for target in ("compiled", "raw"):
@@ -378,14 +379,6 @@ def test_a_container_compiled_in_place_is_not_a_layer(guard, dynamo_reset):
     """module.compile() in place: the watched parent is on the stack while Inductor records a
     graph of two layers' calls; it must not be learned as an attention layer."""
     from fusionguard.layers import STATS
-
-    class Two(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a, self.b = InferenceAttention(), InferenceAttention()
-
-        def forward(self, q, k, v):
-            return self.b(self.a(q, k, v), k, v)
 
     class Outer(nn.Module):
         def __init__(self):
