@@ -209,11 +209,12 @@ _KEEP = "keep"
 
 
 class _Window:
-    __slots__ = ("total", "window", "agg")
+    __slots__ = ("total", "window", "agg", "flex_calls")
 
     def __init__(self) -> None:
         self.total = 0
         self.window = 0
+        self.flex_calls = 0  # FlexAttention calls covered by the window's ``flex_run`` events
         self.agg: Dict[str, List[Any]] = {}  # field -> [max, last]
 
 
@@ -224,7 +225,8 @@ class FusedSampler:
     counted and every ``every``-th call writes one ``fused_calls`` event instead, covering the
     calls since the previous record: ``count`` (calls covered), ``total`` (calls so far for that
     layer and phase), ``of`` (the event kind counted) and, for each numeric field in
-    ``aggregate`` that the events carried, ``<field>_max`` and ``<field>_last``. ``every=0``:
+    ``aggregate`` that the events carried, ``<field>_max`` and ``<field>_last``, and for
+    ``flex_run`` events the FlexAttention calls they covered (``flex_calls``). ``every=0``:
     counters only when flushed (before ``summary`` / ``shutdown`` / ``crash`` and on close).
     ``keep_all=True`` keeps everything. Only ``info`` events with ``path == "fused"`` are
     sampled; dense events, compile-time records, errors are always written. Thread-safe.
@@ -272,6 +274,9 @@ class FusedSampler:
                 self.kept += 1
                 return _KEEP
             w.window += 1
+            n = fields.get("flex_calls")
+            if isinstance(n, int) and not isinstance(n, bool):
+                w.flex_calls += n
             for name in self.aggregate:
                 value = fields.get(name)
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -290,6 +295,9 @@ class FusedSampler:
 
     def _counter(self, key: Tuple[Any, Any, str], w: _Window) -> Dict[str, Any]:
         out: Dict[str, Any] = {"layer": key[0], "phase": key[1], "path": "fused", "of": key[2], "count": w.window, "total": w.total}
+        if w.flex_calls:
+            out["flex_calls"] = w.flex_calls
+            w.flex_calls = 0
         for name, (mx, last) in w.agg.items():
             out[f"{name}_max"] = mx
             out[f"{name}_last"] = last

@@ -42,6 +42,7 @@ KNOWN_EVENTS = frozenset(
     {
         "header", "flex_call", "flex_compile", "flex_inlined", "recompile_limit", "compile_error",
         "graph_break", "internal_error", "shutdown", "layer_memory", "fused_calls", "summary", "crash",
+        "flex_run", "rescue_failed",
     }
 )
 _DECODER = json.JSONDecoder()
@@ -315,20 +316,22 @@ def read_events(path: str, stats: FileStats, max_line: Optional[int] = None) -> 
 
 
 class Counts:
-    __slots__ = ("dense", "fused", "calls", "compiles", "blocked", "inlined", "causes")
+    __slots__ = ("dense", "fused", "calls", "runs", "compiles", "blocked", "inlined", "causes")
 
     def __init__(self) -> None:
         self.dense = 0
-        self.fused = 0  # explicit fused per-call records
+        self.fused = 0  # explicit fused per-call records (layer_memory, rescued flex_call)
         self.calls = 0  # per-call records (layer_memory / fused_calls), recomputes excluded
+        self.runs = 0  # fused FlexAttention calls executed by compiled graphs (flex_run)
         self.compiles = 0
         self.blocked = 0
         self.inlined = 0
         self.causes: Dict[str, int] = {}
 
     def fused_calls(self) -> int:
-        # calls of a FlexAttention layer that ran no dense kernel ran the fused one
-        return max(self.fused, self.calls - self.dense)
+        # calls of a FlexAttention layer that ran no dense kernel ran the fused one; compiled
+        # graphs count their own runs (the same calls, seen from the other side: never added)
+        return max(self.fused, self.calls - self.dense, self.runs)
 
 
 class KeyStats:
@@ -508,7 +511,9 @@ class Aggregator:
             key = self._key(e)
             c = s.count(key)
             ks = self.keys[key]
-            if e.get("path", "dense") == "dense":
+            if e.get("path") == "rescued":
+                c.fused += 1  # rescue ran it through a fused compile
+            elif e.get("path", "dense") == "dense":
                 c.dense += 1
                 cause = e.get("cause")
                 cause = "unknown" if cause is None else str(cause)
@@ -537,12 +542,19 @@ class Aggregator:
             if t is not None:
                 ks = self.keys[key]
                 ks.templates[str(t)] = ks.templates.get(str(t), 0) + 1
+        elif kind == "flex_run":
+            n = _int(e.get("flex_calls"))
+            s.count(self._key(e)).runs += n if n is not None else 1
         elif kind == "flex_inlined":
             s.count(self._key(e)).inlined += 1
         elif kind == "fused_calls":
             key = self._key(e)
             c = s.count(key)
             n = _int(e.get("count")) or 0
+            if e.get("of") == "flex_run":
+                flex = _int(e.get("flex_calls"))
+                c.runs += flex if flex is not None else n
+                return
             c.calls += n
             c.fused += n
             ks = self.keys[key]
@@ -667,7 +679,7 @@ def build_report(agg: Aggregator) -> Dict[str, Any]:
             total.inlined += c.inlined
             fc = c.fused_calls()
             total.fused += fc
-            per_call_records = per_call_records or c.calls > 0 or c.fused > 0
+            per_call_records = per_call_records or c.calls > 0 or c.fused > 0 or c.runs > 0
             for k, v in c.causes.items():
                 total.causes[k] = total.causes.get(k, 0) + v
             pr = per_rank.setdefault(s.rank, {}).setdefault(key, [0, 0])

@@ -451,3 +451,41 @@ def test_python_dash_m_and_console_script(tmp_path):
         pytest.skip("console script not installed in this environment")
     p = subprocess.run([str(script), "report", str(path), "--fail-on-dense"], capture_output=True, text=True, env=env, timeout=60)
     assert p.returncode == 1 and "DENSE: 1 dense FlexAttention call in 1 layer/phase pair" in p.stdout
+
+
+@pytest.mark.slow
+def test_fused_runs_of_a_compiled_flex_are_counted_exactly(guard, capsys, dynamo_reset):
+    """Per-call evidence from compiled graphs (flex_run, sampled into counters) reaches the report."""
+    import torch
+
+    log = guard(fused_first=2, fused_every=5)
+    q, k, v = qkv(L=64, HQ=4, HKV=2)
+    fn = torch.compile(lambda q, k, v: flex_attention(q, k, v, enable_gqa=True))
+    for _ in range(15):
+        fn(q, k, v)
+    from fusionguard import disable
+
+    disable()
+    rep = as_json(capsys, log)
+    assert not [w for w in rep["warnings"] if "unknown event kinds" in w]
+    (row,) = [r for r in rep["rows"] if r["phase"] == "forward"]
+    assert row["fused_calls"] == 15 and row["dense"] == 0
+
+
+def test_graph_runs_and_layer_records_of_the_same_calls_are_not_added(tmp_path, capsys):
+    events = [
+        header(),
+        # one graph holding two layers' calls, run 3 times: 2 kept, then a counter for 1 run
+        ev("flex_run", 2, layer=None, layers=["a", "b"], phase="forward", path="fused", flex_calls=2),
+        ev("flex_run", 3, layer=None, layers=["a", "b"], phase="forward", path="fused", flex_calls=2),
+        ev("fused_calls", 4, layer=None, phase="forward", path="fused", of="flex_run", count=1, total=3, flex_calls=2),
+        # a watched eager layer calling a compiled flex: its layer_memory and its flex_run are one call
+        ev("layer_memory", 5, layer="c", phase="forward", path="fused", alloc_delta=1, peak_delta=2),
+        ev("flex_run", 6, layer="c", phase="forward", path="fused", flex_calls=1),
+        ev("flex_call", 7, layer="d", phase="forward", path="rescued", cause="eager_call"),
+    ]
+    rep = as_json(capsys, write(tmp_path / "fg.jsonl", events))
+    rows = {(r["layer"], r["phase"]): r for r in rep["rows"]}
+    assert rows[(report.NO_LAYER, "forward")]["fused_calls"] == 6
+    assert rows[("c", "forward")]["fused_calls"] == 1
+    assert rows[("d", "forward")]["fused_calls"] == 1 and rows[("d", "forward")]["dense"] == 0
