@@ -12,7 +12,6 @@ import argparse
 import datetime
 import json
 import random
-import time
 
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -71,7 +70,6 @@ def main() -> None:
     }
     rows = []
     if args.slide_only:
-        q, k, v, mask = make(q_len, kv_len, hq, hkv, d)
         fusionguard.enable(strict=True, rescue=True, log_path=False)
         return slide(rows, meta, q_len, kv_len, hq, hkv, d, args)
 
@@ -89,9 +87,7 @@ def main() -> None:
     fusionguard.enable(strict=True, rescue=True, log_path=False)
     for i in range(2):  # first step compiles
         q, k, v, mask = make(q_len, kv_len, hq, hkv, d)
-        t0 = time.perf_counter()
         rfp, rbp, rout, rgrads = step(flex_attention, q, k, v, mask)
-        took = time.perf_counter() - t0
     rows.append(("eager + rescue (step 2)", rfp, rbp, rel(rout, dout), max(rel(a, b) for a, b in zip(rgrads, dgrads)), STATE.counts.get("rescue_compiles", 0)))
 
     return slide(rows, meta, q_len, kv_len, hq, hkv, d, args)

@@ -14,11 +14,9 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import sys
 import threading
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Union
 
-from . import _state
 from ._state import ALLOW_DENSE, OPTIONS, STATE, Config, internal_error, write_stderr
 from ._version import __version__
 from .errors import DenseFallbackError, DenseFallbackWarning

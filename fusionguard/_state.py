@@ -110,7 +110,6 @@ def internal_error(where: str, exc: BaseException) -> None:
 
 def reset_for_tests() -> None:
     """Forget everything (patches must already be removed)."""
-    global STATE
     STATE.log.close()
     new = State()
     STATE.__dict__.update(new.__dict__)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
-from typing import Any, Dict, List, Union
+from typing import Any, Union
 
 from ._state import STATE
 from .layers import STATS

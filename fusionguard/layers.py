@@ -450,7 +450,6 @@ class Watch:
                 _WATCHED_NAMES[n] = left
 
     def _pre(self, module: torch.nn.Module, name: str) -> Callable[..., None]:
-        frames: List[_Frame] = []
         self_ = self
 
         def pre_hook(mod: torch.nn.Module, args: Any, kwargs: Any) -> None:

@@ -35,6 +35,7 @@ SUPPORTED_SCHEMA = 1
 REPORT_VERSION = 1
 MAX_LINE = 16 * 1024 * 1024
 RESERVOIR = 2048
+MAX_CRASHES_SHOWN = 4  # crash/stop sections in the text report (all in --format json)
 MAX_KEYS = 10_000
 NO_LAYER = "(no layer)"
 OTHER_LAYERS = "(other layers)"
@@ -229,7 +230,7 @@ def find_logs(paths: Iterable[str], notes: Optional[List[str]] = None) -> List[s
 
 
 class FileStats:
-    __slots__ = ("path", "bytes", "lines", "events", "corrupt", "corrupt_lines", "torn_last_line", "oversized", "not_objects", "schemas", "headers")
+    __slots__ = ("path", "bytes", "lines", "events", "corrupt", "corrupt_lines", "torn_last_line", "oversized", "schemas", "headers")
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -240,7 +241,6 @@ class FileStats:
         self.corrupt_lines: List[int] = []
         self.torn_last_line = False
         self.oversized = 0
-        self.not_objects = 0
         self.schemas: Dict[str, int] = {}
         self.headers = 0
 
@@ -263,9 +263,9 @@ class FileStats:
         }
 
 
-def read_events(path: str, stats: FileStats, max_line: Optional[int] = None) -> Iterator[dict]:
+def read_events(path: str, stats: FileStats) -> Iterator[dict]:
     """Events of one file, one line at a time; bad lines are counted in ``stats``."""
-    max_line = max_line or MAX_LINE
+    max_line = MAX_LINE
     decode = _DECODER.decode
 
     def loads(raw: bytes) -> Any:
@@ -305,7 +305,6 @@ def read_events(path: str, stats: FileStats, max_line: Optional[int] = None) -> 
                     stats.bad(lineno)
                     continue
             if not isinstance(obj, dict) or not isinstance(obj.get("event"), str):
-                stats.not_objects += 1
                 stats.bad(lineno)
                 continue
             stats.events += 1
@@ -337,7 +336,7 @@ class Counts:
 class KeyStats:
     """Across all processes, per (layer, phase): memory and the first dense call."""
 
-    __slots__ = ("alloc", "peak", "scores_max", "first_dense", "templates", "dense_memory")
+    __slots__ = ("alloc", "peak", "scores_max", "first_dense", "templates")
 
     def __init__(self) -> None:
         self.alloc = Reservoir()
@@ -345,7 +344,6 @@ class KeyStats:
         self.scores_max: Optional[int] = None
         self.first_dense: Optional[Dict[str, Any]] = None
         self.templates: Dict[str, int] = {}
-        self.dense_memory = False
 
 
 class Stream:
@@ -365,7 +363,6 @@ class Stream:
         self.counts: Dict[Tuple[str, str], Counts] = {}
         self.summary_rows: Optional[List[dict]] = None
         self.header: Dict[str, Any] = {}
-        self.kinds: Dict[str, int] = {}
         self.files: List[str] = []
         self.synthetic = False
 
@@ -499,8 +496,6 @@ class Aggregator:
                 c.calls += 1
                 if path == "fused":
                     c.fused += 1
-            if path == "dense":
-                ks.dense_memory = True
             a, p = _num(e.get("alloc_delta")), _num(e.get("peak_delta"))
             if a is not None:
                 ks.alloc.add(a)
@@ -658,7 +653,7 @@ def _ending(s: Stream) -> str:
 
 def build_report(agg: Aggregator) -> Dict[str, Any]:
     streams = [s for s in agg.streams.values()]
-    ranks = sorted({s.rank for s in streams}, key=lambda r: (not isinstance(r, int), str(r) if not isinstance(r, int) else r))
+    ranks = _sorted_ranks({s.rank for s in streams})
     multi_rank = len(ranks) > 1
 
     # per key totals over processes, and which ranks went which way
@@ -912,7 +907,7 @@ def _who(item: Dict[str, Any]) -> str:
     return f"rank {item.get('rank')} (pid {item.get('pid')}{host})"
 
 
-def render_text(rep: Dict[str, Any], max_crashes: int = 4) -> str:
+def render_text(rep: Dict[str, Any]) -> str:
     run, totals = rep["run"], rep["totals"]
     out: List[str] = []
     ranks = run["ranks"]
@@ -923,12 +918,11 @@ def render_text(rep: Dict[str, Any], max_crashes: int = 4) -> str:
         + (f" of world size {run['world_size']}" if run.get("world_size") and run["world_size"] > 1 else "")
         + f", {run['events']:,} events"
     )
-    for v in run["versions"] or [{}]:
-        if v:
-            out.append(
-                f"  versions: fusionguard {v['fusionguard']}, torch {v['torch']}, triton {v['triton'] or '-'}, python {v['python']}"
-                + (f"  ({v['processes']} processes)" if len(run["versions"]) > 1 else "")
-            )
+    for v in run["versions"]:
+        out.append(
+            f"  versions: fusionguard {v['fusionguard']}, torch {v['torch']}, triton {v['triton'] or '-'}, python {v['python']}"
+            + (f"  ({v['processes']} processes)" if len(run["versions"]) > 1 else "")
+        )
     if run["devices"]:
         out.append("  devices:  " + "; ".join(f"{h}: " + _devices_text(d) for h, d in sorted(run["devices"].items())))
     out.append(f"  time:     {fmt_ts(run['first_ts'])} -> {fmt_ts(run['last_ts'])} ({fmt_duration(run['duration_s'])})")
@@ -990,7 +984,7 @@ def render_text(rep: Dict[str, Any], max_crashes: int = 4) -> str:
 
     shown = 0
     for c in rep["crashes"]:
-        if shown >= max_crashes:
+        if shown >= MAX_CRASHES_SHOWN:
             out.append(f"\n(+{len(rep['crashes']) - shown} more crash/stop sections in --format json)")
             break
         shown += 1

@@ -50,6 +50,25 @@ def op_call(q, k, v, **kw):
     return HOP_MODULE.flex_attention(*op_args(q, k, v, **kw))
 
 
+def run_cli(capsys, *args):
+    """``fusionguard report ARGS`` in-process: (exit status, stdout, stderr)."""
+    from fusionguard import cli
+
+    rc = cli.main(["report", *map(str, args)])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def fresh_hf_wrapper():
+    """Forget transformers' singleton torch.compile(flex_attention) and Dynamo's caches."""
+    from transformers.integrations import flex_attention as hf_flex
+
+    torch._dynamo.reset()
+    hf_flex.WrappedFlexAttention._instance = None
+    hf_flex.WrappedFlexAttention._is_flex_compiled = False
+    hf_flex.WrappedFlexAttention._compiled_flex_attention = None
+
+
 def read_jsonl(path):
     out = []
     for line in Path(path).read_text().splitlines():

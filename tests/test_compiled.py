@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import textwrap
-import warnings
 
 import pytest
 import torch
@@ -15,7 +13,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 import fusionguard
 
-from conftest import HOP_MODULE, ROOT, flex_events, op_args, qkv, read_jsonl
+from conftest import ROOT, flex_events, op_args, qkv, read_jsonl
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from fusionguard import cli, crash
+from fusionguard import crash
 
-from conftest import ROOT, read_jsonl
+from conftest import ROOT, read_jsonl, run_cli
 
 PY = sys.executable
 
-# What enable() will do once crash records are wired in; a no-op when it already did.
+# enable() installs the crash records (sys/threading excepthooks, SIGTERM).
 PRELUDE = """
 import sys, os, time, warnings
 import torch
@@ -34,12 +34,7 @@ from torch.nn.attention.flex_attention import flex_attention
 warnings.simplefilter("ignore")
 LOG = sys.argv[1]
 fusionguard.enable(log_path=LOG)
-if not crash.is_installed():
-    crash.install(
-        lambda level, event, **f: STATE.log.emit(level, event, **f),
-        last_flex_event=lambda: crash.last_flex(STATE.log.memory),
-        summary=lambda: {"counts": dict(STATE.counts)},
-    )
+assert crash.is_installed()
 q = torch.randn(1, 2, 16, 8)
 """
 
@@ -133,10 +128,6 @@ def runs(tmp_path_factory):
     r.close()
 
 
-def _report(log, *extra, capsys):
-    rc = cli.main(["report", str(log), *extra])
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 # -- crash-only subprocesses (no torch: fast) ---------------------------------------------------
@@ -392,7 +383,7 @@ def test_oom_inside_a_real_dense_kernel_in_a_worker_thread(runs, capsys):
     kinds = [e["event"] for e in events]
     assert kinds.index("crash") < kinds.index("shutdown"), "normal-exit records still follow"
 
-    rc, out, _ = _report(r["log"], capsys=capsys)
+    rc, out, _ = run_cli(capsys, r["log"])
     assert rc == 0
     assert "ended:    crash (rank 0)" in out
     assert "CRASH rank 0" in out and "in thread attn-worker" in out
@@ -401,7 +392,7 @@ def test_oom_inside_a_real_dense_kernel_in_a_worker_thread(runs, capsys):
     assert "flex_call  (no layer) forward  path=dense  cause=eager_call" in first_section
     assert "scores=1.10 TB" in first_section
 
-    rc, out, _ = _report(r["log"], "--format", "json", capsys=capsys)
+    rc, out, _ = run_cli(capsys, r["log"], "--format", "json")
     rep = json.loads(out)
     assert [c["crash"]["exc_type"] for c in rep["crashes"]] == ["RuntimeError", "torch.OutOfMemoryError"]
     assert [e["event"] for e in rep["crashes"][0]["last_events"]] == ["header", "flex_call"]
@@ -416,7 +407,7 @@ def test_sigterm_writes_shutdown_then_dies_of_sigterm(runs, capsys):
     calls = [e for e in events if e["event"] == "flex_call"]
     assert len(calls) >= 6
     assert last["counts"]["dense_forward"] >= len(calls)
-    rc, out, _ = _report(r["log"], capsys=capsys)
+    rc, out, _ = run_cli(capsys, r["log"])
     assert rc == 0 and "ended:    sigterm (rank 0)" in out
     assert "CRASH" not in out and "STOPPED" not in out
 
@@ -429,7 +420,7 @@ def test_sigkill_leaves_a_readable_log_that_report_calls_stopped(runs, capsys):
     n_calls = sum(e["event"] == "flex_call" for e in events)
     assert n_calls >= 6 and not any(e["event"] == "shutdown" for e in events)
     assert raw.endswith(b"\n")
-    rc, out, _ = _report(r["log"], "--last", "4", capsys=capsys)
+    rc, out, _ = run_cli(capsys, r["log"], "--last", "4")
     assert rc == 0
     assert "STOPPED rank 0" in out and "without a shutdown event" in out
     tail = out.split("last events", 1)[1].strip().splitlines()[1:]

@@ -13,7 +13,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import fusionguard
 
-from conftest import HOP_MODULE, causal, flex_events, op_call, qkv, read_jsonl
+from conftest import flex_events, op_call, qkv, read_jsonl
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 

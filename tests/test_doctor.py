@@ -33,7 +33,7 @@ def test_doctor_rejects_bad_shapes(shape):
     proc = subprocess.run(
         [sys.executable, "-m", "fusionguard", "doctor", "--shape", shape], capture_output=True, text=True, timeout=120, cwd=ROOT
     )
-    assert proc.returncode == 2 and "--shape" in proc.stderr or "GQA" in proc.stderr
+    assert proc.returncode == 2 and ("--shape" in proc.stderr or "GQA" in proc.stderr)
 
 
 def test_doctor_fails_clearly_on_a_non_fusing_stack():

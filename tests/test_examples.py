@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -45,7 +44,7 @@ def drafter(mode, tmp_path, *extra, expect_rc=0):
     out = run("drafter.py", "--mode", mode, "--steps", "2", "--log", str(log), *extra,
               cwd=tmp_path, expect_rc=expect_rc)
     assert "inference only (CPU: no FlexAttention gradients)" in out
-    assert f"fusionguard report: 1 file, 1 process, rank 0" in out  # the report ends the run
+    assert "fusionguard report: 1 file, 1 process, rank 0" in out  # the report ends the run
     events = read_jsonl(log)
     calls = [(e["layer"], e["phase"], e["path"], e["cause"]) for e in events if e["event"] == "flex_call"]
     compiles = [(e["layer"], e["template"]) for e in events if e["event"] == "flex_compile"]

@@ -15,11 +15,10 @@ import torch
 
 import fusionguard
 from fusionguard import _state
-from conftest import read_jsonl
+from conftest import fresh_hf_wrapper, read_jsonl
 
 transformers = pytest.importorskip("transformers")  # the `test` extra pins it; see setup.cfg
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
-from transformers.integrations import flex_attention as hf_flex  # noqa: E402
 
 pytestmark = pytest.mark.slow
 LAYERS = ["model.layers.0.self_attn", "model.layers.1.self_attn"]
@@ -34,14 +33,6 @@ def tiny_llama():
 
 def ids(length, seed=0):
     return torch.randint(0, 128, (1, length), generator=torch.Generator().manual_seed(seed))
-
-
-def fresh_hf_wrapper():
-    """Forget transformers' singleton torch.compile(flex_attention) and Dynamo's caches."""
-    torch._dynamo.reset()
-    hf_flex.WrappedFlexAttention._instance = None
-    hf_flex.WrappedFlexAttention._is_flex_compiled = False
-    hf_flex.WrappedFlexAttention._compiled_flex_attention = None
 
 
 def kinds(log, *names):

@@ -5,10 +5,9 @@ Inner tests are tiny: eager flex_attention on 1x2x16x8 CPU tensors, inference on
 
 from __future__ import annotations
 
-import json
 import re
 
-import pytest
+from conftest import read_jsonl
 
 pytest_plugins = ["pytester"]
 
@@ -58,10 +57,6 @@ def test_guarded_again():
     assert fusionguard.is_enabled()
     attend()
 """
-
-
-def read_jsonl(path):
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def section(stdout: str, title: str) -> str:

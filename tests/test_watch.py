@@ -6,7 +6,6 @@ from __future__ import annotations
 import csv
 import json
 import threading
-import warnings
 
 import pytest
 import torch
@@ -396,3 +395,4 @@ def test_a_container_compiled_in_place_is_not_a_layer(guard, dynamo_reset):
         model(q, k, v)
         model(q, k, v)
     assert not [c for c in STATS.flex_classes if c.__name__ in ("Outer", "Two", "OptimizedModule")]
+    assert {e["layer"] for e in flex_events("flex_compile")} == {"two.a", "two.b"}

@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import warnings
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import fusionguard
 
-from conftest import ROOT, flex_events, read_jsonl
+from conftest import ROOT, causal, flex_events, read_jsonl
 
 pytestmark = [
     pytest.mark.gpu,
@@ -25,10 +24,6 @@ pytestmark = [
 ]
 
 MB = 1 << 20
-
-
-def causal(b, h, q_idx, kv_idx):
-    return q_idx >= kv_idx
 
 
 def make(L=256, KV=None, B=1, HQ=4, HKV=2, D=64, seed=0):

@@ -17,11 +17,10 @@ import torch
 import fusionguard
 from fusionguard import _state
 
-from conftest import read_jsonl
+from conftest import fresh_hf_wrapper, read_jsonl
 
 transformers = pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
-from transformers.integrations import flex_attention as hf_flex  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -31,13 +30,6 @@ pytestmark = [
 
 LAYERS = ["model.layers.0.self_attn", "model.layers.1.self_attn"]
 STEPS, SEQ = 3, 2048
-
-
-def fresh_hf_wrapper():
-    torch._dynamo.reset()
-    hf_flex.WrappedFlexAttention._instance = None
-    hf_flex.WrappedFlexAttention._is_flex_compiled = False
-    hf_flex.WrappedFlexAttention._compiled_flex_attention = None
 
 
 def train(mode: str, log) -> dict:

@@ -10,6 +10,8 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import fusionguard
 
+from conftest import causal
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -19,10 +21,6 @@ pytestmark = [
 
 HQ, HKV, D, Q, KV, DIM = 32, 8, 128, 2048, 10240, 1024
 _compiled_flex = torch.compile(flex_attention)
-
-
-def causal(b, h, q_idx, kv_idx):
-    return q_idx >= kv_idx
 
 
 class Attention(nn.Module):
