@@ -262,10 +262,12 @@ def enable(
             STATE.atexit_registered = True
 
 
-def _summary_fields() -> Dict[str, Any]:
+def _final_events(reason: str) -> None:
+    """The per-layer summary and the shutdown event that end a log (disable or exit)."""
     from .layers import STATS
 
-    return {"counts": dict(STATE.counts), "rows": STATS.summary()}
+    STATE.log.emit("info", "summary", counts=dict(STATE.counts), rows=STATS.summary())
+    STATE.log.emit("info", "shutdown", reason=reason, counts=dict(STATE.counts))
 
 
 def disable() -> None:
@@ -283,8 +285,7 @@ def disable() -> None:
 
         crash.uninstall()
         try:
-            STATE.log.emit("info", "summary", **_summary_fields())
-            STATE.log.emit("info", "shutdown", reason="disable", counts=dict(STATE.counts))
+            _final_events("disable")
         except Exception as exc:
             internal_error("shutdown event", exc)
         STATE.log.close()
@@ -294,8 +295,7 @@ def _at_exit() -> None:
     try:
         with STATE.lock:
             if STATE.enabled:
-                STATE.log.emit("info", "summary", **_summary_fields())
-                STATE.log.emit("info", "shutdown", reason="exit", counts=dict(STATE.counts))
+                _final_events("exit")
                 STATE.log.close()
     except Exception:
         pass

@@ -22,6 +22,7 @@ import threading
 from typing import Any, Callable, Dict, List, Optional
 
 from ._state import STATE, count, internal_error
+from .layers import clean_name, flex_layer, note_flex_call, resolve_watched_name
 
 _TL = threading.local()
 
@@ -87,12 +88,7 @@ def _node_layer() -> Optional[str]:
     (``watch``) joined with the innermost module Dynamo recorded on the FX node."""
     from torch._inductor.virtualized import V
 
-    from .layers import clean_name, note_flex_call
-
-    graph = getattr(getattr(V, "graph", None), "graph", None)
-    flex_nodes = sum(1 for n in graph.nodes if "flex_attention" in str(n.target)) if graph is not None else 0
-    # a graph with several FlexAttention calls was compiled around a container, not a layer
-    outer = note_flex_call(learn=flex_nodes <= 1) or ""
+    outer = flex_layer() or ""  # (learning the layer class is record_compiled_graph's)
     inner = ""
     node = getattr(V.graph, "current_node", None)
     meta = getattr(node, "meta", None) or {}
@@ -229,10 +225,9 @@ def record_compiled_graph(compiled: Any) -> List[Dict[str, Any]]:
     for r in records:
         by_phase.setdefault(r["phase"], []).append(r)
     graph = getattr(compiled, "cache_key", None) or getattr(compiled, "_fx_graph_cache_key", None)
-    from .layers import note_flex_call
-
-    # the watched layer compiling this graph, if any (learned as a layer only for a single call)
-    around = note_flex_call(learn=len(calls) <= 1) if calls else None
+    # The watched layer compiling this graph, if any. Learned as an attention layer only for a
+    # graph with a single FlexAttention call: several layers' calls mean a container compiled.
+    around = (note_flex_call() if len(calls) <= 1 else flex_layer()) if calls else None
     from .causes import user_call_site
 
     live_site = user_call_site(sys._getframe(1)) if calls else None  # compiles run inside the user's call
@@ -258,8 +253,6 @@ def record_compiled_graph(compiled: Any) -> List[Dict[str, Any]]:
         count(f"fused_compile_{call['phase']}")
         layer = (lowering or {}).get("layer") or around
         if layer:
-            from .layers import resolve_watched_name
-
             layer = resolve_watched_name(layer)
         emitted.append({"phase": call["phase"], "layer": layer, "template": template, "graph": graph})
         STATE.log.emit(
@@ -331,23 +324,18 @@ def _template_from_source(compiled: Any, device: Optional[str]) -> str:
     return "triton"
 
 
-def _at_runtime(summary: Dict[str, Any]) -> Dict[str, Any]:
+def _at_runtime(fields: Dict[str, Any]) -> Dict[str, Any]:
     """One compiled flex_attention often serves every layer (``torch.compile(flex_attention)``
     called from eager modules): its compile-time layer is the first caller's. For a graph with one
     FlexAttention call, name the layer running it now (forward hooks, or the open backward span),
     unless the compile-time name is a more specific module inside it."""
-    if summary["flex_calls"] != 1:
-        return summary
-    from .layers import note_flex_call, resolve_watched_name
-
-    now = note_flex_call(learn=False)
+    now = flex_layer()
     if not now:
-        return summary
-    known = summary.get("layer")
+        return fields
+    known = fields.get("layer")
     if known and known.startswith(now + "."):
-        return summary
-    now = resolve_watched_name(now)
-    return {**summary, "layer": now, "layers": [now]}
+        return fields
+    return {**fields, "layer": now, "layers": [now]}
 
 
 def count_runs(compiled: Any, records: List[Dict[str, Any]]) -> None:
@@ -367,6 +355,9 @@ def count_runs(compiled: Any, records: List[Dict[str, Any]]) -> None:
         per_phase.setdefault(r["phase"], []).append(r)
     summaries = [
         {
+            "path": "fused",
+            "traced": True,
+            "cause": None,
             "phase": phase,
             "flex_calls": len(rs),
             "layer": rs[0].get("layer") if len({r.get("layer") for r in rs}) == 1 else None,
@@ -378,13 +369,17 @@ def count_runs(compiled: Any, records: List[Dict[str, Any]]) -> None:
         for phase, rs in per_phase.items()
     ]
 
+    # Built once: per run, only a counter, the layer lookup of a single-call graph and the
+    # (sampled) event remain on the fused path.
+    runs = [(f"fused_runs_{s['phase']}", s["flex_calls"], s) for s in summaries]
+
     def counted(*args: Any, **kwargs: Any) -> Any:
         out = fn(*args, **kwargs)
         if STATE.enabled:
             try:
-                for s in summaries:
-                    count(f"fused_runs_{s['phase']}", s["flex_calls"])
-                    STATE.log.emit("info", "flex_run", path="fused", traced=True, cause=None, **_at_runtime(s))
+                for key, n, fields in runs:
+                    count(key, n)
+                    STATE.log.emit("info", "flex_run", **(_at_runtime(fields) if n == 1 else fields))
             except Exception as exc:
                 internal_error("fused run count", exc)
         return out

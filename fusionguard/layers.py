@@ -59,25 +59,26 @@ def resolve_watched_name(name: str) -> str:
     return matches[0] if len(matches) == 1 else name
 
 
-def current_layer() -> Optional[str]:
+def flex_layer() -> Optional[str]:
+    """The layer a FlexAttention call made now belongs to: the innermost watched module whose
+    forward is running, or in a backward (no forward hooks run there) the innermost open
+    backward span."""
     stack = _LAYER.get()
-    return stack[-1][0] if stack else None
-
-
-def note_flex_call(learn: bool = True) -> Optional[str]:
-    """Called for each FlexAttention call we see (dense run, compile): remembers that the
-    innermost watched module's class makes FlexAttention calls (unless ``learn`` is False: a
-    compiled graph of several layers' calls, whose caller is a container), returns its name. In
-    a backward (no forward hooks run there) the name is that of the innermost open backward span."""
-    stack = _LAYER.get()
-    if not stack:
-        return backward_layer() if in_backward() else None
-    name, cls = stack[-1]
-    if learn and cls not in STATS.flex_classes and cls.__name__ != "OptimizedModule":
-        # (a torch.compile wrapper is never the attention layer: measuring it would time the
-        # whole compiled model, +13 % step time measured on an H200)
-        STATS.flex_classes.add(cls)
+    name = stack[-1][0] if stack else None
     return name or (backward_layer() if in_backward() else None)
+
+
+def note_flex_call() -> Optional[str]:
+    """``flex_layer()``, and remember that the innermost watched module's class makes
+    FlexAttention calls (it becomes an attention layer: measured, with backward spans). Called
+    for a dense run and for a compiled graph with one FlexAttention call (a graph of several
+    layers' calls was compiled around a container)."""
+    stack = _LAYER.get()
+    if stack:
+        cls = stack[-1][1]
+        if cls is not None and cls not in STATS.flex_classes:
+            STATS.flex_classes.add(cls)
+    return flex_layer()
 
 
 # Backward spans open on this thread (the autograd engine runs a device's backward on one
@@ -145,10 +146,7 @@ def _span_inputs(args: Any, kwargs: Any) -> List[torch.Tensor]:
 
 
 def in_backward() -> bool:
-    try:
-        return torch._C._current_graph_task_id() != -1
-    except Exception:
-        return False
+    return _graph_task() != -1
 
 
 # -- statistics ----------------------------------------------------------------------------------
@@ -419,7 +417,8 @@ class Watch:
             for raw_name, module in model.named_modules():
                 if any(raw_name == r or raw_name.startswith(r + ".") for r in compiled_roots):
                     continue  # inside a torch.compile'd module: Dynamo traces it, leave it alone
-                if hasattr(module, "_orig_mod") and hasattr(module, "_torchdynamo_orig_callable") or type(module).__name__ == "OptimizedModule":
+                compiled = hasattr(module, "_orig_mod") and hasattr(module, "_torchdynamo_orig_callable")
+                if compiled:
                     compiled_roots.append(f"{raw_name}._orig_mod" if raw_name else "_orig_mod")
                 name = clean_name(raw_name)
                 if name:
@@ -430,7 +429,7 @@ class Watch:
                     # a hook would make Dynamo trace their whole __call__ under torch.compile
                     continue
                 # with_kwargs: Hugging Face layers take their tensors as keyword arguments
-                self._handles.append(module.register_forward_pre_hook(self._pre(module, name), with_kwargs=True))
+                self._handles.append(module.register_forward_pre_hook(self._pre(module, name, compiled), with_kwargs=True))
                 self._handles.append(module.register_forward_hook(self._post(module, name), with_kwargs=True, always_call=True))
 
     def _remove(self) -> None:
@@ -449,14 +448,17 @@ class Watch:
             else:
                 _WATCHED_NAMES[n] = left
 
-    def _pre(self, module: torch.nn.Module, name: str) -> Callable[..., None]:
+    def _pre(self, module: torch.nn.Module, name: str, compiled: bool = False) -> Callable[..., None]:
+        # A torch.compile wrapper is never the attention layer (measuring it would time the
+        # whole compiled model: +13 % step time on an H200): no class to learn on the stack.
+        cls = None if compiled else type(module)
         self_ = self
 
         def pre_hook(mod: torch.nn.Module, args: Any, kwargs: Any) -> None:
             if _is_dynamo_compiling():
                 return
             frame = _Frame()
-            frame.token = _LAYER.set(_LAYER.get() + ((name, type(mod)),))
+            frame.token = _LAYER.set(_LAYER.get() + ((name, cls),))
             frame.measure = None
             frame.recompute = in_backward()
             frame.grad_inputs = None

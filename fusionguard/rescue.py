@@ -194,10 +194,10 @@ def _log_rescue(record: dict, frame: Any) -> None:
     seconds = time.perf_counter() - record["t0"]
     count("rescued")
     if compiles:
-        STATE.counts["rescue_compiles"] = STATE.counts.get("rescue_compiles", 0) + compiles
-        STATE.counts["rescue_compile_ms"] = STATE.counts.get("rescue_compile_ms", 0) + int(seconds * 1000)
+        count("rescue_compiles", compiles)
+        count("rescue_compile_ms", int(seconds * 1000))
     from .guard import _tensor_fields
-    from .layers import current_layer
+    from .layers import flex_layer
 
     local = frame.f_locals if frame is not None else {}
     tensors = _tensor_fields(local.get("query"), local.get("key")) if local.get("query") is not None else {}
@@ -209,7 +209,7 @@ def _log_rescue(record: dict, frame: Any) -> None:
         traced=False,
         cause=record["cause"],
         evidence=record["evidence"],
-        layer=current_layer(),
+        layer=flex_layer(),
         call_site=causes.user_call_site(frame),
         compiled=bool(compiles),
         compile_s=round(seconds, 3) if compiles else None,

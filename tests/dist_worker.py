@@ -95,6 +95,9 @@ def main() -> None:
         assert gathered is None, gathered
     mark(out, rank, "done")
     fusionguard.disable()
+    # tear down together: a rank that destroys its gloo group while the other still talks to it
+    # can abort in C++ ("terminate called without an active exception"), seen under load
+    dist.barrier()
     dist.destroy_process_group()
 
 
