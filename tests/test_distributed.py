@@ -28,7 +28,7 @@ LAUNCH_TIMEOUT = 90  # a launch takes ~10 s; the limit only stops a hung one
 torchrun = pytest.mark.skipif(sys.platform == "win32", reason="torchrun with gloo on localhost: Linux/macOS")
 
 
-def launch(scenario: str, out: Path) -> subprocess.CompletedProcess:
+def launch(scenario: str, out: Path, worker: Path = HERE / "dist_worker.py", timeout: float = LAUNCH_TIMEOUT) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env.update(
         OMP_NUM_THREADS="1",
@@ -42,7 +42,7 @@ def launch(scenario: str, out: Path) -> subprocess.CompletedProcess:
         "--nproc_per_node=2",
         "--standalone",
         "--monitor-interval=0.1",
-        str(HERE / "dist_worker.py"),
+        str(worker),
         scenario,
         str(out),
     ]
@@ -51,11 +51,11 @@ def launch(scenario: str, out: Path) -> subprocess.CompletedProcess:
         cmd, env=env, cwd=out, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
     try:
-        stdout, stderr = proc.communicate(timeout=LAUNCH_TIMEOUT)
+        stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
-        pytest.fail(f"torchrun {scenario} hung for {LAUNCH_TIMEOUT} s\n{stdout}\n{stderr}")
+        pytest.fail(f"torchrun {scenario} hung for {timeout} s\n{stdout}\n{stderr}")
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
