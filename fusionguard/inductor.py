@@ -19,10 +19,10 @@ import os
 import re
 import sys
 import threading
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ._state import STATE, count, internal_error
-from .layers import clean_name, flex_layer, note_flex_call, resolve_watched_name
+from .layers import STATS, clean_name, flex_layer, in_backward, note_flex_call, resolve_watched_name
 
 _TL = threading.local()
 
@@ -338,6 +338,15 @@ def _at_runtime(fields: Dict[str, Any]) -> Dict[str, Any]:
     return {**fields, "layer": now, "layers": [now]}
 
 
+def _per_layer(records: List[Dict[str, Any]]) -> Tuple[Tuple[str, int], ...]:
+    """``(layer, fused calls)`` of one graph run, for ``summary()``."""
+    out: Dict[str, int] = {}
+    for r in records:
+        if r.get("layer"):
+            out[r["layer"]] = out.get(r["layer"], 0) + 1
+    return tuple(out.items())
+
+
 def count_runs(compiled: Any, records: List[Dict[str, Any]]) -> None:
     """Per-call evidence for a compiled graph holding fused FlexAttention: count its executions.
 
@@ -371,15 +380,20 @@ def count_runs(compiled: Any, records: List[Dict[str, Any]]) -> None:
 
     # Built once: per run, only a counter, the layer lookup of a single-call graph and the
     # (sampled) event remain on the fused path.
-    runs = [(f"fused_runs_{s['phase']}", s["flex_calls"], s) for s in summaries]
+    runs = [(f"fused_runs_{s['phase']}", s["flex_calls"], s, _per_layer(per_phase[s["phase"]])) for s in summaries]
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         out = fn(*args, **kwargs)
         if STATE.enabled:
             try:
-                for key, n, fields in runs:
+                for key, n, fields, per_layer in runs:
                     count(key, n)
-                    STATE.log.emit("info", "flex_run", **(_at_runtime(fields) if n == 1 else fields))
+                    if n == 1:
+                        fields = _at_runtime(fields)
+                        per_layer = ((fields["layer"], 1),) if fields.get("layer") else ()
+                    if per_layer:
+                        STATS.on_fused(per_layer, fields["phase"], recompute=fields["phase"] == "forward" and in_backward())
+                    STATE.log.emit("info", "flex_run", **fields)
             except Exception as exc:
                 internal_error("fused run count", exc)
         return out

@@ -56,7 +56,16 @@ def resolve_watched_name(name: str) -> str:
     if not _WATCHED_NAMES or name in _WATCHED_NAMES:
         return name
     matches = [n for n in _WATCHED_NAMES if n.endswith("." + name)]
-    return matches[0] if len(matches) == 1 else name
+    if len(matches) == 1:
+        return matches[0]
+    # the other way round: a wrapper around the watched model adds a prefix
+    # (DistributedDataParallel's ``module.layers.0`` when ``model`` itself is watched)
+    parts = name.split(".")
+    for i in range(1, len(parts)):
+        tail = ".".join(parts[i:])
+        if tail in _WATCHED_NAMES:
+            return tail
+    return name
 
 
 def flex_layer() -> Optional[str]:
@@ -199,14 +208,25 @@ class Stats:
             if scores:
                 row.scores_bytes = max(row.scores_bytes or 0, scores)
 
+    def on_fused(self, layers: Iterable[Tuple[str, int]], phase: str, recompute: bool = False) -> None:
+        """A compiled graph ran: ``(layer, n)`` fused FlexAttention calls per layer."""
+        with self.lock:
+            for layer, n in layers:
+                row = self.row(layer, phase)
+                if recompute:  # checkpointing re-ran a compiled forward inside the backward
+                    row.recompute += n
+                else:
+                    row.fused += n
+
     def summary(self) -> List[Dict[str, Any]]:
         with self.lock:
             out = []
             for (layer, phase), r in sorted(self.rows.items()):
                 d = {"layer": layer, "phase": phase, **r.__dict__}
                 d["causes"] = dict(r.causes)
-                # Calls of a FlexAttention layer that ran no dense kernel ran the fused one.
-                d["calls"] = max(r.calls, r.dense)
+                # Calls of a FlexAttention layer that ran no dense kernel ran the fused one;
+                # compiled-graph runs count their fused calls (a compiled model has no hooks).
+                d["calls"] = max(r.calls, r.dense + r.fused)
                 d["fused"] = max(r.fused, d["calls"] - r.dense)
                 out.append(d)
             return out

@@ -347,6 +347,34 @@ def test_a_compiled_model_is_never_taken_for_an_attention_layer(guard, dynamo_re
         assert not [c for c in STATS.flex_classes if c.__name__ in ("OptimizedModule", "Two")], target
         assert "" not in {r["layer"] for r in fusionguard.summary()}, target
     assert sorted({e["layer"] for e in flex_events("flex_compile")}) == ["a", "b"]
+    # no hooks run inside the compiled graph: summary() counts its runs' fused calls per layer
+    rows = {(r["layer"], r["phase"]): (r["calls"], r["fused"], r["dense"]) for r in fusionguard.summary()}
+    assert rows == {("a", "forward"): (4, 4, 0), ("b", "forward"): (4, 4, 0)}
+
+
+@pytest.mark.slow
+def test_a_wrapper_around_the_watched_model_keeps_its_names(guard, dynamo_reset):
+    """DistributedDataParallel-style: ``torch.compile(Wrapper(model))`` with ``model`` watched.
+    Dynamo names the modules ``module.a``; records and summary() use the watched spelling."""
+
+    class DDPLike(nn.Module):
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, *args):
+            return self.module(*args)
+
+    q, k, v = torch.randn(1, 4, 64, 8), torch.randn(1, 2, 64, 8), torch.randn(1, 2, 64, 8)
+    guard(strict=True)
+    model = Two()
+    compiled = torch.compile(DDPLike(model))
+    with fusionguard.watch(model):
+        for _ in range(3):
+            compiled(q, k, v)
+    assert sorted(e["layer"] for e in flex_events("flex_compile")) == ["a", "b"]
+    rows = {(r["layer"], r["phase"]): (r["calls"], r["fused"], r["dense"]) for r in fusionguard.summary()}
+    assert rows == {("a", "forward"): (3, 3, 0), ("b", "forward"): (3, 3, 0)}
 
 
 def test_a_backward_span_left_open_never_names_later_calls(guard):

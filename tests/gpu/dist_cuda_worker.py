@@ -20,6 +20,7 @@ import datetime
 import json
 import os
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -87,6 +88,11 @@ def main() -> None:
             with fusionguard.allow_dense():
                 flex_attention(q, q, q, block_mask=mask)
         else:
+            # raise only once rank 0 is in the barrier: otherwise torchrun may stop rank 0 while
+            # its first CUDA call still runs, and the test could not tell what it reached
+            deadline = time.monotonic() + 120
+            while not (out / "rank0.barrier").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
             mark(out, rank, "raising")
             flex_attention(q, q, q, block_mask=mask)  # raises DenseFallbackError
         mark(out, rank, "barrier")

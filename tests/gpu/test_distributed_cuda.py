@@ -28,7 +28,7 @@ def test_ddp_compiled_fused_on_both_ranks_rank1_dense(tmp_path):
     for rank, events in logs.items():
         assert events[0]["torch"] == torch.__version__
         compiles = [e for e in events if e["event"] == "flex_compile"]
-        assert compiles and all(c["fused"] for c in compiles), compiles
+        assert compiles and all(c["path"] == "fused" for c in compiles), compiles
         assert {c["phase"] for c in compiles} == {"forward", "backward"}
         assert {c["layer"] for c in compiles} == {"layers.0", "layers.1"}, compiles
         dense = flex_calls(events)
