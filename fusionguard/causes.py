@@ -19,7 +19,7 @@ import os
 import sys
 import types
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from .dynamo_signals import SIGNALS, is_public_flex, is_torch_file
 
@@ -58,6 +58,8 @@ class Diagnosis:
     traced: bool
     cause: str
     evidence: Dict[str, Any] = field(default_factory=dict)
+    #: the user's frame that made the call, when the stack walk got that far (saves a second walk)
+    site: Optional[types.FrameType] = field(default=None, repr=False, compare=False)
 
     @property
     def fix(self) -> str:
@@ -68,13 +70,19 @@ _WRAPPER_NAME = "_flex_attention_hop_wrapper"
 _FG_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
-def _orig_code_map() -> Any:
+def _orig_code_lookup() -> Callable[[types.CodeType], Optional[types.CodeType]]:
+    """Dynamo's transformed code -> original code map, as a lookup function: one C-level dict
+    look-up by ``id`` when the map is the ``ExactWeakKeyDictionary`` it has been since torch
+    2.0 (hashing a code object walks its bytecode and constants), else the map's own ``get``."""
     try:
         from torch._dynamo.utils import orig_code_map
-
-        return orig_code_map
     except Exception:
-        return {}
+        return lambda code: None
+    by_id = getattr(orig_code_map, "values", None)
+    if isinstance(by_id, dict):
+        get = by_id.get
+        return lambda code: get(id(code))
+    return orig_code_map.get
 
 
 def _is_disable_wrapper(code: types.CodeType) -> bool:
@@ -162,14 +170,26 @@ def _recompile_limit_value() -> Optional[int]:
         return None
 
 
-_OTHER, _TORCH_WRAPPER, _COMPILE_ENTRY, _DISABLE_WRAPPER, _CANDIDATE = range(5)
+_OTHER, _TORCH_WRAPPER, _COMPILE_ENTRY, _DISABLE_WRAPPER, _CANDIDATE, _COMPILED = range(6)
 # What each code object on a dense call's stack is, worked out once: the stack walk is on the
 # dense path, ahead of the kernel, and its string tests dominated the guard's cost.
-_KINDS: Dict[tuple, int] = {}  # (code, filename): code objects compare equal across files
+# Keyed by id(): hashing a code object (or comparing two) walks its bytecode and constants, about
+# 0.6 us a frame; the code object is kept in the value, so an id is never reused while cached.
+# Dynamo registers the code it generates in orig_code_map before that code first runs, so a code
+# object found running outside the map is never in it later: _COMPILED is decided once too.
+_KINDS: Dict[int, Tuple[types.CodeType, int, Optional[types.CodeType], bool]] = {}
 
 
-def _code_kind(code: types.CodeType) -> int:
-    if code.co_name == _WRAPPER_NAME and is_torch_file(code.co_filename):
+def _is_user_file(filename: str) -> bool:
+    return not is_torch_file(filename) and not filename.startswith(_FG_DIR) and not filename.startswith("<")
+
+
+def _code_kind(code: types.CodeType) -> Tuple[types.CodeType, int, Optional[types.CodeType], bool]:
+    """(code, kind, original code of a Dynamo-generated one, is the user's code)."""
+    orig = _orig_code_lookup()(code)
+    if orig is not None:
+        kind = _COMPILED
+    elif code.co_name == _WRAPPER_NAME and is_torch_file(code.co_filename):
         kind = _TORCH_WRAPPER
     elif _is_compile_entry(code):
         kind = _COMPILE_ENTRY
@@ -186,25 +206,31 @@ def _code_kind(code: types.CodeType) -> int:
         kind = _OTHER
     if len(_KINDS) > 50_000:
         _KINDS.clear()
-    _KINDS[(code, code.co_filename)] = kind
-    return kind
+    entry = _KINDS[id(code)] = (code, kind, orig, _is_user_file(code.co_filename))
+    return entry
 
 
 def diagnose_forward(frame: Optional[types.FrameType]) -> Diagnosis:
     """Walk outward from the dense kernel's caller and explain the call."""
-    code_map = _orig_code_map()
     internal: Optional[str] = None  # "compiled" | "plain" when PyTorch's eager wrapper is seen
     disabled_fn: Optional[str] = None
     disabled_in_compile = False
     user_frames: list = []
     depth_of_entries: list = []
     depth = 0
+    site: Optional[types.FrameType] = None
     f = frame
     while f is not None:
         depth += 1
         code = f.f_code
-        orig = code_map.get(code) if code_map else None
-        if orig is not None:
+        entry = _KINDS.get(id(code))
+        if entry is None or entry[0] is not code:
+            entry = _code_kind(code)
+        kind = entry[1]
+        if site is None and entry[3]:
+            site = f
+        if kind == _COMPILED:
+            orig = entry[2]
             if orig.co_name == _WRAPPER_NAME:
                 internal = "compiled"
             elif disabled_fn is not None:
@@ -230,9 +256,6 @@ def diagnose_forward(frame: Optional[types.FrameType]) -> Diagnosis:
                 cause, info = SIGNALS.lookup(orig.co_filename, orig.co_firstlineno)
                 return Diagnosis(False, "graph_break", {"compiled_frame": _frame_where(f), "dynamo": info})
         else:
-            kind = _KINDS.get((code, code.co_filename))
-            if kind is None:
-                kind = _code_kind(code)
             if kind == _OTHER:
                 pass
             elif kind == _TORCH_WRAPPER:
@@ -256,24 +279,25 @@ def diagnose_forward(frame: Optional[types.FrameType]) -> Diagnosis:
         f = f.f_back
     # A user frame can only have slid to eager because of Dynamo if it runs under a
     # torch.compile entry (a wrapper frame further out) and Dynamo saw its code since its reset.
-    live = [uf for uf, d in user_frames if any(e > d for e in depth_of_entries) and _seen_by_dynamo(uf.f_code)]
+    outermost_entry = max(depth_of_entries) if depth_of_entries else 0
+    live = [uf for uf, d in user_frames if d < outermost_entry and _seen_by_dynamo(uf.f_code)]
 
     if internal == "plain":
         from .torch_internals import debug_flag_on
 
         if debug_flag_on():
-            return Diagnosis(False, "debug_flag", {"flag": "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG=True"})
+            return Diagnosis(False, "debug_flag", {"flag": "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG=True"}, site)
     switch = _global_disable()
     if switch is not None:
-        return Diagnosis(False, "compiler_disabled", switch)
+        return Diagnosis(False, "compiler_disabled", switch, site)
     if disabled_fn is not None and disabled_in_compile:
-        return Diagnosis(False, "compiler_disabled", {"switch": "torch.compiler.disable", "function": disabled_fn})
+        return Diagnosis(False, "compiler_disabled", {"switch": "torch.compiler.disable", "function": disabled_fn}, site)
     for uf in live:
         code = uf.f_code
         cause, info = SIGNALS.lookup(code.co_filename, code.co_firstlineno)
         if cause is not None:
-            return Diagnosis(False, cause, dict(info or {}, frame=_frame_where(uf)))
-    limit = _recompile_limit_value()
+            return Diagnosis(False, cause, dict(info or {}, frame=_frame_where(uf)), site)
+    limit = _recompile_limit_value() if live else None
     for uf in live:
         n = _cache_entry_count(uf.f_code)
         if limit and n >= limit:
@@ -281,18 +305,18 @@ def diagnose_forward(frame: Optional[types.FrameType]) -> Diagnosis:
                 False,
                 "recompile_limit",
                 {"frame": _frame_where(uf), "cache_entries": n, "limit": limit, "reason": None},
+                site,
             )
     if internal == "compiled":
-        return Diagnosis(False, "eager_call", {"how": "public flex_attention called eagerly"})
+        return Diagnosis(False, "eager_call", {"how": "public flex_attention called eagerly"}, site)
     if internal is None:
-        return Diagnosis(False, "eager_call", {"how": "flex_attention operator called directly"})
-    return Diagnosis(False, "unknown", {"internal_wrapper": internal})
+        return Diagnosis(False, "eager_call", {"how": "flex_attention operator called directly"}, site)
+    return Diagnosis(False, "unknown", {"internal_wrapper": internal}, site)
 
 
 def _first_user_frame(f: Optional[types.FrameType]) -> Optional[types.FrameType]:
     while f is not None:
-        fn = f.f_code.co_filename
-        if not is_torch_file(fn) and not fn.startswith(_FG_DIR) and not fn.startswith("<"):
+        if _is_user_file(f.f_code.co_filename):
             return f
         f = f.f_back
     return None
@@ -316,6 +340,10 @@ def user_call_site(frame: Optional[types.FrameType]) -> Optional[Dict[str, Any]]
     f = _first_user_frame(frame)
     if f is None:
         return None
+    return frame_site(f)
+
+
+def frame_site(f: types.FrameType) -> Dict[str, Any]:
     return {"file": f.f_code.co_filename, "line": f.f_lineno, "function": f.f_code.co_name}
 
 

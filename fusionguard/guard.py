@@ -168,7 +168,43 @@ def _allowed(origin: Optional[dict]) -> bool:
     return False
 
 
+# The last few shapes' fields and the last dense call's message per phase: a training loop
+# repeats the same dense call, and these strings are rebuilt on the dense path otherwise.
+_TENSOR_FIELDS: Dict[tuple, Dict[str, Any]] = {}
+_MESSAGES: Dict[str, tuple] = {}
+
+
 def _tensor_fields(q: Any, k: Any) -> Dict[str, Any]:
+    key = None
+    if type(q) is torch.Tensor and type(k) is torch.Tensor:
+        key = (q.shape, k.shape, q.dtype, q.device)
+        known = _TENSOR_FIELDS.get(key)
+        if known is not None:
+            return known
+    fields = _make_tensor_fields(q, k)
+    if key is not None:
+        if len(_TENSOR_FIELDS) >= 64:
+            _TENSOR_FIELDS.clear()
+        _TENSOR_FIELDS[key] = fields
+    return fields
+
+
+def message(event: Dict[str, Any]) -> str:
+    """``format_message``, reused when the event equals the phase's previous one (but for its
+    ``seq``, ``ts`` and forward link)."""
+    same = {k: v for k, v in event.items() if k not in _VOLATILE}
+    last = _MESSAGES.get(event.get("phase"))
+    if last is not None and last[0] == same:
+        return last[1]
+    text = format_message(event)
+    _MESSAGES[event.get("phase")] = (same, text)
+    return text
+
+
+_VOLATILE = frozenset({"seq", "ts", "forward_seq", "thread"})
+
+
+def _make_tensor_fields(q: Any, k: Any) -> Dict[str, Any]:
     q_shape, kv_shape = _shape(q), _shape(k)
     fields: Dict[str, Any] = {
         "q_shape": q_shape,
@@ -245,7 +281,7 @@ def _check_dense(phase: str, args: tuple, kwargs: dict, frame: Any) -> Optional[
         call_site = causes.user_call_site(frame)
     elif phase == "forward":
         diagnosis = causes.diagnose_forward(frame)
-        call_site = causes.user_call_site(frame)
+        call_site = causes.frame_site(diagnosis.site) if diagnosis.site is not None else causes.user_call_site(frame)
     else:
         diagnosis = causes.diagnose_backward(origin, frame)
         call_site = (origin or {}).get("call_site") or causes.user_call_site(frame)
@@ -331,7 +367,7 @@ def make_dense_wrapper(phase: str, original: Callable[..., Any]) -> Callable[...
             if action == "raise":
                 raise DenseFallbackError(format_message(event), event)
             if action == "warn":
-                _warn(format_message(event))
+                _warn(message(event))
         return original(*args, **kwargs)
 
     fusionguard_dense_kernel.__wrapped__ = original  # type: ignore[attr-defined]

@@ -71,6 +71,35 @@ def rank_info() -> dict:
     return {"rank": rank if rank is not None else 0, "local_rank": _int("LOCAL_RANK"), "world_size": world or 1}
 
 
+class _EventRank:
+    """``rank_info()["rank"]`` for every event, read once it cannot change any more (torchrun's
+    ``RANK`` is set, or a process group is up); until then re-read, cheaply, per event."""
+
+    def __init__(self) -> None:
+        self.final: Optional[int] = None
+        self.env: Optional[int] = None  # from the environment, read again by reset()
+
+    def reset(self) -> None:
+        self.final = self.env = None
+
+    def __call__(self) -> int:
+        if self.final is not None:
+            return self.final
+        if self.env is None or _dist_ready():
+            self.env = rank = rank_info()["rank"]
+            if "RANK" in os.environ or _dist_ready():
+                self.final = rank
+        return self.env
+
+
+def _dist_ready() -> bool:
+    dist = sys.modules.get("torch.distributed")
+    try:
+        return bool(dist is not None and dist.is_available() and dist.is_initialized())
+    except Exception:
+        return False
+
+
 class FileSink:
     """Append-only JSON-lines file. Thread-safe; safe to share between processes."""
 
@@ -313,23 +342,6 @@ class FusedSampler:
             return out
 
 
-class _SinkLogger:
-    """The 'logger' at the end of our structlog chain: it receives the rendered JSON line."""
-
-    def __init__(self, log: "EventLog") -> None:
-        self._log = log
-
-    def _emit(self, level: str) -> Callable[[str], None]:
-        def emit(line: str) -> None:
-            durable = level in _DURABLE_LEVELS and getattr(self._log._local, "durable", True)
-            self._log._write_line(line, durable)
-
-        return emit
-
-    def __getattr__(self, name: str) -> Callable[[str], None]:
-        return self._emit(name)
-
-
 class EventLog:
     """Events in memory (bounded) and, optionally, in a JSON-lines file."""
 
@@ -342,40 +354,38 @@ class EventLog:
         # Optional volume control for fused per-call events (None: every event is written).
         self.sampler: Optional[FusedSampler] = None
         self._header: Optional[dict] = None  # the last header, copied at the top of rotated files
-        self._local = threading.local()
+        self._rank = _EventRank()
         self._emit_lock = threading.RLock()
+        self._stored: Optional[dict] = None  # set by _remember, read under _emit_lock
         self.mirror: Optional[Callable[[dict], None]] = None  # e.g. to PyTorch's structured trace
         self.on_sink_error: Optional[Callable[[BaseException], None]] = None
-        self._logger = structlog.wrap_logger(
-            _SinkLogger(self),
-            processors=[
-                # Our own chain only: no merge_contextvars (the host's bound context, secrets
-                # included, has no business in this log), never structlog.configure().
-                self._stamp,
-                self._remember,
-                structlog.processors.JSONRenderer(serializer=lambda obj, **_: dumps(obj)),
-            ],
-            wrapper_class=structlog.BoundLogger,
-            context_class=dict,
-            cache_logger_on_first_use=False,
-        )
+        # structlog's processor protocol, run by _log itself: our own chain only (no
+        # merge_contextvars: the host's bound context, secrets included, has no business in
+        # this log; never structlog.configure()). No BoundLogger in between: its per-event
+        # context copy and method proxying were a third of a dense call's logging cost.
+        self._processors: List[Callable[[Any, str, dict], Any]] = [
+            self._stamp,
+            self._remember,
+            structlog.processors.JSONRenderer(serializer=lambda obj, **_: dumps(obj)),
+        ]
 
     # -- structlog processors -------------------------------------------------------------
     def _stamp(self, logger: Any, method: str, event_dict: dict) -> dict:
         self._seq += 1  # under self._emit_lock (see _log)
-        stamped = {"event": event_dict.pop("event", None), "level": method, "ts": time.time(), "seq": self._seq}
-        for key, value in event_dict.items():
-            stamped.setdefault(key, value)  # our stamp wins over a field of the same name
+        head = {"event": event_dict.pop("event", None), "level": method, "ts": time.time(), "seq": self._seq}
+        stamped = dict(head)
+        stamped.update(event_dict)
+        stamped.update(head)  # our stamp wins over a field of the same name, and comes first
         stamped.setdefault("pid", os.getpid())
         if "rank" not in stamped:
-            stamped["rank"] = rank_info()["rank"]
+            stamped["rank"] = self._rank()
         stamped.setdefault("thread", threading.current_thread().name)
         return stamped
 
     def _remember(self, logger: Any, method: str, event_dict: dict) -> dict:
         stored = dict(event_dict)
         self.memory.append(stored)
-        self._local.last = stored  # what emit() returns: this call's event, not another thread's
+        self._stored = stored  # what emit() returns: this call's event (we hold _emit_lock)
         if event_dict.get("event") == "header":
             self._header = dict(event_dict)
         return event_dict
@@ -401,6 +411,7 @@ class EventLog:
 
     def open(self, path: str, fsync: bool, max_bytes: Optional[int] = None, backups: int = 3) -> None:
         self.close()
+        self._rank.reset()  # enable() again: torchrun / a spawn may have set RANK since
         self.sink = FileSink(path, fsync=fsync, max_bytes=max_bytes, backups=backups, preamble=self._header_copy)
         self._sink_failed = False
 
@@ -417,7 +428,7 @@ class EventLog:
         if sampler is None:
             return
         for fields in sampler.flush():
-            self._log(self._logger.info, "fused_calls", fields)
+            self._log("info", "fused_calls", fields)
 
     def set_max_events(self, n: int) -> None:
         if n != self.memory.maxlen:
@@ -426,12 +437,6 @@ class EventLog:
     def emit(self, level: str, event: str, durable: bool = True, **fields: Any) -> dict:
         """Log one event; returns the dict that was stored in memory ({} when sampled out).
         ``durable=False``: never fsync this one (see the module docstring)."""
-        if not durable:
-            self._local.durable = False
-            try:
-                return self.emit(level, event, **fields)
-            finally:
-                self._local.durable = True
         sampler = self.sampler
         if sampler is not None:
             if event in FLUSH_BEFORE:
@@ -441,26 +446,31 @@ class EventLog:
                 if verdict is None:
                     return {}
                 if verdict is not _KEEP:
-                    return self._log(self._logger.info, "fused_calls", verdict)
-        return self._log(getattr(self._logger, level), event, fields)
+                    return self._log("info", "fused_calls", verdict)
+        return self._log(level, event, fields, durable)
 
-    def _log(self, method: Callable[..., Any], event: str, fields: dict) -> dict:
-        local = self._local
-        local.last = None
+    def _log(self, level: str, event: str, fields: dict, durable: bool = True) -> dict:
+        event_dict: Any = dict(fields)
+        event_dict["event"] = event
         # One lock around stamp, memory and write: seq numbers reach the file in order.
         with self._emit_lock:
-            method(event, **fields)
-        last = local.last
-        local.last = None
+            self._stored = None
+            for processor in self._processors:
+                event_dict = processor(None, level, event_dict)
+            stored, self._stored = self._stored, None
+            self._write_line(event_dict, durable and level in _DURABLE_LEVELS)
         mirror = self.mirror
-        if mirror is not None and last:
-            mirror(last)
-        return last if last is not None else {}
+        if mirror is not None and stored:
+            mirror(stored)
+        return stored if stored is not None else {}
 
 
 TRACE_EVENTS = frozenset(
     {"flex_call", "flex_compile", "flex_inlined", "recompile_limit", "compile_error", "graph_break", "rescue_failed"}
 )
+
+
+_TRACE: List[Any] = []  # (trace_log, trace_structured), imported on first use
 
 
 def to_torch_trace(event: dict) -> None:
@@ -469,9 +479,12 @@ def to_torch_trace(event: dict) -> None:
     if event.get("event") not in TRACE_EVENTS:
         return
     try:
-        from torch._logging._internal import trace_log
-        from torch._logging import trace_structured
+        if not _TRACE:
+            from torch._logging._internal import trace_log
+            from torch._logging import trace_structured
 
+            _TRACE.extend((trace_log, trace_structured))
+        trace_log, trace_structured = _TRACE
         if not trace_log.handlers:
             return
         name = f"fusionguard_{event['event']}"

@@ -129,6 +129,12 @@ def is_concrete(t: Any) -> bool:
     """True for a tensor whose kernel really computes (not fake, functional, meta or a proxy)."""
     import torch
 
+    if type(t) is torch.Tensor:  # the common case, checked first (it is on the dense path):
+        # not a subclass, so not fake; a C++ functional wrapper still has this exact type
+        try:
+            return not t.is_meta and not torch._C._is_functional_tensor(t)
+        except Exception:
+            pass
     if not isinstance(t, torch.Tensor):
         return False
     try:
