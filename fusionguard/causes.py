@@ -316,7 +316,11 @@ def diagnose_forward(frame: Optional[types.FrameType]) -> Diagnosis:
 
 def _first_user_frame(f: Optional[types.FrameType]) -> Optional[types.FrameType]:
     while f is not None:
-        if _is_user_file(f.f_code.co_filename):
+        code = f.f_code
+        entry = _KINDS.get(id(code))
+        if entry is None or entry[0] is not code:
+            entry = _code_kind(code)
+        if entry[3]:
             return f
         f = f.f_back
     return None
