@@ -185,6 +185,30 @@ def dense_cost(args, shape):
             out[label][f"{variant}_ms"] = guarded * 1e3
             out[label][f"{variant}_ratio"] = guarded / plain
             out[label][f"{variant}_cost_us"] = (guarded - plain) * 1e6
+        # Paired, call by call: the guard installed, switched off and on between consecutive
+        # calls (fusionguard's own enabled flag, the first thing every wrapper reads), so drift
+        # between blocks cancels; the order within a pair alternates (the second call of a pair
+        # runs on warmer allocator and caches); the median of the per-pair differences.
+        from fusionguard._state import STATE
+
+        fusionguard.enable(log_path=args.log)
+        flex_attention(q, k, v, enable_gqa=True)
+        diffs, plains = [], []
+        for i in range(args.rounds * reps):
+            pair = {}
+            for on in (False, True) if i % 2 == 0 else (True, False):  # the order alternates too
+                STATE.enabled = on
+                sync(args.device)
+                t = time.perf_counter()
+                flex_attention(q, k, v, enable_gqa=True)
+                sync(args.device)
+                pair[on] = time.perf_counter() - t
+            diffs.append(pair[True] - pair[False])
+            plains.append(pair[False])
+        STATE.enabled = True
+        fusionguard.disable()
+        out[label]["paired_cost_us"] = statistics.median(diffs) * 1e6
+        out[label]["paired_share"] = statistics.median(diffs) / statistics.median(plains)
     # the guard's fixed cost (measured at the tiny shape) as a share of the seed-shape dense call
     for variant in ("fsync_default", "fsync_always"):
         out[f"{variant}_fixed_share"] = out["tiny"][f"{variant}_cost_us"] / (out["seed"]["plain_ms"] * 1e3)
@@ -258,6 +282,9 @@ def main() -> None:
             f"(x{d['fsync_default_ratio']:.4f}, {d['fsync_default_cost_us']:+.0f} us, fsync=True) / "
             f"{d['fsync_always_ms']:.3f} ms (x{d['fsync_always_ratio']:.4f}, {d['fsync_always_cost_us']:+.0f} us, fsync='always')"
         )
+    for label in ("seed", "tiny"):
+        d = dense[label]
+        print(f"paired, call by call ({label}): guard {d['paired_cost_us']:+.0f} us = {d['paired_share'] * 100:.2f} % of the call")
     print(
         f"guard's fixed cost per dense call as a share of the seed-shape call: "
         f"{dense['fsync_default_fixed_share'] * 100:.2f} % (fsync=True), {dense['fsync_always_fixed_share'] * 100:.2f} % (fsync='always')"
