@@ -1,0 +1,59 @@
+"""The dense guard's cost per call by log destination: paired calls (guard off / on, alternating
+order), a small dense call so the guard's fixed work shows, for a log file in --dir, one in
+/dev/shm (memory) and no file (log_path=False).
+
+    python benchmarks/dense_sink.py [--device cuda] [--pairs 300] [--dir /tmp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+import warnings
+
+import torch
+from torch.nn.attention.flex_attention import flex_attention
+
+import fusionguard
+from fusionguard._state import STATE
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--pairs", type=int, default=300)
+    ap.add_argument("--dir", default="/tmp")
+    args = ap.parse_args()
+    warnings.simplefilter("ignore")
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    q = torch.randn(1, 8, 128, 64, device=args.device)
+    k = torch.randn(1, 2, 128, 64, device=args.device)
+    v = torch.randn_like(k)
+    sinks = {"file in " + args.dir: os.path.join(args.dir, "fg-dense-sink.jsonl"), "file in /dev/shm": "/dev/shm/fg-dense-sink.jsonl", "no file": False}
+    for label, path in sinks.items():
+        if path and not os.path.isdir(os.path.dirname(path)):
+            continue
+        fusionguard.enable(log_path=path)
+        for _ in range(10):
+            flex_attention(q, k, v, enable_gqa=True)
+        diffs, plains = [], []
+        for i in range(args.pairs):
+            pair = {}
+            for on in (False, True) if i % 2 == 0 else (True, False):
+                STATE.enabled = on
+                sync()
+                t = time.perf_counter()
+                flex_attention(q, k, v, enable_gqa=True)
+                sync()
+                pair[on] = time.perf_counter() - t
+            diffs.append(pair[True] - pair[False])
+            plains.append(pair[False])
+        STATE.enabled = True
+        fusionguard.disable()
+        print(f"{label:<22} plain {statistics.median(plains) * 1e3:.3f} ms, guard {statistics.median(diffs) * 1e6:+.0f} us", flush=True)
+
+
+if __name__ == "__main__":
+    main()
