@@ -191,7 +191,10 @@ def enable(
               reaches the disk before the kernel runs, repeats are written but not fsync-ed;
               ``"always"``: every one; False: none),
               ``fused_first`` / ``fused_every`` / ``keep_all`` (fused per-call events: the first 10
-              per layer and phase, then a counter every 1000 calls; or all), ``log_max_bytes`` /
+              per layer and phase, then a counter every 1000 calls; or all), ``dense_first`` /
+              ``dense_every`` (the same for repeats of one dense call: the first 10 per call
+              site, layer, phase, cause and action are logged in full, then a ``dense_calls``
+              counter every 1000; a blocked call is always logged), ``log_max_bytes`` /
               ``log_backups`` (size-based rotation, off by default),
               ``max_events`` (default 10000: events kept in memory), ``rescue`` (default False:
               run eager FlexAttention calls through a fused Inductor compile instead of the dense
@@ -210,7 +213,13 @@ def enable(
         from .log import FusedSampler
 
         STATE.log.flush_sampler()
-        STATE.log.sampler = FusedSampler(first=config.fused_first, every=config.fused_every, keep_all=config.keep_all)
+        STATE.log.sampler = FusedSampler(
+            first=config.fused_first,
+            every=config.fused_every,
+            keep_all=config.keep_all,
+            dense_first=config.dense_first,
+            dense_every=config.dense_every,
+        )
         STATE.log.on_sink_error = _on_sink_error
         from .log import to_torch_trace
 

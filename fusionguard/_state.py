@@ -24,7 +24,9 @@ class Config:
     rescue: bool = False  # compile eager FlexAttention calls with Inductor instead of running dense
     fused_first: int = 10  # fused per-call events kept per (layer, phase) before sampling
     fused_every: int = 1000  # then one fused_calls counter event every N calls
-    keep_all: bool = False  # keep every fused per-call event
+    dense_first: int = 10  # dense events kept per (call site, layer, phase, cause, action) before sampling
+    dense_every: int = 1000  # then one dense_calls counter event every N calls
+    keep_all: bool = False  # keep every per-call event, fused and dense
     log_max_bytes: Optional[int] = None  # size-based rotation of the log file
     log_backups: int = 3
 
@@ -34,7 +36,7 @@ class Config:
         for name in ("strict", "rescue", "keep_all"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"fusionguard.enable(): {name} must be True or False, not {getattr(self, name)!r}")
-        for name, low in (("max_events", 1), ("fused_first", 0), ("fused_every", 0), ("log_backups", 0)):
+        for name, low in (("max_events", 1), ("fused_first", 0), ("fused_every", 0), ("dense_first", 1), ("dense_every", 0), ("log_backups", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"fusionguard.enable(): {name} must be an integer >= {low}, not {value!r}")
@@ -45,7 +47,9 @@ class Config:
         return asdict(self)
 
 
-OPTIONS = ("fsync", "max_events", "rescue", "fused_first", "fused_every", "keep_all", "log_max_bytes", "log_backups")
+OPTIONS = (
+    "fsync", "max_events", "rescue", "fused_first", "fused_every", "dense_first", "dense_every", "keep_all", "log_max_bytes", "log_backups",
+)
 
 
 class State:

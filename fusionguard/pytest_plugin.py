@@ -121,7 +121,7 @@ class FusionGuardSession:
         if fusionguard.is_enabled() and STATE.config.strict == self.strict and STATE.config.log_path == self.log_path:
             return
         # a resolved file path (or False: the session's log could not be opened, memory only)
-        fusionguard.enable(strict=self.strict, log_path=self.log_path if self.log_path is not None else False)
+        fusionguard.enable(strict=self.strict, log_path=self.log_path if self.log_path is not None else False, keep_all=True)
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_sessionstart(self, session: Any) -> None:
@@ -130,7 +130,8 @@ class FusionGuardSession:
         path = self.config.getoption("fusionguard_log") or self._default_log()
         import fusionguard
 
-        fusionguard.enable(strict=self.strict, log_path=path)
+        # keep_all: every dense call of every test is reported, none folded into counters
+        fusionguard.enable(strict=self.strict, log_path=path, keep_all=True)
         from fusionguard._state import STATE
 
         self.log_path = STATE.config.log_path  # resolved (a directory becomes rank/pid file)

@@ -43,7 +43,7 @@ KNOWN_EVENTS = frozenset(
     {
         "header", "flex_call", "flex_compile", "flex_inlined", "recompile_limit", "compile_error",
         "graph_break", "internal_error", "shutdown", "layer_memory", "fused_calls", "summary", "crash",
-        "flex_run", "rescue_failed",
+        "flex_run", "rescue_failed", "dense_calls",
     }
 )
 _DECODER = json.JSONDecoder()
@@ -378,6 +378,7 @@ _EXTRA = {
     "flex_call": ("action", "scores_bytes"),
     "layer_memory": ("alloc_delta", "peak_delta", "recompute"),
     "fused_calls": ("count", "total"),
+    "dense_calls": ("count", "total", "action"),
     "shutdown": ("reason",),
     "crash": ("exc_type", "diagnosis", "where"),
     "internal_error": ("where", "error"),
@@ -502,20 +503,22 @@ class Aggregator:
             if p is not None:
                 ks.peak.add(p)
             return
-        if kind == "flex_call":
+        if kind == "flex_call" or kind == "dense_calls":
             key = self._key(e)
             c = s.count(key)
             ks = self.keys[key]
+            # dense_calls: the sampled repeats of one dense call (counted, not logged one by one)
+            n = (_int(e.get("count")) or 0) if kind == "dense_calls" else 1
             if e.get("path") == "rescued":
                 c.fused += 1  # rescue ran it through a fused compile
             elif e.get("path", "dense") == "dense":
-                c.dense += 1
+                c.dense += n
                 cause = e.get("cause")
                 cause = "unknown" if cause is None else str(cause)
-                c.causes[cause] = c.causes.get(cause, 0) + 1
+                c.causes[cause] = c.causes.get(cause, 0) + n
                 if e.get("action") == "raise":
-                    c.blocked += 1
-                sb = _int(e.get("scores_bytes"))
+                    c.blocked += n
+                sb = _int(e.get("scores_bytes" if kind == "flex_call" else "scores_bytes_max"))
                 if sb is not None and (ks.scores_max is None or sb > ks.scores_max):
                     ks.scores_max = sb
                 fd = ks.first_dense

@@ -483,3 +483,51 @@ def test_graph_runs_and_layer_records_of_the_same_calls_are_not_added(tmp_path, 
     assert rows[(report.NO_LAYER, "forward")]["fused_calls"] == 6
     assert rows[("c", "forward")]["fused_calls"] == 1
     assert rows[("d", "forward")]["fused_calls"] == 1 and rows[("d", "forward")]["dense"] == 0
+
+
+def test_repeated_dense_calls_are_sampled_and_counted_exactly(guard, capsys):
+    """A loop running one dense call: the first dense_first events in full, the rest in
+    dense_calls counters; summary(), the report and the counters agree on every call."""
+    import fusionguard
+
+    log = guard(dense_first=3, dense_every=10)
+    q, k, v = qkv()
+    for _ in range(25):
+        flex_attention(q, k, v)  # one call site, layer, phase, cause and action
+    flex_attention(q, k, v)  # another call site: its own first event
+    rows = fusionguard.summary()  # flushes the pending counter first
+    fusionguard.disable()
+    events = read_jsonl(log)
+    full = [e for e in events if e["event"] == "flex_call"]
+    counters = [e for e in events if e["event"] == "dense_calls"]
+    assert len(full) == 4 and len({e["call_site"]["line"] for e in full}) == 2
+    assert [(c["count"], c["total"]) for c in counters] == [(10, 13), (10, 23), (2, 25)]
+    first = full[0]
+    for c in counters:
+        assert c["level"] == "warning" and c["path"] == "dense" and c["of"] == "flex_call"
+        assert (c["cause"], c["action"], c["call_site"]) == (first["cause"], first["action"], first["call_site"])
+        assert c["scores_bytes_max"] == first["scores_bytes"]
+    summary_event = [e for e in events if e["event"] == "summary"][-1]
+    assert events.index(counters[-1]) < events.index(summary_event), "counters flushed before the summary"
+    assert not rows, "no watched layer: summary rows are per layer"
+    rep = as_json(capsys, log)
+    assert [r["dense"] for r in rep["rows"]] == [26]
+    assert rep["rows"][0]["causes"] == {"eager_call": 26}
+
+
+def test_keep_all_and_blocked_calls_are_never_sampled(guard):
+    import fusionguard
+    from fusionguard.errors import DenseFallbackError
+
+    guard(dense_first=1, keep_all=True)
+    q, k, v = qkv()
+    for _ in range(5):
+        flex_attention(q, k, v)
+    assert len(fusionguard.events("flex_call")) == 5
+    fusionguard.disable()
+    guard(strict=True, dense_first=1)
+    for _ in range(3):
+        with pytest.raises(DenseFallbackError):
+            flex_attention(q, k, v)
+    blocked = [e for e in fusionguard.events("flex_call") if e["action"] == "raise"]
+    assert len(blocked) == 3
