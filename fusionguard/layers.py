@@ -56,16 +56,7 @@ def resolve_watched_name(name: str) -> str:
     if not _WATCHED_NAMES or name in _WATCHED_NAMES:
         return name
     matches = [n for n in _WATCHED_NAMES if n.endswith("." + name)]
-    if len(matches) == 1:
-        return matches[0]
-    # the other way round: a wrapper around the watched model adds a prefix
-    # (DistributedDataParallel's ``module.layers.0`` when ``model`` itself is watched)
-    parts = name.split(".")
-    for i in range(1, len(parts)):
-        tail = ".".join(parts[i:])
-        if tail in _WATCHED_NAMES:
-            return tail
-    return name
+    return matches[0] if len(matches) == 1 else name
 
 
 def flex_layer() -> Optional[str]:

@@ -12,11 +12,12 @@ Why this shape:
   only a kernel crash or power loss can);
 - a torn last line left by an earlier crash is closed with a newline before we append, so it can
   never swallow our first line;
-- rendering goes through a private structlog logger (our own processors, never
-  ``structlog.configure``): the host's structlog and ``logging`` setup stay theirs;
+- rendering runs our own chain of structlog processors (never ``structlog.configure``): the
+  host's structlog and ``logging`` setup stay theirs;
 - bounded volume, both optional: a ``FusedSampler`` keeps the first few fused per-call events per
-  (layer, phase) and then one ``fused_calls`` counter event per ``every`` calls (dense events,
-  compile-time records, errors and anything not ``path: fused`` are never sampled), and
+  (layer, phase), and the first few repeats of one dense call, then writes counter events
+  (``fused_calls`` / ``dense_calls``) instead (compile-time records, blocked calls and errors
+  are never sampled), and
   ``FileSink(max_bytes=..., backups=...)`` rotates the file by size (``X.jsonl`` ->
   ``X.jsonl.1`` ...), starting each new file with a copy of the header.
 """
@@ -225,7 +226,7 @@ class FileSink:
                 self._fd = None
 
 
-# -- bounded volume: fused per-call events --------------------------------------------------------
+# -- bounded volume: per-call events -------------------------------------------------------------
 
 #: Defaults of the sampler (``enable(fused_first=..., fused_every=..., keep_all=...)``).
 DEFAULT_FUSED_FIRST = 10
