@@ -1,6 +1,7 @@
-"""The dense guard's cost per call by log destination: paired calls (guard off / on, alternating
-order), a small dense call so the guard's fixed work shows, for a log file in --dir, one in
-/dev/shm (memory) and no file (log_path=False).
+"""The dense guard's cost per repeated dense call: paired calls (guard off / on, alternating
+order), a small dense call so the guard's fixed work shows. Two modes: the default (after the
+first 10 of one call site, repeats are counted, not written) and ``keep_all=True`` (every call
+written), each for a log file in --dir, one in /dev/shm (memory) and no file (log_path=False).
 
     python benchmarks/dense_sink.py [--device cuda] [--pairs 300] [--dir /tmp]
 """
@@ -32,27 +33,32 @@ def main() -> None:
     k = torch.randn(1, 2, 128, 64, device=args.device)
     v = torch.randn_like(k)
     sinks = {"file in " + args.dir: os.path.join(args.dir, "fg-dense-sink.jsonl"), "file in /dev/shm": "/dev/shm/fg-dense-sink.jsonl", "no file": False}
-    for label, path in sinks.items():
-        if path and not os.path.isdir(os.path.dirname(path)):
-            continue
-        fusionguard.enable(log_path=path)
-        for _ in range(10):
+    for keep_all in (False, True):
+        for label, path in sinks.items():
+            if path and not os.path.isdir(os.path.dirname(path)):
+                continue
+            measure(f"{'keep_all' if keep_all else 'sampled'}, {label}", q, k, v, path, keep_all, args.pairs, sync)
+
+
+def measure(label, q, k, v, path, keep_all, pairs, sync) -> None:
+    fusionguard.enable(log_path=path, keep_all=keep_all)
+    for _ in range(10):
+        flex_attention(q, k, v, enable_gqa=True)
+    diffs, plains = [], []
+    for i in range(pairs):
+        pair = {}
+        for on in (False, True) if i % 2 == 0 else (True, False):
+            STATE.enabled = on
+            sync()
+            t = time.perf_counter()
             flex_attention(q, k, v, enable_gqa=True)
-        diffs, plains = [], []
-        for i in range(args.pairs):
-            pair = {}
-            for on in (False, True) if i % 2 == 0 else (True, False):
-                STATE.enabled = on
-                sync()
-                t = time.perf_counter()
-                flex_attention(q, k, v, enable_gqa=True)
-                sync()
-                pair[on] = time.perf_counter() - t
-            diffs.append(pair[True] - pair[False])
-            plains.append(pair[False])
-        STATE.enabled = True
-        fusionguard.disable()
-        print(f"{label:<22} plain {statistics.median(plains) * 1e3:.3f} ms, guard {statistics.median(diffs) * 1e6:+.0f} us", flush=True)
+            sync()
+            pair[on] = time.perf_counter() - t
+        diffs.append(pair[True] - pair[False])
+        plains.append(pair[False])
+    STATE.enabled = True
+    fusionguard.disable()
+    print(f"{label:<32} plain {statistics.median(plains) * 1e3:.3f} ms, guard {statistics.median(diffs) * 1e6:+.0f} us", flush=True)
 
 
 if __name__ == "__main__":

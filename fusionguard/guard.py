@@ -317,7 +317,8 @@ def _check_dense(phase: str, args: tuple, kwargs: dict, frame: Any) -> Optional[
         STATE.durable_keys.add(key)
     logged = STATE.log.emit("warning", "flex_call", durable=durable, **fields)
     # Decide from what we built, never from the log's "latest" event (another thread's, maybe).
-    event = {**logged, **fields} if logged and logged.get("seq") is not None else dict(fields)
+    # (a sampled-out call gets {} or the counter event that replaced it: not this call's seq)
+    event = {**logged, **fields} if logged and logged.get("event") == "flex_call" else dict(fields)
     slot = _FORWARD_SLOT.get()
     if phase == "forward" and slot is not None:
         slot.append(

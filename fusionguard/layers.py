@@ -200,14 +200,16 @@ class Stats:
                 row.scores_bytes = max(row.scores_bytes or 0, scores)
 
     def on_fused(self, layers: Iterable[Tuple[str, int]], phase: str, recompute: bool = False) -> None:
-        """A compiled graph ran: ``(layer, n)`` fused FlexAttention calls per layer."""
+        """A compiled graph ran: ``(layer, n)`` fused FlexAttention calls per layer. Under
+        ``watch()``, only the watched model's layers (a graph compiled inside one block names
+        its modules relative to that block: ``attn`` for every block's)."""
+        if recompute:  # checkpointing re-ran a compiled forward: a watched layer's hooks count it
+            return
         with self.lock:
             for layer, n in layers:
-                row = self.row(layer, phase)
-                if recompute:  # checkpointing re-ran a compiled forward inside the backward
-                    row.recompute += n
-                else:
-                    row.fused += n
+                if _WATCHED_NAMES and layer not in _WATCHED_NAMES:
+                    continue
+                self.row(layer, phase).fused += n
 
     def summary(self) -> List[Dict[str, Any]]:
         with self.lock:

@@ -73,8 +73,9 @@ def rank_info() -> dict:
 
 
 class _EventRank:
-    """``rank_info()["rank"]`` for every event, read once it cannot change any more (torchrun's
-    ``RANK`` is set, or a process group is up); until then re-read, cheaply, per event."""
+    """``rank_info()["rank"]`` for every event, kept once it cannot change any more (torchrun's
+    ``RANK`` is set, or a process group is up); until then the environment's answer, read again
+    as soon as ``RANK`` appears or a process group comes up."""
 
     def __init__(self) -> None:
         self.final: Optional[int] = None
@@ -86,7 +87,7 @@ class _EventRank:
     def __call__(self) -> int:
         if self.final is not None:
             return self.final
-        if self.env is None or _dist_ready():
+        if self.env is None or "RANK" in os.environ or _dist_ready():
             self.env = rank = rank_info()["rank"]
             if "RANK" in os.environ or _dist_ready():
                 self.final = rank
@@ -317,16 +318,19 @@ class FusedSampler:
         key: tuple = (fields.get("layer"), fields.get("phase"), event)
         if dense:
             site = fields.get("call_site") or {}
-            key += (fields.get("cause"), fields.get("action"), site.get("file"), site.get("line"))
+            key += (fields.get("cause"), fields.get("action"), fields.get("traced"), site.get("file"), site.get("line"))
         first, every = (self.dense_first, self.dense_every) if dense else (self.first, self.every)
         with self._lock:
             w = self._keys.get(key)
             if w is None:
-                if len(self._keys) >= self.max_keys:
+                other = len(self._keys) >= self.max_keys
+                if other:
                     key = ("(other)", fields.get("phase"), event) + (("dense",) if dense else ())
                     w = self._keys.get(key)
                 if w is None:
-                    same = {k: fields.get(k) for k in _DENSE_KEY_FIELDS} if dense else None
+                    same = None
+                    if dense:  # the overflow bucket mixes calls: it names no cause or site
+                        same = {k: (None if other else fields.get(k)) for k in _DENSE_KEY_FIELDS}
                     w = self._keys[key] = _Window(same)
             w.total += 1
             if w.total <= first:
@@ -504,7 +508,7 @@ TRACE_EVENTS = frozenset(
 )
 
 
-_TRACE: List[Any] = []  # (trace_log, trace_structured), imported on first use
+_TRACE: Optional[Tuple[Any, Any]] = None  # (trace_log, trace_structured), imported on first use
 
 
 def to_torch_trace(event: dict) -> None:
@@ -513,11 +517,12 @@ def to_torch_trace(event: dict) -> None:
     if event.get("event") not in TRACE_EVENTS:
         return
     try:
-        if not _TRACE:
+        global _TRACE
+        if _TRACE is None:
             from torch._logging._internal import trace_log
             from torch._logging import trace_structured
 
-            _TRACE.extend((trace_log, trace_structured))
+            _TRACE = (trace_log, trace_structured)  # one assignment: threads may race here
         trace_log, trace_structured = _TRACE
         if not trace_log.handlers:
             return

@@ -125,14 +125,31 @@ def debug_flag_on() -> bool:
     return bool(mod is not None and getattr(mod, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", False))
 
 
+def _functional_checks() -> tuple:
+    import torch
+
+    functional = getattr(torch, "_is_functional_tensor", None) or getattr(torch._C, "_is_functional_tensor", None)
+    wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
+    return functional, wrapped
+
+
+_FUNCTIONAL: Optional[tuple] = None
+
+
 def is_concrete(t: Any) -> bool:
     """True for a tensor whose kernel really computes (not fake, functional, meta or a proxy)."""
     import torch
 
-    if type(t) is torch.Tensor:  # the common case, checked first (it is on the dense path):
-        # not a subclass, so not fake; a C++ functional wrapper still has this exact type
+    global _FUNCTIONAL
+    if _FUNCTIONAL is None:
+        _FUNCTIONAL = _functional_checks()
+    functional, wrapped = _FUNCTIONAL
+    if type(t) is torch.Tensor and functional is not None and wrapped is not None:
+        # the common case, checked first (it is on the dense path): not a subclass, so not fake
+        # itself; functorch (vmap / grad) wrappers and functional tensors take the long way
         try:
-            return not t.is_meta and not torch._C._is_functional_tensor(t)
+            if not wrapped(t) and not functional(t):
+                return not t.is_meta
         except Exception:
             pass
     if not isinstance(t, torch.Tensor):
@@ -152,7 +169,7 @@ def is_concrete(t: Any) -> bool:
     except Exception:
         pass
     try:
-        if torch._C._is_functional_tensor(t):
+        if functional is not None and functional(t):
             return False
     except Exception:
         pass

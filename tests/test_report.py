@@ -531,3 +531,42 @@ def test_keep_all_and_blocked_calls_are_never_sampled(guard):
             flex_attention(q, k, v)
     blocked = [e for e in fusionguard.events("flex_call") if e["action"] == "raise"]
     assert len(blocked) == 3
+
+
+def test_sampled_forwards_never_lend_a_counter_seq_to_their_backward(guard):
+    """A dense forward folded into a counter has no event of its own: its backward's
+    forward_seq is null, never the seq of the counter line that replaced it."""
+    import fusionguard
+    from conftest import op_call
+
+    guard(dense_first=2, dense_every=1)  # from the third call of a site on, each call is a counter
+    outs = []
+    for i in range(3):
+        q, k, v = qkv(requires_grad=True, seed=i)
+        outs.append(op_call(q, k, v)[0])
+    outs[-1].sum().backward()  # the first backward of its site: logged in full
+    events = fusionguard.events()
+    (counter,) = [e for e in events if e["event"] == "dense_calls"]
+    (backward,) = [e for e in events if e["event"] == "flex_call" and e["phase"] == "backward"]
+    assert counter["phase"] == "forward" and backward["forward_seq"] is None
+
+
+def test_the_overflow_bucket_names_no_cause_or_site():
+    log = EventLog()
+    log.sampler = FusedSampler(dense_first=1, dense_every=0, max_keys=1)
+    site = {"file": "x.py", "line": 1, "function": "f"}
+    for cause, line in (("eager_call", 1), ("recompile_limit", 2), ("graph_break", 3), ("graph_break", 3)):
+        log.emit("warning", "flex_call", path="dense", phase="forward", layer=None, cause=cause, action="warn",
+                 call_site=dict(site, line=line), traced=False)
+    log.flush_sampler()
+    (counter,) = [e for e in log.memory if e["event"] == "dense_calls"]
+    assert counter["layer"] == "(other)" and counter["count"] == 2
+    assert counter["cause"] is None and counter["call_site"] is None
+
+
+def test_rank_is_read_again_once_torchrun_sets_it(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    log = EventLog()
+    assert log.emit("info", "x")["rank"] == 0
+    monkeypatch.setenv("RANK", "3")
+    assert log.emit("info", "x")["rank"] == 3

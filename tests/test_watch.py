@@ -448,3 +448,31 @@ def test_hooks_inside_a_compiled_call_come_off_and_back(guard, dynamo_reset):
         assert model.a._forward_pre_hooks and model.b._forward_hooks
         assert [e["layer"] for e in flex_events()[-2:]] == ["a", "b"]
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules()), "all removed"
+
+
+@pytest.mark.slow
+def test_blocks_compiled_in_place_add_no_made_up_layer_rows(guard, dynamo_reset):
+    """Each block compiled in place (``block.compile()``): Dynamo names modules relative to the
+    block (``a`` for every block's), which matches no single watched layer; summary() then
+    counts no row for such a name rather than one row for all blocks."""
+    q, k, v = torch.randn(1, 4, 64, 8), torch.randn(1, 2, 64, 8), torch.randn(1, 2, 64, 8)
+
+    class Blocks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(Two() for _ in range(2))
+
+        def forward(self, q, k, v):
+            for b in self.blocks:
+                q = b(q, k, v)
+            return q
+
+    guard(strict=True)
+    model = Blocks()
+    for b in model.blocks:
+        b.compile()
+    with fusionguard.watch(model):
+        model(q, k, v)
+        model(q, k, v)
+    layers = {r["layer"] for r in fusionguard.summary()}
+    assert not layers - {"blocks.0.a", "blocks.0.b", "blocks.1.a", "blocks.1.b"}, layers
