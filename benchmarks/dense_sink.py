@@ -21,6 +21,13 @@ import fusionguard
 from fusionguard._state import STATE
 
 
+def small_inputs(device: str):
+    """A small GQA dense call (fp32, 8/2 heads, 128 x 128): short, so the guard's fixed work shows."""
+    q = torch.randn(1, 8, 128, 64, device=device)
+    k = torch.randn(1, 2, 128, 64, device=device)
+    return q, k, torch.randn_like(k)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -29,9 +36,7 @@ def main() -> None:
     args = ap.parse_args()
     warnings.simplefilter("ignore")
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
-    q = torch.randn(1, 8, 128, 64, device=args.device)
-    k = torch.randn(1, 2, 128, 64, device=args.device)
-    v = torch.randn_like(k)
+    q, k, v = small_inputs(args.device)
     sinks = {"file in " + args.dir: os.path.join(args.dir, "fg-dense-sink.jsonl"), "file in /dev/shm": "/dev/shm/fg-dense-sink.jsonl", "no file": False}
     for keep_all in (False, True):
         for label, path in sinks.items():

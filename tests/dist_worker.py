@@ -93,10 +93,15 @@ def main() -> None:
         (out / "all_ranks.json").write_text(json.dumps(list(rows), default=str))
     else:
         assert gathered is None, gathered
+    finish(out, rank)
+
+
+def finish(out: Path, rank: int) -> None:
+    """Mark this rank done, turn the guard off, and tear down together: a rank that destroys its
+    group while the other still talks to it can abort in C++ ("terminate called without an
+    active exception"), seen under load."""
     mark(out, rank, "done")
     fusionguard.disable()
-    # tear down together: a rank that destroys its gloo group while the other still talks to it
-    # can abort in C++ ("terminate called without an active exception"), seen under load
     dist.barrier()
     dist.destroy_process_group()
 

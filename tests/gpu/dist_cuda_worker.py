@@ -33,11 +33,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 import fusionguard
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from dist_worker import finish, mark  # noqa: E402  (the CPU worker's helpers)
+
 HQ, HKV, D, Q, DIM = 8, 2, 64, 512, 256
-
-
-def mark(out: Path, rank: int, step: str) -> None:
-    (out / f"rank{rank}.{step}").write_text(str(os.getpid()))
 
 
 def causal(b, h, q, kv):
@@ -129,10 +128,7 @@ def main() -> None:
     if rank == 0:
         (out / "all_ranks.json").write_text(json.dumps(list(rows), default=str))
         (out / "losses.json").write_text(json.dumps(all_losses))
-    mark(out, rank, "done")
-    fusionguard.disable()
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(out, rank)
 
 
 if __name__ == "__main__":
