@@ -461,8 +461,10 @@ class Watch:
         off every watched module inside it before Dynamo reaches them. Their hooks could never
         run in the compiled graph (fused calls are named from the graph's ``nn_module_stack``),
         but Dynamo would trace each hooked module's full ``__call__``: an 8-layer warm compile took
-        x1.2-1.4. Runs at trace time (``assume_constant_result``); the module's next eager call
-        puts the hooks back (``_rearm``)."""
+        x1.2-1.4. Runs at trace time (``assume_constant_result``); the hooks go back on when
+        Dynamo has traced the module's call (its post-hook, also at trace time: eager calls of
+        the modules inside, e.g. after a graph break, are named again) or at its next eager
+        call (``_rearm``). Dynamo does not guard on hooks, so none of this recompiles."""
         try:
             with self._lock:
                 inside = {id(m) for m in module.modules() if m is not module}
@@ -475,7 +477,7 @@ class Watch:
             internal_error("watch disarm", exc)
         return 0
 
-    def _rearm(self) -> None:
+    def _rearm(self) -> int:
         try:
             with self._lock:
                 for i in sorted(self._disarmed):
@@ -484,6 +486,7 @@ class Watch:
                 self._disarmed.clear()
         except Exception as exc:
             internal_error("watch rearm", exc)
+        return 0
 
     def _remove(self) -> None:
         handles, self._handles = self._handles, {}
@@ -537,9 +540,11 @@ class Watch:
 
     def _post(self, module: torch.nn.Module, name: str) -> Callable[..., None]:
         self_ = self
+        rearm = _at_trace_time(lambda: self_._rearm())
 
         def post_hook(mod: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
             if _is_dynamo_compiling():
+                rearm()  # traced past the modules inside: eager calls of them get their hooks
                 return
             stack = _stack(mod)
             if not stack:

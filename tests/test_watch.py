@@ -429,23 +429,38 @@ def test_a_container_compiled_in_place_is_not_a_layer(guard, dynamo_reset):
 def test_hooks_inside_a_compiled_call_come_off_and_back(guard, dynamo_reset):
     """watch(model) with model called through torch.compile: while Dynamo traces the root, the
     hooks of every watched module inside come off (Dynamo would trace each hooked __call__, and
-    hooks never run in a graph); the root's next eager call puts them back. Same graphs."""
+    hooks never run in a graph); they are back once the trace is past them. Same graphs."""
     q, k, v = torch.randn(1, 4, 64, 8), torch.randn(1, 2, 64, 8), torch.randn(1, 2, 64, 8)
     guard()
     model = Two()
     compiled = torch.compile(model, backend="eager")
     torch._dynamo.utils.counters.clear()
+    seen = []  # the hooks of a and b as Dynamo's trace of the root reached them
+
+    @torch._dynamo.assume_constant_result  # run for real at trace time; no guard on what it reads
+    def probe():
+        seen.append((len(model.a._forward_pre_hooks), len(model.b._forward_hooks)))
+        return 0
+
+    original_forward = Two.forward
+
+    def spy(self, q, k, v):
+        probe()
+        return original_forward(self, q, k, v)
+
+    model.forward = spy.__get__(model)
     with fusionguard.watch(model):
         assert model.a._forward_pre_hooks and model.b._forward_hooks
         compiled(q, k, v)
-        assert not model.a._forward_pre_hooks and not model.b._forward_pre_hooks
-        assert not model.a._forward_hooks and not model.b._forward_hooks
-        assert model._forward_pre_hooks and model._forward_hooks, "the root keeps its own"
+        assert seen == [(0, 0)], "off while Dynamo traced the root"
+        assert model.a._forward_pre_hooks and model.b._forward_hooks, "back after the trace"
+        compiled(q, k, v)
         compiled(q, k, v)
         graphs = dict(torch._dynamo.utils.counters["stats"])
-        assert graphs.get("unique_graphs") == 1, graphs  # taking hooks off recompiled nothing
-        model(q, k, v)  # eager: the hooks are back before a and b run, so their calls are named
-        assert model.a._forward_pre_hooks and model.b._forward_hooks
+        assert graphs.get("unique_graphs") == 1, graphs  # hooks off and on again recompiled nothing
+        model.a(q, k, v)  # eager, a module inside called directly: named
+        assert flex_events()[-1]["layer"] == "a"
+        model(q, k, v)
         assert [e["layer"] for e in flex_events()[-2:]] == ["a", "b"]
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules()), "all removed"
 
