@@ -109,9 +109,9 @@ def _fqn_from_source(text: str) -> str:
     """Dynamo spells module paths as sources (``L['self'].layers[0].attn``) or as plain names."""
     if "[" not in text and not text.startswith("L"):
         return text
-    if text.startswith("L['self']") or text.startswith("L['mod']"):
+    if text.startswith("L['"):  # the compiled frame's local holding the root module (self, mod, ...)
         text = text[text.index("]") + 1 :]
-    elif text.startswith("L['") or text.startswith("G['"):
+    elif text.startswith("G['"):
         return text
     parts = [a or b or c for a, b, c in _SOURCE_PART.findall(text)]
     return ".".join(p for p in parts if p)

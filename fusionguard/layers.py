@@ -52,11 +52,21 @@ _WATCHED_NAMES: Dict[str, int] = {}  # qualified names of modules under an activ
 def resolve_watched_name(name: str) -> str:
     """Dynamo names modules relative to the frame it compiled (``layers.0.attn`` when a graph
     break made it compile the inner model); map that to the watched model's own spelling
-    (``model.layers.0.attn``) when exactly one watched name ends with it."""
+    (``model.layers.0.attn``) when exactly one watched name ends with it, or, for a wrapper
+    compiled around the watched model, when a tail of it is a watched name."""
     if not _WATCHED_NAMES or name in _WATCHED_NAMES:
         return name
     matches = [n for n in _WATCHED_NAMES if n.endswith("." + name)]
-    return matches[0] if len(matches) == 1 else name
+    if len(matches) == 1:
+        return matches[0]
+    # the other way round: a wrapper compiled around the watched model adds a prefix
+    # (DistributedDataParallel's ``module.layers.0`` when ``model`` itself is watched)
+    parts = name.split(".")
+    for i in range(1, len(parts)):
+        tail = ".".join(parts[i:])
+        if tail in _WATCHED_NAMES:
+            return tail
+    return name
 
 
 def flex_layer() -> Optional[str]:

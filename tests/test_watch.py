@@ -353,17 +353,19 @@ def test_a_compiled_model_is_never_taken_for_an_attention_layer(guard, dynamo_re
 
 
 @pytest.mark.slow
-def test_a_wrapper_around_the_watched_model_keeps_its_names(guard, dynamo_reset):
+def test_a_wrapper_around_the_watched_model_keeps_its_names(guard, dynamo_reset, tmp_path, monkeypatch):
     """DistributedDataParallel-style: ``torch.compile(Wrapper(model))`` with ``model`` watched.
-    Dynamo names the modules ``module.a``; records and summary() use the watched spelling."""
+    Dynamo names the modules ``L['this'].module.a``; records and summary() use the watched
+    spelling."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # a real lowering
 
     class DDPLike(nn.Module):
-        def __init__(self, module):
+        def __init__(this, module):  # not "self": Dynamo names the frame's local as it is
             super().__init__()
-            self.module = module
+            this.module = module
 
-        def forward(self, *args):
-            return self.module(*args)
+        def forward(this, *args):
+            return this.module(*args)
 
     q, k, v = torch.randn(1, 4, 64, 8), torch.randn(1, 2, 64, 8), torch.randn(1, 2, 64, 8)
     guard(strict=True)
