@@ -60,13 +60,21 @@ def resolve_watched_name(name: str) -> str:
     if len(matches) == 1:
         return matches[0]
     # the other way round: a wrapper compiled around the watched model adds a prefix
-    # (DistributedDataParallel's ``module.layers.0`` when ``model`` itself is watched)
+    # (DistributedDataParallel's ``module.layers.0`` when ``model`` itself is watched); only
+    # wrappers' own attribute names are stripped, never a real submodule's (``vision.``)
     parts = name.split(".")
-    for i in range(1, len(parts)):
+    i = 0
+    while i < len(parts) - 1 and parts[i] in _WRAPPER_ATTRS:
+        i += 1
         tail = ".".join(parts[i:])
         if tail in _WATCHED_NAMES:
             return tail
     return name
+
+
+# attributes through which wrappers hold the wrapped module: DDP, torch.compile, FSDP1,
+# activation checkpointing
+_WRAPPER_ATTRS = frozenset({"module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
 
 
 def flex_layer() -> Optional[str]:
@@ -394,10 +402,7 @@ class Watch:
         self.memory = memory
         self.layer_types = tuple(x for x in layers if isinstance(x, type))
         self.layer_names = {x for x in layers if isinstance(x, str)}
-        # hooked modules: (name, module, compiled wrapper?), and their hook handles by index
-        self._hooked: List[Tuple[str, torch.nn.Module, bool]] = []
-        self._handles: Dict[int, Tuple[Any, Any]] = {}
-        self._disarmed: set = set()  # indices whose hooks were taken off (see _disarm)
+        self._handles: List[Any] = []
         self._names: List[str] = []
         self._bw_handles: Dict[object, List[Any]] = {}  # backward spans still waiting to end
         self._depth = 0
@@ -454,56 +459,14 @@ class Watch:
                     # torch.nn's own modules (Linear, norms, containers) never call FlexAttention;
                     # a hook would make Dynamo trace their whole __call__ under torch.compile
                     continue
-                self._hooked.append((name, module, compiled))
-        for i in range(len(self._hooked)):
-            self._hook(i)
-
-    def _hook(self, i: int) -> None:
-        name, module, compiled = self._hooked[i]
-        # with_kwargs: Hugging Face layers take their tensors as keyword arguments
-        self._handles[i] = (
-            module.register_forward_pre_hook(self._pre(module, name, compiled), with_kwargs=True),
-            module.register_forward_hook(self._post(module, name), with_kwargs=True, always_call=True),
-        )
-
-    def _disarm(self, module: torch.nn.Module) -> int:
-        """Dynamo is tracing ``module``'s call (it runs inside ``torch.compile``): take the hooks
-        off every watched module inside it before Dynamo reaches them. Their hooks could never
-        run in the compiled graph (fused calls are named from the graph's ``nn_module_stack``),
-        but Dynamo would trace each hooked module's full ``__call__``: an 8-layer warm compile took
-        x1.2-1.4. Runs at trace time (``assume_constant_result``); the hooks go back on when
-        Dynamo has traced the module's call (its post-hook, also at trace time: eager calls of
-        the modules inside, e.g. after a graph break, are named again) or at its next eager
-        call (``_rearm``). Dynamo does not guard on hooks, so none of this recompiles."""
-        try:
-            with self._lock:
-                inside = {id(m) for m in module.modules() if m is not module}
-                for i, (_, m, _) in enumerate(self._hooked):
-                    if id(m) in inside and i in self._handles:
-                        for h in self._handles.pop(i):
-                            h.remove()
-                        self._disarmed.add(i)
-        except Exception as exc:
-            internal_error("watch disarm", exc)
-        return 0
-
-    def _rearm(self) -> int:
-        try:
-            with self._lock:
-                for i in sorted(self._disarmed):
-                    if i not in self._handles:
-                        self._hook(i)
-                self._disarmed.clear()
-        except Exception as exc:
-            internal_error("watch rearm", exc)
-        return 0
+                # with_kwargs: Hugging Face layers take their tensors as keyword arguments
+                self._handles.append(module.register_forward_pre_hook(self._pre(module, name, compiled), with_kwargs=True))
+                self._handles.append(module.register_forward_hook(self._post(module, name), with_kwargs=True, always_call=True))
 
     def _remove(self) -> None:
-        handles, self._handles = self._handles, {}
-        self._hooked, self._disarmed = [], set()
-        for pair in handles.values():
-            for h in pair:
-                h.remove()
+        handles, self._handles = self._handles, []
+        for h in handles:
+            h.remove()
         pending, self._bw_handles = self._bw_handles, {}
         for hs in pending.values():
             for h in hs:
@@ -521,14 +484,10 @@ class Watch:
         # whole compiled model: +13 % step time on an H200): no class to learn on the stack.
         cls = None if compiled else type(module)
         self_ = self
-        disarm = _at_trace_time(lambda: self_._disarm(module))
 
         def pre_hook(mod: torch.nn.Module, args: Any, kwargs: Any) -> None:
             if _is_dynamo_compiling():
-                disarm()
                 return
-            if self_._disarmed:
-                self_._rearm()
             frame = _Frame()
             frame.token = _LAYER.set(_LAYER.get() + ((name, cls),))
             frame.measure = None
@@ -550,11 +509,9 @@ class Watch:
 
     def _post(self, module: torch.nn.Module, name: str) -> Callable[..., None]:
         self_ = self
-        rearm = _at_trace_time(lambda: self_._rearm())
 
         def post_hook(mod: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
             if _is_dynamo_compiling():
-                rearm()  # traced past the modules inside: eager calls of them get their hooks
                 return
             stack = _stack(mod)
             if not stack:
@@ -617,15 +574,6 @@ class Watch:
         handles.append(torch.autograd.graph.register_multi_grad_hook(outs, start, mode="any"))
         handles.append(torch.autograd.graph.register_multi_grad_hook(list(inputs), end, mode="all"))
         pending[key] = handles
-
-
-def _at_trace_time(fn: Callable[[], int]) -> Callable[[], int]:
-    """``fn`` run for real when Dynamo traces a call to it (its result baked in as a constant);
-    without Dynamo support, a function that does nothing."""
-    try:
-        return torch._dynamo.assume_constant_result(fn)
-    except Exception:  # pragma: no cover - very old torch
-        return lambda: 0
 
 
 _FRAMES = threading.local()

@@ -428,45 +428,6 @@ def test_a_container_compiled_in_place_is_not_a_layer(guard, dynamo_reset):
     assert {e["layer"] for e in flex_events("flex_compile")} == {"two.a", "two.b"}
 
 
-def test_hooks_inside_a_compiled_call_come_off_and_back(guard, dynamo_reset):
-    """watch(model) with model called through torch.compile: while Dynamo traces the root, the
-    hooks of every watched module inside come off (Dynamo would trace each hooked __call__, and
-    hooks never run in a graph); they are back once the trace is past them. Same graphs."""
-    q, k, v = torch.randn(1, 4, 64, 8), torch.randn(1, 2, 64, 8), torch.randn(1, 2, 64, 8)
-    guard()
-    model = Two()
-    compiled = torch.compile(model, backend="eager")
-    torch._dynamo.utils.counters.clear()
-    seen = []  # the hooks of a and b as Dynamo's trace of the root reached them
-
-    @torch._dynamo.assume_constant_result  # run for real at trace time; no guard on what it reads
-    def probe():
-        seen.append((len(model.a._forward_pre_hooks), len(model.b._forward_hooks)))
-        return 0
-
-    original_forward = Two.forward
-
-    def spy(self, q, k, v):
-        probe()
-        return original_forward(self, q, k, v)
-
-    model.forward = spy.__get__(model)
-    with fusionguard.watch(model):
-        assert model.a._forward_pre_hooks and model.b._forward_hooks
-        compiled(q, k, v)
-        assert seen == [(0, 0)], "off while Dynamo traced the root"
-        assert model.a._forward_pre_hooks and model.b._forward_hooks, "back after the trace"
-        compiled(q, k, v)
-        compiled(q, k, v)
-        graphs = dict(torch._dynamo.utils.counters["stats"])
-        assert graphs.get("unique_graphs") == 1, graphs  # hooks off and on again recompiled nothing
-        model.a(q, k, v)  # eager, a module inside called directly: named
-        assert flex_events()[-1]["layer"] == "a"
-        model(q, k, v)
-        assert [e["layer"] for e in flex_events()[-2:]] == ["a", "b"]
-    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules()), "all removed"
-
-
 @pytest.mark.slow
 def test_blocks_compiled_in_place_add_no_made_up_layer_rows(guard, dynamo_reset):
     """Each block compiled in place (``block.compile()``): Dynamo names modules relative to the
@@ -493,3 +454,20 @@ def test_blocks_compiled_in_place_add_no_made_up_layer_rows(guard, dynamo_reset)
         model(q, k, v)
     layers = {r["layer"] for r in fusionguard.summary()}
     assert not layers - {"blocks.0.a", "blocks.0.b", "blocks.1.a", "blocks.1.b"}, layers
+
+
+def test_wrapper_prefixes_map_to_watched_names_and_nothing_else():
+    from fusionguard.layers import _WATCHED_NAMES, resolve_watched_name
+
+    saved = dict(_WATCHED_NAMES)
+    _WATCHED_NAMES.clear()
+    _WATCHED_NAMES.update({"layers.0.attn": 1, "layers.1.attn": 1})
+    try:
+        assert resolve_watched_name("module.layers.0.attn") == "layers.0.attn"
+        assert resolve_watched_name("module._orig_mod.layers.1.attn") == "layers.1.attn"
+        # a multimodal model with only its text tower watched: the vision tower stays itself
+        assert resolve_watched_name("vision.layers.0.attn") == "vision.layers.0.attn"
+        assert resolve_watched_name("module.vision.layers.1.attn") == "module.vision.layers.1.attn"
+    finally:
+        _WATCHED_NAMES.clear()
+        _WATCHED_NAMES.update(saved)
