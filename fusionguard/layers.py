@@ -193,6 +193,7 @@ class Stats:
         self.flex_classes: set = set()  # module classes seen making FlexAttention calls
         self.peak: Dict[int, int] = {}  # device -> true peak allocated, across our resets
         self.warned_reset = False
+        self.told_traced = False  # watch_traced said (once per process)
 
     def row(self, layer: str, phase: str) -> LayerStats:
         key = (layer, phase)
@@ -484,9 +485,11 @@ class Watch:
         # whole compiled model: +13 % step time on an H200): no class to learn on the stack.
         cls = None if compiled else type(module)
         self_ = self
+        traced = _at_trace_time(lambda: _hooks_traced(name))
 
         def pre_hook(mod: torch.nn.Module, args: Any, kwargs: Any) -> None:
             if _is_dynamo_compiling():
+                traced()
                 return
             frame = _Frame()
             frame.token = _LAYER.set(_LAYER.get() + ((name, cls),))
@@ -574,6 +577,36 @@ class Watch:
         handles.append(torch.autograd.graph.register_multi_grad_hook(outs, start, mode="any"))
         handles.append(torch.autograd.graph.register_multi_grad_hook(list(inputs), end, mode="all"))
         pending[key] = handles
+
+
+def _at_trace_time(fn: Callable[[], int]) -> Callable[[], int]:
+    """``fn`` run for real when Dynamo traces a call to it (the result baked in as a constant);
+    without that Dynamo support, a function that does nothing."""
+    try:
+        return torch._dynamo.assume_constant_result(fn)
+    except Exception:  # pragma: no cover - very old torch
+        return lambda: 0
+
+
+WATCH_TRACED_ADVICE = (
+    "fusionguard.watch() was given a module that runs inside torch.compile: Dynamo traces its "
+    "hooks (a longer compile) and guards on them, so entering watch() anew for every step "
+    "recompiles every step until the recompile limit sends the model to eager, dense "
+    "FlexAttention. Give watch() the compiled module (model = torch.compile(model); "
+    "watch(model)), or enter watch() once around the whole loop."
+)
+
+
+def _hooks_traced(name: str) -> int:
+    """Runs at trace time, once per process: say that watch()'s hooks are being compiled."""
+    try:
+        if not STATS.told_traced:
+            STATS.told_traced = True
+            STATE.log.emit("warning", "watch_traced", layer=name or None, advice=WATCH_TRACED_ADVICE)
+            warnings.warn(WATCH_TRACED_ADVICE, RuntimeWarning, stacklevel=2)
+    except Exception as exc:
+        internal_error("watch traced note", exc)
+    return 0
 
 
 _FRAMES = threading.local()

@@ -471,3 +471,24 @@ def test_wrapper_prefixes_map_to_watched_names_and_nothing_else():
     finally:
         _WATCHED_NAMES.clear()
         _WATCHED_NAMES.update(saved)
+
+
+def test_watching_a_module_inside_compile_says_so_once(guard, dynamo_reset, recwarn):
+    """watch(model) with model called through torch.compile: Dynamo compiles the hooks; the log
+    and a RuntimeWarning say what that costs and what to do, once. watch(compiled): silent."""
+    q, k, v = torch.randn(1, 4, 64, 8), torch.randn(1, 2, 64, 8), torch.randn(1, 2, 64, 8)
+    guard()
+    model = Two()
+    compiled = torch.compile(model, backend="eager")
+    with fusionguard.watch(compiled):
+        compiled(q, k, v)
+    assert fusionguard.events("watch_traced") == []
+    torch._dynamo.reset()
+    model2 = Two()
+    compiled2 = torch.compile(model2, backend="eager")
+    with fusionguard.watch(model2):
+        compiled2(q, k, v)
+        compiled2(q, k, v)
+    (told,) = fusionguard.events("watch_traced")
+    assert told["level"] == "warning" and "Give watch() the compiled module" in told["advice"]
+    assert [str(w.message) for w in recwarn if issubclass(w.category, RuntimeWarning) and "watch()" in str(w.message)]
