@@ -391,8 +391,10 @@ def count_runs(compiled: Any, records: List[Dict[str, Any]]) -> None:
                     if n == 1:
                         fields = _at_runtime(fields)
                         per_layer = ((fields["layer"], 1),) if fields.get("layer") else ()
-                    if per_layer:
-                        STATS.on_fused(per_layer, fields["phase"], recompute=fields["phase"] == "forward" and in_backward())
+                    # a forward re-run by checkpointing inside the backward is not a new call
+                    # (a watched layer's hooks count it as a recompute)
+                    if per_layer and not (fields["phase"] == "forward" and in_backward()):
+                        STATS.on_fused(per_layer, fields["phase"])
                     STATE.log.emit("info", "flex_run", **fields)
             except Exception as exc:
                 internal_error("fused run count", exc)

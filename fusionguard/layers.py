@@ -218,12 +218,10 @@ class Stats:
             if scores:
                 row.scores_bytes = max(row.scores_bytes or 0, scores)
 
-    def on_fused(self, layers: Iterable[Tuple[str, int]], phase: str, recompute: bool = False) -> None:
+    def on_fused(self, layers: Iterable[Tuple[str, int]], phase: str) -> None:
         """A compiled graph ran: ``(layer, n)`` fused FlexAttention calls per layer. Under
         ``watch()``, only the watched model's layers (a graph compiled inside one block names
         its modules relative to that block: ``attn`` for every block's)."""
-        if recompute:  # checkpointing re-ran a compiled forward: a watched layer's hooks count it
-            return
         with self.lock:
             for layer, n in layers:
                 if _WATCHED_NAMES and layer not in _WATCHED_NAMES:

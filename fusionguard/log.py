@@ -35,6 +35,8 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import structlog
 
+from .distributed import process_group_ready
+
 SCHEMA_VERSION = 1
 
 _DURABLE_LEVELS = frozenset({"warning", "error", "critical"})
@@ -61,12 +63,11 @@ def rank_info() -> dict:
             return None
 
     rank, world = _int("RANK"), _int("WORLD_SIZE")
-    if rank is None:
+    if rank is None and process_group_ready():
         try:
             import torch.distributed as dist
 
-            if dist.is_available() and dist.is_initialized():
-                rank, world = dist.get_rank(), dist.get_world_size()
+            rank, world = dist.get_rank(), dist.get_world_size()
         except Exception:  # pragma: no cover - defensive
             pass
     return {"rank": rank if rank is not None else 0, "local_rank": _int("LOCAL_RANK"), "world_size": world or 1}
@@ -87,19 +88,11 @@ class _EventRank:
     def __call__(self) -> int:
         if self.final is not None:
             return self.final
-        if self.env is None or "RANK" in os.environ or _dist_ready():
+        if self.env is None or "RANK" in os.environ or process_group_ready():
             self.env = rank = rank_info()["rank"]
-            if "RANK" in os.environ or _dist_ready():
+            if "RANK" in os.environ or process_group_ready():
                 self.final = rank
         return self.env
-
-
-def _dist_ready() -> bool:
-    dist = sys.modules.get("torch.distributed")
-    try:
-        return bool(dist is not None and dist.is_available() and dist.is_initialized())
-    except Exception:
-        return False
 
 
 class FileSink:
