@@ -4,12 +4,15 @@ first 10 of one call site, repeats are counted, not written) and ``keep_all=True
 written), each for a log file in --dir, one in /dev/shm (memory) and no file (log_path=False).
 
     python benchmarks/dense_sink.py [--device cuda] [--pairs 300] [--dir /tmp]
+    python benchmarks/dense_sink.py --profile [--calls 300]   # where the guard's time goes (cProfile)
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import os
+import pstats
 import statistics
 import time
 import warnings
@@ -33,10 +36,15 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--pairs", type=int, default=300)
     ap.add_argument("--dir", default="/tmp")
+    ap.add_argument("--profile", action="store_true", help="cProfile --calls guarded calls instead")
+    ap.add_argument("--calls", type=int, default=300)
     args = ap.parse_args()
     warnings.simplefilter("ignore")
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     q, k, v = small_inputs(args.device)
+    if args.profile:
+        profile(q, k, v, args.calls, os.path.join(args.dir, "fg-dense-profile.jsonl"))
+        return
     sinks = {"file in " + args.dir: os.path.join(args.dir, "fg-dense-sink.jsonl"), "file in /dev/shm": "/dev/shm/fg-dense-sink.jsonl", "no file": False}
     for keep_all in (False, True):
         for label, path in sinks.items():
@@ -64,6 +72,21 @@ def measure(label, q, k, v, path, keep_all, pairs, sync) -> None:
     STATE.enabled = True
     fusionguard.disable()
     print(f"{label:<32} plain {statistics.median(plains) * 1e3:.3f} ms, guard {statistics.median(diffs) * 1e6:+.0f} us", flush=True)
+
+
+def profile(q, k, v, calls: int, log: str) -> None:
+    """cProfile over ``calls`` guarded dense calls: the guard's own functions by time."""
+    fusionguard.enable(log_path=log)
+    for _ in range(20):
+        flex_attention(q, k, v, enable_gqa=True)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        flex_attention(q, k, v, enable_gqa=True)
+    prof.disable()
+    fusionguard.disable()
+    stats = pstats.Stats(prof)
+    stats.sort_stats("tottime").print_stats(r"fusionguard|structlog|json|warnings|inspect|linecache|traceback|cuda", 25)
 
 
 if __name__ == "__main__":
