@@ -16,7 +16,9 @@ Why this design:
 - Only *attention layers* are measured: modules whose class has been seen making a FlexAttention
   call (or the classes / names passed as ``layers=``). Everything else costs one ContextVar set.
 - Modules inside a ``torch.compile``d module get no hooks (Dynamo would trace them and recompile);
-  their fused calls are attributed at compile time from the FX node's ``nn_module_stack``.
+  their fused calls are attributed at compile time from the FX node's ``nn_module_stack``. When
+  the user hands watch() such an inner module anyway, the hooks Dynamo traced are kept (inert)
+  between watch() entries, so that re-entering does not recompile (see ``_Hooks``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import itertools
 import re
 import threading
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
@@ -375,7 +378,107 @@ def _tensors(obj: Any) -> List[torch.Tensor]:
 
 
 class _Frame:
-    __slots__ = ("token", "measure", "recompute", "grad_inputs", "dense_before")
+    __slots__ = ("owner", "name", "token", "measure", "recompute", "grad_inputs", "dense_before")
+
+
+class _Hooks:
+    """watch()'s pre/post hook pair on one module. The hook functions only forward to ``owner``
+    (the Watch now entered, or None), so the same pair can serve every watch() of the module.
+
+    Why: Dynamo guards on the hooks of a module it compiles. Hooks removed when watch() exits and
+    new ones added at the next entry would recompile the model at every step, until the recompile
+    limit sends it to eager, dense FlexAttention. So a pair that Dynamo has traced is *parked*
+    when watch() exits (left on the module, inert: one Python call that returns) and taken up
+    again by the next watch() of that module; ``fusionguard.disable()`` removes parked pairs.
+    A pair Dynamo never saw is removed at exit, as before.
+    """
+
+    __slots__ = ("owner", "name", "compiled", "traced", "handles", "_module", "__weakref__")
+
+    def __init__(self) -> None:
+        self.owner: Optional["Watch"] = None
+        self.name = ""
+        self.compiled = False
+        self.traced = False
+        self.handles: List[Any] = []
+
+    @classmethod
+    def attach(cls, module: torch.nn.Module, owner: "Watch", name: str, compiled: bool) -> "_Hooks":
+        with _PARK_LOCK:
+            slot = _parked(module)
+            if slot is None or slot.owner is not None:
+                slot = cls()
+                slot._register(module)
+            slot.owner, slot.name, slot.compiled = owner, name, compiled
+            return slot
+
+    def _register(self, module: torch.nn.Module) -> None:
+        slot = self  # the hooks hold the slot, never the module (the module holds the hooks)
+        traced = _at_trace_time(lambda: _hooks_traced(slot))
+
+        def pre_hook(mod: torch.nn.Module, args: Any, kwargs: Any) -> None:
+            if _is_dynamo_compiling():
+                traced()
+                return
+            owner = slot.owner
+            if owner is not None:
+                owner._pre(slot, mod, args, kwargs)
+
+        def post_hook(mod: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            if _is_dynamo_compiling():
+                return
+            stack = _stack(mod)
+            if stack:
+                frame = stack.pop()
+                frame.owner._post(frame, mod, args, kwargs, output)
+
+        # with_kwargs: Hugging Face layers take their tensors as keyword arguments
+        self.handles = [
+            module.register_forward_pre_hook(pre_hook, with_kwargs=True),
+            module.register_forward_hook(post_hook, with_kwargs=True, always_call=True),
+        ]
+        self._module = weakref.ref(module)
+
+    def detach(self) -> None:
+        with _PARK_LOCK:
+            self.owner = None
+            module = self._module()
+            parked = None if module is None else _parked(module)
+            if module is not None and self.traced and parked in (None, self):
+                try:
+                    _PARKED[module] = self
+                    return
+                except TypeError:
+                    pass
+            if parked is self:
+                del _PARKED[module]
+            self.remove()
+
+    def remove(self) -> None:
+        handles, self.handles = self.handles, []
+        for h in handles:
+            h.remove()
+
+
+_PARKED: "weakref.WeakKeyDictionary[torch.nn.Module, _Hooks]" = weakref.WeakKeyDictionary()
+_PARK_LOCK = threading.RLock()
+
+
+def _parked(module: torch.nn.Module) -> Optional[_Hooks]:
+    try:
+        return _PARKED.get(module)
+    except TypeError:  # a module class that made itself unhashable: hooks are not kept
+        return None
+
+
+def remove_parked_hooks() -> int:
+    """Take every parked hook pair off its module (``fusionguard.disable()``); how many."""
+    with _PARK_LOCK:
+        slots = [s for s in list(_PARKED.values()) if s.owner is None]
+        for s in slots:
+            s.remove()
+        _PARKED.clear()
+    return len(slots)
 
 
 def _dense_count(layer: str, phase: str) -> int:
@@ -401,7 +504,7 @@ class Watch:
         self.memory = memory
         self.layer_types = tuple(x for x in layers if isinstance(x, type))
         self.layer_names = {x for x in layers if isinstance(x, str)}
-        self._handles: List[Any] = []
+        self._slots: List["_Hooks"] = []
         self._names: List[str] = []
         self._bw_handles: Dict[object, List[Any]] = {}  # backward spans still waiting to end
         self._depth = 0
@@ -458,14 +561,12 @@ class Watch:
                     # torch.nn's own modules (Linear, norms, containers) never call FlexAttention;
                     # a hook would make Dynamo trace their whole __call__ under torch.compile
                     continue
-                # with_kwargs: Hugging Face layers take their tensors as keyword arguments
-                self._handles.append(module.register_forward_pre_hook(self._pre(module, name, compiled), with_kwargs=True))
-                self._handles.append(module.register_forward_hook(self._post(module, name), with_kwargs=True, always_call=True))
+                self._slots.append(_Hooks.attach(module, self, name, compiled))
 
     def _remove(self) -> None:
-        handles, self._handles = self._handles, []
-        for h in handles:
-            h.remove()
+        slots, self._slots = self._slots, []
+        for slot in slots:
+            slot.detach()
         pending, self._bw_handles = self._bw_handles, {}
         for hs in pending.values():
             for h in hs:
@@ -478,64 +579,47 @@ class Watch:
             else:
                 _WATCHED_NAMES[n] = left
 
-    def _pre(self, module: torch.nn.Module, name: str, compiled: bool = False) -> Callable[..., None]:
+    def _pre(self, slot: "_Hooks", mod: torch.nn.Module, args: Any, kwargs: Any) -> None:
         # A torch.compile wrapper is never the attention layer (measuring it would time the
         # whole compiled model: +13 % step time on an H200): no class to learn on the stack.
-        cls = None if compiled else type(module)
-        self_ = self
-        traced = _at_trace_time(lambda: _hooks_traced(name))
+        name = slot.name
+        frame = _Frame()
+        frame.owner = self
+        frame.name = name
+        frame.token = _LAYER.set(_LAYER.get() + ((name, None if slot.compiled else type(mod)),))
+        frame.measure = None
+        frame.recompute = in_backward()
+        frame.grad_inputs = None
+        frame.dense_before = _dense_count(name, "forward")
+        try:
+            if self._is_layer(mod, name):
+                inputs = _span_inputs(args, kwargs)
+                if self.memory:
+                    frame.measure = measure_start(inputs if inputs else mod)
+                if torch.is_grad_enabled() and not frame.recompute:
+                    frame.grad_inputs = [t for t in inputs if t.requires_grad]
+        except Exception as exc:
+            internal_error("watch pre-hook", exc)
+        _stack(mod).append(frame)
 
-        def pre_hook(mod: torch.nn.Module, args: Any, kwargs: Any) -> None:
-            if _is_dynamo_compiling():
-                traced()
-                return
-            frame = _Frame()
-            frame.token = _LAYER.set(_LAYER.get() + ((name, cls),))
-            frame.measure = None
-            frame.recompute = in_backward()
-            frame.grad_inputs = None
-            frame.dense_before = _dense_count(name, "forward")
-            try:
-                if self_._is_layer(mod, name):
-                    inputs = _span_inputs(args, kwargs)
-                    if self_.memory:
-                        frame.measure = measure_start(inputs if inputs else mod)
-                    if torch.is_grad_enabled() and not frame.recompute:
-                        frame.grad_inputs = [t for t in inputs if t.requires_grad]
-            except Exception as exc:
-                internal_error("watch pre-hook", exc)
-            _stack(mod).append(frame)
-
-        return pre_hook
-
-    def _post(self, module: torch.nn.Module, name: str) -> Callable[..., None]:
-        self_ = self
-
-        def post_hook(mod: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-            if _is_dynamo_compiling():
-                return
-            stack = _stack(mod)
-            if not stack:
-                return
-            frame = stack.pop()
-            try:
-                _LAYER.reset(frame.token)
-            except ValueError:  # reset from another context (should not happen): fall back
-                cur = _LAYER.get()
-                _LAYER.set(cur[:-1] if cur and cur[-1][0] == name else cur)
-            try:
-                if frame.measure is not None or self_._is_layer(mod, name):
-                    alloc, peak = measure_stop(frame.measure)
-                    _record(name, "forward", alloc, peak, frame.recompute, frame.dense_before)
-                    if frame.grad_inputs is None and torch.is_grad_enabled() and not frame.recompute:
-                        # first call of a layer class: known as a layer only now; its backward counts
-                        frame.grad_inputs = [t for t in _span_inputs(args, kwargs) if t.requires_grad]
-                    if frame.grad_inputs and output is not None:
-                        self_._watch_backward(name, output, frame.grad_inputs)
-            except Exception as exc:
-                internal_error("watch post-hook", exc)
-
-        return post_hook
+    def _post(self, frame: "_Frame", mod: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        name = frame.name
+        try:
+            _LAYER.reset(frame.token)
+        except ValueError:  # reset from another context (should not happen): fall back
+            cur = _LAYER.get()
+            _LAYER.set(cur[:-1] if cur and cur[-1][0] == name else cur)
+        try:
+            if frame.measure is not None or self._is_layer(mod, name):
+                alloc, peak = measure_stop(frame.measure)
+                _record(name, "forward", alloc, peak, frame.recompute, frame.dense_before)
+                if frame.grad_inputs is None and torch.is_grad_enabled() and not frame.recompute:
+                    # first call of a layer class: known as a layer only now; its backward counts
+                    frame.grad_inputs = [t for t in _span_inputs(args, kwargs) if t.requires_grad]
+                if frame.grad_inputs and output is not None:
+                    self._watch_backward(name, output, frame.grad_inputs)
+        except Exception as exc:
+            internal_error("watch post-hook", exc)
 
     def _watch_backward(self, name: str, output: Any, inputs: Sequence[torch.Tensor]) -> None:
         outs = [t for t in _tensors(output) if t.requires_grad and t.grad_fn is not None]
@@ -588,15 +672,18 @@ def _at_trace_time(fn: Callable[[], int]) -> Callable[[], int]:
 
 WATCH_TRACED_ADVICE = (
     "fusionguard.watch() was given a module that runs inside torch.compile: Dynamo traces its "
-    "hooks (a longer compile) and guards on them, so entering watch() anew for every step "
-    "recompiles every step until the recompile limit sends the model to eager, dense "
-    "FlexAttention. Give watch() the compiled module (model = torch.compile(model); "
-    "watch(model)), or enter watch() once around the whole loop."
+    "hooks (they never run inside the graph), which makes the compile longer (x1.2-1.4 measured). "
+    "Give watch() the compiled module instead (model = torch.compile(model); watch(model)). "
+    "The traced hooks stay on those modules, inert, after watch() exits, so that entering "
+    "watch() again does not recompile; fusionguard.disable() removes them."
 )
 
 
-def _hooks_traced(name: str) -> int:
-    """Runs at trace time, once per process: say that watch()'s hooks are being compiled."""
+def _hooks_traced(slot: "_Hooks") -> int:
+    """Runs at trace time: park these hooks when watch() exits; once per process, say that
+    watch()'s hooks are being compiled."""
+    slot.traced = True
+    name = slot.name
     try:
         if not STATS.told_traced:
             STATS.told_traced = True

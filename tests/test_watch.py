@@ -492,3 +492,39 @@ def test_watching_a_module_inside_compile_says_so_once(guard, dynamo_reset, recw
     (told,) = fusionguard.events("watch_traced")
     assert told["level"] == "warning" and "Give watch() the compiled module" in told["advice"]
     assert [str(w.message) for w in recwarn if issubclass(w.category, RuntimeWarning) and "watch()" in str(w.message)]
+
+
+def test_watch_entered_every_step_around_a_compiled_inner_model_compiles_once(guard, dynamo_reset, recwarn):
+    """watch(model) entered anew each step, model called through torch.compile: Dynamo guards
+    on the hooks it traced, so the same hooks serve every entry (parked, inert, in between) and
+    the model compiles once, not once per step up to the recompile limit (then eager, dense).
+    disable() takes the parked hooks off."""
+    from torch._dynamo.testing import CompileCounter
+
+    q, k, v = torch.randn(1, 4, 64, 8), torch.randn(1, 2, 64, 8), torch.randn(1, 2, 64, 8)
+    guard()
+    model = Two()
+    counter = CompileCounter()
+    compiled = torch.compile(model, backend=counter)
+    for _ in range(4):
+        with fusionguard.watch(model):
+            compiled(q, k, v)
+    compiled(q, k, v)  # and outside watch()
+    assert counter.frame_count == 1
+    assert len(model.a._forward_pre_hooks) == len(model.a._forward_hooks) == 1  # parked
+    with torch.no_grad():
+        eager_out = model(q, k, v)  # inert hooks: the plain module still runs, unwatched
+    assert eager_out.shape == q.shape
+    fusionguard.disable()
+    assert not model.a._forward_pre_hooks and not model.a._forward_hooks
+    assert not model.b._forward_pre_hooks and not model._forward_hooks
+
+
+def test_watch_of_an_eager_model_leaves_no_hooks(guard):
+    q, k, v = torch.randn(1, 4, 64, 8), torch.randn(1, 2, 64, 8), torch.randn(1, 2, 64, 8)
+    guard()
+    model = Two()
+    with fusionguard.watch(model):
+        model(q, k, v)
+    assert not model.a._forward_pre_hooks and not model.a._forward_hooks and not model._forward_hooks
+    assert {r["layer"] for r in fusionguard.summary()} >= {"a", "b"}
