@@ -102,6 +102,58 @@ def note_flex_call() -> Optional[str]:
     return flex_layer()
 
 
+# id(module) -> (weak reference, qualified name, watch() count) for the user's modules under an
+# active watch(): names a dense call by the module whose forward frame made it.
+_MODULE_NAMES: Dict[int, Tuple[Any, str, int]] = {}
+_STACK_NAMES = frozenset({"forward", "_call_impl", "_wrapped_call_impl"})
+_MODULES_LOCK = threading.RLock()  # _MODULE_NAMES and _PARKED
+
+
+def _name_module(module: torch.nn.Module, name: str) -> int:
+    key = id(module)
+    with _MODULES_LOCK:
+        entry = _MODULE_NAMES.get(key)
+        if entry is not None and entry[0]() is module:
+            _MODULE_NAMES[key] = (entry[0], entry[1] if len(entry[1]) <= len(name) else name, entry[2] + 1)
+        else:
+            _MODULE_NAMES[key] = (weakref.ref(module), name, 1)
+    return key
+
+
+def _unname_modules(keys: List[int]) -> None:
+    with _MODULES_LOCK:
+        for key in keys:
+            entry = _MODULE_NAMES.get(key)
+            if entry is not None:
+                if entry[2] <= 1:
+                    del _MODULE_NAMES[key]
+                else:
+                    _MODULE_NAMES[key] = (entry[0], entry[1], entry[2] - 1)
+
+
+def layer_from_stack(frame: Any, limit: int = 200) -> Optional[str]:
+    """The watched module whose forward (innermost) is on the stack of a dense call that no
+    hook named: inside a ``torch.compile``d module, hooks never run (Dynamo traced them), yet a
+    graph break, a ``torch.compiler.disable``d forward or the recompile limit runs the module's
+    forward eagerly, densely, and that is the call users need named. Only frames of ``forward``
+    / ``_call_impl`` are looked into; only on the dense path."""
+    if not _MODULE_NAMES:
+        return None
+    f = frame
+    while f is not None and limit > 0:
+        limit -= 1
+        code = f.f_code
+        if code.co_name in _STACK_NAMES and code.co_argcount and code.co_varnames[0] == "self":
+            obj = f.f_locals.get("self")
+            entry = _MODULE_NAMES.get(id(obj))
+            if entry is not None and entry[0]() is obj:
+                if entry[1] and type(obj) not in STATS.flex_classes:
+                    STATS.flex_classes.add(type(obj))
+                return entry[1] or None
+        f = f.f_back
+    return None
+
+
 # Backward spans open on this thread (the autograd engine runs a device's backward on one
 # thread, hooks and kernels alike): names the layer of a backward that carries no forward
 # context, e.g. the AOTAutograd backward of a compiled flex_attention.
@@ -404,7 +456,7 @@ class _Hooks:
 
     @classmethod
     def attach(cls, module: torch.nn.Module, owner: "Watch", name: str, compiled: bool) -> "_Hooks":
-        with _PARK_LOCK:
+        with _MODULES_LOCK:
             slot = _parked(module)
             if slot is None or slot.owner is not None:
                 slot = cls()
@@ -440,7 +492,7 @@ class _Hooks:
         self._module = weakref.ref(module)
 
     def detach(self) -> None:
-        with _PARK_LOCK:
+        with _MODULES_LOCK:
             self.owner = None
             module = self._module()
             parked = None if module is None else _parked(module)
@@ -461,7 +513,6 @@ class _Hooks:
 
 
 _PARKED: "weakref.WeakKeyDictionary[torch.nn.Module, _Hooks]" = weakref.WeakKeyDictionary()
-_PARK_LOCK = threading.RLock()
 
 
 def _parked(module: torch.nn.Module) -> Optional[_Hooks]:
@@ -473,7 +524,7 @@ def _parked(module: torch.nn.Module) -> Optional[_Hooks]:
 
 def remove_parked_hooks() -> int:
     """Take every parked hook pair off its module (``fusionguard.disable()``); how many."""
-    with _PARK_LOCK:
+    with _MODULES_LOCK:
         slots = [s for s in list(_PARKED.values()) if s.owner is None]
         for s in slots:
             s.remove()
@@ -506,6 +557,7 @@ class Watch:
         self.layer_names = {x for x in layers if isinstance(x, str)}
         self._slots: List["_Hooks"] = []
         self._names: List[str] = []
+        self._ids: List[int] = []
         self._bw_handles: Dict[object, List[Any]] = {}  # backward spans still waiting to end
         self._depth = 0
         self._lock = threading.Lock()
@@ -549,7 +601,11 @@ class Watch:
             compiled_roots: List[str] = []
             for raw_name, module in model.named_modules():
                 if any(raw_name == r or raw_name.startswith(r + ".") for r in compiled_roots):
-                    continue  # inside a torch.compile'd module: Dynamo traces it, leave it alone
+                    # inside a torch.compile'd module: Dynamo traces it, no hooks; known by
+                    # identity, for a dense call it runs eagerly (layer_from_stack)
+                    if not _builtin(module):
+                        self._ids.append(_name_module(module, clean_name(raw_name)))
+                    continue
                 compiled = hasattr(module, "_orig_mod") and hasattr(module, "_torchdynamo_orig_callable")
                 if compiled:
                     compiled_roots.append(f"{raw_name}._orig_mod" if raw_name else "_orig_mod")
@@ -557,6 +613,8 @@ class Watch:
                 if name:
                     _WATCHED_NAMES[name] = _WATCHED_NAMES.get(name, 0) + 1
                     self._names.append(name)
+                    if not compiled and not _builtin(module):
+                        self._ids.append(_name_module(module, name))
                 if _builtin(module) and not (self.layer_types and isinstance(module, self.layer_types)) and name not in self.layer_names:
                     # torch.nn's own modules (Linear, norms, containers) never call FlexAttention;
                     # a hook would make Dynamo trace their whole __call__ under torch.compile
@@ -571,6 +629,8 @@ class Watch:
         for hs in pending.values():
             for h in hs:
                 h.remove()
+        ids, self._ids = self._ids, []
+        _unname_modules(ids)
         names, self._names = self._names, []
         for n in names:
             left = _WATCHED_NAMES.get(n, 1) - 1

@@ -528,3 +528,37 @@ def test_watch_of_an_eager_model_leaves_no_hooks(guard):
         model(q, k, v)
     assert not model.a._forward_pre_hooks and not model.a._forward_hooks and not model._forward_hooks
     assert {r["layer"] for r in fusionguard.summary()} >= {"a", "b"}
+
+
+class DisabledAttn(nn.Module):
+    @torch.compiler.disable
+    def forward(self, q, k, v):
+        return torch.nn.attention.flex_attention.flex_attention(q, k, v, enable_gqa=True)
+
+
+class TwoDisabled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = DisabledAttn(), DisabledAttn()
+
+    def forward(self, q, k, v):
+        return self.b(self.a(q, k, v) * 2, k, v)
+
+
+@pytest.mark.parametrize("target", ["compiled", "inner"])
+def test_dense_call_inside_a_compiled_model_is_named_by_its_module(guard, dynamo_reset, target, recwarn):
+    """A torch.compiler.disable'd attention forward inside a compiled model runs eagerly and
+    densely, and no hook runs there (none inside watch(compiled); traced ones for watch(inner)):
+    the module whose forward is on the stack names the call, and the summary counts it."""
+    q, k, v = torch.randn(1, 4, 64, 8), torch.randn(1, 2, 64, 8), torch.randn(1, 2, 64, 8)
+    guard()
+    model = TwoDisabled()
+    compiled = torch.compile(model, backend="eager")
+    with fusionguard.watch(compiled if target == "compiled" else model):
+        compiled(q, k, v)
+    calls = flex_events()
+    assert [(e["layer"], e["cause"]) for e in calls] == [("a", "compiler_disabled"), ("b", "compiler_disabled")]
+    rows = {r["layer"]: r for r in fusionguard.summary() if r["phase"] == "forward"}
+    assert rows["a"]["dense"] == rows["b"]["dense"] == 1
+    compiled(q, k, v)  # outside watch(): no names
+    assert [e["layer"] for e in flex_events()[2:]] == [None, None]
