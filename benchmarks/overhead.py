@@ -3,7 +3,8 @@
 Side by side in one process: no fusionguard / fusionguard enabled / enabled + watch(model) /
 torch.profiler(profile_memory=True) (the tool users reach for to answer the same question).
 For each: compile time, median step time over --steps steps after warm-up, graphs / graph
-breaks / recompiles, and the ratio to the unguarded run. Then the eager dense path: the dense
+breaks / recompiles, and the ratio to the unguarded run. Then the same variants step by step on
+one compiled model (``interleaved``: host drift cancels). Then the eager dense path: the dense
 call with and without the guard, and the guard's own work per dense call as a share of it.
 
     python benchmarks/overhead.py                 # GPU, seed-like shapes
@@ -151,6 +152,83 @@ def profiled(model, compiled):
         yield prof
 
 
+def interleaved(args, shape):
+    """Step time, variant against variant within each step: one model compiled once with
+    fusionguard enabled, then every timed step runs each variant once in rotated order, so host
+    drift between rounds (+-10-25 % on the device hosts) cancels. Variants: ``off``
+    (fusionguard's enabled flag cleared: the graph's counting wrapper returns at once, the
+    closest to none a shared compiled graph allows; the rounds above measure a true none),
+    ``enabled``, ``watch(compiled)`` and ``watch(model)`` entered around each step (outside the
+    timed region, as around a loop), and ``torch.profiler(profile_memory=True)``. Median of the
+    per-step ratios to ``off``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from fusionguard._state import STATE
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.manual_seed(0)
+    n, dim, hq, hkv, d = shape
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    model = Stack(args.layers, dim, hq, hkv, d).to(args.device, dtype)
+    compiled = torch.compile(model)
+    train = args.device.startswith("cuda")
+    x = torch.randn(1, n, dim, device=args.device, dtype=dtype, requires_grad=train)
+    mask = create_block_mask(causal, None, None, n, n, device=args.device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6) if train else None
+
+    def step():
+        if train:
+            compiled(x, mask).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        else:
+            with torch.no_grad():
+                compiled(x, mask)
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    ctxs = {
+        "off": contextlib.nullcontext,
+        "enabled": contextlib.nullcontext,
+        "watch(compiled)": lambda: fusionguard.watch(compiled),
+        "watch(model)": lambda: fusionguard.watch(model),
+        "profiler": lambda: profile(activities=acts, profile_memory=True, record_shapes=False),
+    }
+    names = list(ctxs)
+    fusionguard.enable(strict=True, log_path=False)
+    try:
+        for name in names * 2 + names[:1] * args.warmup:  # compile, warm every variant
+            STATE.enabled = name != "off"
+            with ctxs[name]():
+                step()
+        times = {name: [] for name in names}
+        for i in range(args.steps * 2):
+            for name in names[i % len(names):] + names[: i % len(names)]:
+                STATE.enabled = name != "off"
+                with ctxs[name]():
+                    sync(args.device)
+                    t = time.perf_counter()
+                    step()
+                    sync(args.device)
+                    times[name].append(time.perf_counter() - t)
+        STATE.enabled = True
+        graphs = counts()
+    finally:
+        STATE.enabled = True
+        fusionguard.disable()
+    out = {"graphs": graphs, "steps": len(times["off"]), "rows": []}
+    for name in names:
+        ratios = [a / b for a, b in zip(times[name], times["off"])]
+        q = statistics.quantiles(ratios, n=4)
+        out["rows"].append({
+            "variant": name,
+            "median_ms": statistics.median(times[name]) * 1e3,
+            "step_ratio": statistics.median(ratios),
+            "step_ratio_iqr": (q[0], q[2]),
+        })
+    return out
+
+
 def dense_cost(args, shape):
     """The eager dense call with and without the guard, in alternating blocks (drift cancels):
     at the seed-like shape (the ratio users see) and at a tiny shape, where the kernel is short
@@ -274,6 +352,14 @@ def main() -> None:
                 f"{r['median_ms']:>9.3f} {r['step_ratio']:>6.3f} ({sr[0]:.3f}-{sr[1]:.3f}) "
                 f"{r['graphs']:>6} {r['breaks']:>6} {r['frames']:>6}"
             )
+    inter = None
+    if not args.skip_steps:
+        inter = interleaved(args, shape)
+        print(f"interleaved, step by step ({inter['steps']} steps per variant; Dynamo: {inter['graphs']}):")
+        print(f"{'variant':<16} {'step ms':>9} {'x off':>7} {'(IQR of per-step ratios)':>26}")
+        for r in inter["rows"]:
+            lo, hi = r["step_ratio_iqr"]
+            print(f"{r['variant']:<16} {r['median_ms']:>9.3f} {r['step_ratio']:>7.4f}  ({lo:.4f}-{hi:.4f})")
     dense = dense_cost(args, shape)
     for label in ("seed", "tiny"):
         d = dense[label]
@@ -291,7 +377,7 @@ def main() -> None:
     )
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"meta": meta, "rows": summary, "dense": dense}, fh, indent=1)
+            json.dump({"meta": meta, "rows": summary, "interleaved": inter, "dense": dense}, fh, indent=1)
 
 
 def _triton_version():
