@@ -80,7 +80,8 @@ def run_variant(name, args, shape, ctx_factory):
     n, dim, hq, hkv, d = shape
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     model = Stack(args.layers, dim, hq, hkv, d).to(args.device, dtype)
-    compiled = torch.compile(model)
+    late = getattr(ctx_factory, "wrapper_before_enable", False)
+    compiled = torch.compile(model) if late else None
     train = args.device.startswith("cuda")
     x = torch.randn(1, n, dim, device=args.device, dtype=dtype, requires_grad=train)
     mask = create_block_mask(causal, None, None, n, n, device=args.device)
@@ -95,7 +96,8 @@ def run_variant(name, args, shape, ctx_factory):
             with torch.no_grad():
                 compiled(x, mask)
 
-    with ctx_factory(model, compiled) as ctx:
+    with ctx_factory(model, lambda: compiled if late else torch.compile(model)) as ctx:
+        compiled = ctx.pop("compiled") if isinstance(ctx, dict) else compiled
         t0 = time.perf_counter()
         step()
         sync(args.device)
@@ -109,47 +111,64 @@ def run_variant(name, args, shape, ctx_factory):
             step()
             sync(args.device)
             times.append(time.perf_counter() - t)
-            if ctx is not None and hasattr(ctx, "step"):
-                ctx.step()
+            if "prof" in ctx:
+                ctx["prof"].step()
     return {"variant": name, "compile_s": compile_s, "median_ms": statistics.median(times) * 1e3, **counts()}
 
 
-@contextlib.contextmanager
-def none(model, compiled):
-    yield None
+# Each variant gets the model and a function that makes its torch.compile wrapper (called
+# after fusionguard.enable(), as in a script that enables at the top), and yields a dict with
+# the wrapper under "compiled" (a profiler variant adds "prof").
 
 
 @contextlib.contextmanager
-def guarded(watch_target):
+def none(model, make):
+    yield {"compiled": make()}
+
+
+@contextlib.contextmanager
+def guarded(model, make, watch_inner=False, watch_compiled=False):
     fusionguard.enable(strict=True, log_path=False)
     try:
-        with fusionguard.watch(watch_target) if watch_target is not None else contextlib.nullcontext():
-            yield None
+        compiled = make()
+        target = model if watch_inner else compiled if watch_compiled else None
+        with fusionguard.watch(target) if target is not None else contextlib.nullcontext():
+            yield {"compiled": compiled}
     finally:
         fusionguard.disable()
 
 
-def enabled(model, compiled):
-    return guarded(None)
+def enabled(model, make):
+    return guarded(model, make)
 
 
-def watched(model, compiled):
-    """watch() given the module that torch.compile wraps: Dynamo traces the hooked modules."""
-    return guarded(model)
+def watched(model, make):
+    """watch(model) beside compiled = torch.compile(model): fusionguard knows the wrapper."""
+    return guarded(model, make, watch_inner=True)
 
 
-def watched_compiled(model, compiled):
-    """watch() given the compiled module (``model = torch.compile(model)``): no hooks inside it."""
-    return guarded(compiled)
+def watched_compiled(model, make):
+    """watch() given the compiled module (``model = torch.compile(model)``)."""
+    return guarded(model, make, watch_compiled=True)
+
+
+def watched_late(model, make):
+    """watch(model), with the torch.compile wrapper made before enable(): fusionguard cannot
+    know it, so Dynamo traces the hooks inside (the case the watch_traced warning is about)."""
+    return guarded(model, make, watch_inner=True)
+
+
+watched_late.wrapper_before_enable = True
 
 
 @contextlib.contextmanager
-def profiled(model, compiled):
+def profiled(model, make):
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    compiled = make()
     with profile(activities=acts, profile_memory=True, record_shapes=False) as prof:
-        yield prof
+        yield {"compiled": compiled, "prof": prof}
 
 
 def interleaved(args, shape):
@@ -171,6 +190,7 @@ def interleaved(args, shape):
     n, dim, hq, hkv, d = shape
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     model = Stack(args.layers, dim, hq, hkv, d).to(args.device, dtype)
+    fusionguard.enable(strict=True, log_path=False)  # at the top of a script: before torch.compile
     compiled = torch.compile(model)
     train = args.device.startswith("cuda")
     x = torch.randn(1, n, dim, device=args.device, dtype=dtype, requires_grad=train)
@@ -195,7 +215,6 @@ def interleaved(args, shape):
         "profiler": lambda: profile(activities=acts, profile_memory=True, record_shapes=False),
     }
     names = list(ctxs)
-    fusionguard.enable(strict=True, log_path=False)
     try:
         for name in names * 2 + names[:1] * args.warmup:  # compile, warm every variant
             STATE.enabled = name != "off"
@@ -320,7 +339,10 @@ def main() -> None:
         "train": args.device.startswith("cuda"),
     }
     print(json.dumps(meta), flush=True)
-    variants = (("none", none), ("enabled", enabled), ("watched", watched), ("watched_c", watched_compiled), ("profiler", profiled))
+    variants = (
+        ("none", none), ("enabled", enabled), ("watched", watched), ("watched_c", watched_compiled),
+        ("watch_late", watched_late), ("profiler", profiled),
+    )
     summary = []
     if not args.skip_steps:
         run_variant("warm-up", args, shape, none)  # fills Inductor's caches: every variant then compiles warm

@@ -136,6 +136,12 @@ def _install_patches() -> None:
         cls = ti.compiled_fx_graph()
         reg.apply("inductor.CompiledFxGraph.post_compile", vars(cls), "post_compile", inductor.make_post_compile_wrapper, owner=cls)
 
+    def compile_wrappers() -> None:
+        from . import layers
+
+        cls = ti.optimized_module()
+        reg.apply("OptimizedModule.__init__", vars(cls), "__init__", layers.make_wrapper_init, owner=cls)
+
     def rescue() -> None:
         from . import rescue as rescue_mod
 
@@ -158,6 +164,7 @@ def _install_patches() -> None:
     attempt("inductor lowerings", lowerings)
     attempt("inductor CompiledFxGraph.post_compile", post_compile)
     attempt("dynamo signals", signals)
+    attempt("torch.compile module wrapper (watch)", compile_wrappers)
     attempt("rescue (setup_compilation_env)", rescue)
 
 

@@ -113,6 +113,15 @@ def compiled_fx_graph() -> type:
     raise LookupError("torch._inductor CompiledFxGraph.post_compile not found")
 
 
+def optimized_module() -> type:
+    """``torch.compile(module)``'s wrapper class (``OptimizedModule``), which holds the compiled
+    module as ``_orig_mod``."""
+    cls = module("torch._dynamo.eval_frame").__dict__.get("OptimizedModule")
+    if isinstance(cls, type) and "__init__" in vars(cls):
+        return cls
+    raise LookupError("torch._dynamo.eval_frame.OptimizedModule.__init__ not found")
+
+
 def public_module() -> Optional[types.ModuleType]:
     try:
         return module(PUBLIC_MODULE)

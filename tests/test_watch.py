@@ -486,11 +486,17 @@ def test_watching_a_module_inside_compile_says_so_once(guard, dynamo_reset, recw
     torch._dynamo.reset()
     model2 = Two()
     compiled2 = torch.compile(model2, backend="eager")
-    with fusionguard.watch(model2):
+    with fusionguard.watch(model2):  # beside torch.compile(model2): known, no hooks inside
         compiled2(q, k, v)
-        compiled2(q, k, v)
+    assert fusionguard.events("watch_traced") == []
+    torch._dynamo.reset()
+    model3 = Two()
+    compiled3 = torch.compile(lambda q, k, v: model3(q, k, v), backend="eager")  # not a module wrapper
+    with fusionguard.watch(model3):
+        compiled3(q, k, v)
+        compiled3(q, k, v)
     (told,) = fusionguard.events("watch_traced")
-    assert told["level"] == "warning" and "Give watch() the compiled module" in told["advice"]
+    assert told["level"] == "warning" and "Compile the module (model = torch.compile(model)) after enable()" in told["advice"]
     assert [str(w.message) for w in recwarn if issubclass(w.category, RuntimeWarning) and "watch()" in str(w.message)]
 
 
@@ -505,7 +511,7 @@ def test_watch_entered_every_step_around_a_compiled_inner_model_compiles_once(gu
     guard()
     model = Two()
     counter = CompileCounter()
-    compiled = torch.compile(model, backend=counter)
+    compiled = torch.compile(lambda q, k, v: model(q, k, v), backend=counter)  # a function: hooks traced
     for _ in range(4):
         with fusionguard.watch(model):
             compiled(q, k, v)
@@ -518,6 +524,30 @@ def test_watch_entered_every_step_around_a_compiled_inner_model_compiles_once(gu
     fusionguard.disable()
     assert not model.a._forward_pre_hooks and not model.a._forward_hooks
     assert not model.b._forward_pre_hooks and not model._forward_hooks
+
+
+def test_watch_beside_torch_compile_of_the_same_module_hooks_nothing_inside(guard, dynamo_reset, recwarn):
+    """compiled = torch.compile(model); watch(model): the wrapper is known (OptimizedModule's
+    __init__ notes what it holds), so watch() treats model as inside compile: no hooks for
+    Dynamo to trace or guard on, no watch_traced; a dense call in it is still named."""
+    from torch._dynamo.testing import CompileCounter
+
+    q, k, v = torch.randn(1, 4, 64, 8), torch.randn(1, 2, 64, 8), torch.randn(1, 2, 64, 8)
+    guard()
+    model = TwoDisabled()
+    counter = CompileCounter()
+    compiled = torch.compile(model, backend=counter)
+    for _ in range(3):
+        with fusionguard.watch(model):
+            assert not model.a._forward_pre_hooks and not model._forward_pre_hooks
+            compiled(q, k, v)
+    assert counter.frame_count == 1 and fusionguard.events("watch_traced") == []
+    assert [e["layer"] for e in flex_events()] == ["a", "b"] * 3
+    fusionguard.disable()
+    torch.compile(Two(), backend="eager")  # after disable(): the wrapper's __init__ is PyTorch's own
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    assert not hasattr(OptimizedModule.__init__, "__wrapped__")
 
 
 def test_watch_of_an_eager_model_leaves_no_hooks(guard):
