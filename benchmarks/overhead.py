@@ -325,6 +325,7 @@ def main() -> None:
     ap.add_argument("--log", default="/tmp/fusionguard-overhead.jsonl")
     ap.add_argument("--json")
     ap.add_argument("--skip-steps", action="store_true", help="only the dense-path measurement")
+    ap.add_argument("--skip-dense", action="store_true", help="no dense-path measurement")
     args = ap.parse_args()
     shape = (2048, 2048, 32, 8, 128) if not args.small else (128, 64, 4, 2, 16)  # N, dim, Hq, Hkv, D
     meta = {
@@ -382,21 +383,22 @@ def main() -> None:
         for r in inter["rows"]:
             lo, hi = r["step_ratio_iqr"]
             print(f"{r['variant']:<16} {r['median_ms']:>9.3f} {r['step_ratio']:>7.4f}  ({lo:.4f}-{hi:.4f})")
-    dense = dense_cost(args, shape)
-    for label in ("seed", "tiny"):
-        d = dense[label]
+    dense = None if args.skip_dense else dense_cost(args, shape)
+    if dense is not None:
+        for label in ("seed", "tiny"):
+            d = dense[label]
+            print(
+                f"dense call ({label}) {d['plain_ms']:.3f} ms plain; guarded {d['fsync_default_ms']:.3f} ms "
+                f"(x{d['fsync_default_ratio']:.4f}, {d['fsync_default_cost_us']:+.0f} us, fsync=True) / "
+                f"{d['fsync_always_ms']:.3f} ms (x{d['fsync_always_ratio']:.4f}, {d['fsync_always_cost_us']:+.0f} us, fsync='always')"
+            )
+        for label in ("seed", "tiny"):
+            d = dense[label]
+            print(f"paired, call by call ({label}): guard {d['paired_cost_us']:+.0f} us = {d['paired_share'] * 100:.2f} % of the call")
         print(
-            f"dense call ({label}) {d['plain_ms']:.3f} ms plain; guarded {d['fsync_default_ms']:.3f} ms "
-            f"(x{d['fsync_default_ratio']:.4f}, {d['fsync_default_cost_us']:+.0f} us, fsync=True) / "
-            f"{d['fsync_always_ms']:.3f} ms (x{d['fsync_always_ratio']:.4f}, {d['fsync_always_cost_us']:+.0f} us, fsync='always')"
+            f"guard's fixed cost per dense call as a share of the seed-shape call: "
+            f"{dense['fsync_default_fixed_share'] * 100:.2f} % (fsync=True), {dense['fsync_always_fixed_share'] * 100:.2f} % (fsync='always')"
         )
-    for label in ("seed", "tiny"):
-        d = dense[label]
-        print(f"paired, call by call ({label}): guard {d['paired_cost_us']:+.0f} us = {d['paired_share'] * 100:.2f} % of the call")
-    print(
-        f"guard's fixed cost per dense call as a share of the seed-shape call: "
-        f"{dense['fsync_default_fixed_share'] * 100:.2f} % (fsync=True), {dense['fsync_always_fixed_share'] * 100:.2f} % (fsync='always')"
-    )
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"meta": meta, "rows": summary, "interleaved": inter, "dense": dense}, fh, indent=1)
