@@ -174,12 +174,14 @@ def profiled(model, make):
 def interleaved(args, shape):
     """Step time, variant against variant within each step: one model compiled once with
     fusionguard enabled, then every timed step runs each variant once in rotated order, so host
-    drift between rounds (+-10-25 % on the device hosts) cancels. Variants: ``off``
-    (fusionguard's enabled flag cleared: the graph's counting wrapper returns at once, the
-    closest to none a shared compiled graph allows; the rounds above measure a true none),
-    ``enabled``, ``watch(compiled)`` and ``watch(model)`` entered around each step (outside the
-    timed region, as around a loop), and ``torch.profiler(profile_memory=True)``. Median of the
-    per-step ratios to ``off``."""
+    drift between rounds (+-10-25 % on the device hosts) cancels. The graph is compiled with
+    fusionguard on, so it carries fusionguard's per-graph-run counting (checked: the counted
+    runs grow in every fusionguard variant). Variants: ``off`` (fusionguard's enabled flag
+    cleared: the counting wrapper returns at once, the closest to none a shared compiled graph
+    allows; the rounds above measure a true none), ``enabled``, ``watch(compiled)`` and
+    ``watch(model)`` entered around each step (outside the timed region, as around a loop), and
+    ``torch.profiler(profile_memory=True)`` with fusionguard off. Median of the per-step ratios
+    to ``off``."""
     from torch.profiler import ProfilerActivity, profile
 
     from fusionguard._state import STATE
@@ -215,27 +217,36 @@ def interleaved(args, shape):
         "profiler": lambda: profile(activities=acts, profile_memory=True, record_shapes=False),
     }
     names = list(ctxs)
+    on = {"enabled", "watch(compiled)", "watch(model)"}  # the profiler runs without fusionguard
+    runs_key = "fused_runs_backward" if train else "fused_runs_forward"
     try:
-        for name in names * 2 + names[:1] * args.warmup:  # compile, warm every variant
-            STATE.enabled = name != "off"
+        # compile with fusionguard on (its per-graph-run counting is installed at compile time),
+        # then warm every variant
+        for name in ["enabled"] + names * 2 + names[:1] * args.warmup:
+            STATE.enabled = name in on
             with ctxs[name]():
                 step()
         times = {name: [] for name in names}
+        runs = {name: 0 for name in names}  # fused graph runs fusionguard counted, per variant
         for i in range(args.steps * 2):
             for name in names[i % len(names):] + names[: i % len(names)]:
-                STATE.enabled = name != "off"
+                STATE.enabled = name in on
+                before = STATE.counts.get(runs_key, 0)
                 with ctxs[name]():
                     sync(args.device)
                     t = time.perf_counter()
                     step()
                     sync(args.device)
                     times[name].append(time.perf_counter() - t)
+                runs[name] += STATE.counts.get(runs_key, 0) - before
         STATE.enabled = True
         graphs = counts()
     finally:
         STATE.enabled = True
         fusionguard.disable()
-    out = {"graphs": graphs, "steps": len(times["off"]), "rows": []}
+    if not all(runs[name] for name in on):  # the variants must time fusionguard's fused-path work
+        raise SystemExit(f"interleaved: fusionguard counted no fused runs in some variants: {runs}")
+    out = {"graphs": graphs, "steps": len(times["off"]), "counted_runs": runs, "rows": []}
     for name in names:
         ratios = [a / b for a, b in zip(times[name], times["off"])]
         q = statistics.quantiles(ratios, n=4)
@@ -378,7 +389,7 @@ def main() -> None:
     inter = None
     if not args.skip_steps:
         inter = interleaved(args, shape)
-        print(f"interleaved, step by step ({inter['steps']} steps per variant; Dynamo: {inter['graphs']}):")
+        print(f"interleaved, step by step ({inter['steps']} steps per variant; Dynamo: {inter['graphs']}; fused runs counted: {inter['counted_runs']}):")
         print(f"{'variant':<16} {'step ms':>9} {'x off':>7} {'(IQR of per-step ratios)':>26}")
         for r in inter["rows"]:
             lo, hi = r["step_ratio_iqr"]

@@ -289,9 +289,6 @@ def _final_events(reason: str) -> None:
 def disable() -> None:
     """Remove every patch (the original objects go back), write a shutdown event, close the log."""
     from .dynamo_signals import SIGNALS
-    from .layers import remove_parked_hooks
-
-    remove_parked_hooks()
     with STATE.lock:
         if not STATE.enabled and not STATE.patches.names():
             return

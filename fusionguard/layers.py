@@ -16,15 +16,17 @@ Why this design:
 - Only *attention layers* are measured: modules whose class has been seen making a FlexAttention
   call (or the classes / names passed as ``layers=``). Everything else costs one ContextVar set.
 - Modules inside a ``torch.compile``d module get no hooks (Dynamo would trace them and recompile);
-  their fused calls are attributed at compile time from the FX node's ``nn_module_stack``. When
-  the user hands watch() such an inner module anyway, the hooks Dynamo traced are kept (inert)
-  between watch() entries, so that re-entering does not recompile (see ``_Hooks``).
+  their fused calls are attributed at compile time from the FX node's ``nn_module_stack``, dense
+  ones by the module whose forward is on the stack (``layer_from_stack``). Hooks Dynamo does
+  trace (fusionguard could not know) are the same function objects at every watch() entry, so
+  re-entering does not recompile (see ``_Hooks``).
 """
 
 from __future__ import annotations
 
 import contextvars
 import functools
+import inspect
 import itertools
 import re
 import threading
@@ -102,16 +104,16 @@ def note_flex_call() -> Optional[str]:
     return flex_layer()
 
 
-# id(module) -> (weak reference, qualified name, watch() count) for the user's modules under an
-# active watch(): names a dense call by the module whose forward frame made it.
-_MODULE_NAMES: Dict[int, Tuple[Any, str, int]] = {}
-_STACK_NAMES = frozenset({"forward", "_call_impl", "_wrapped_call_impl"})
-_MODULES_LOCK = threading.RLock()  # _MODULE_NAMES and _PARKED
+# id(module) -> (weak reference, qualified name, watch() count, forward's code) for the user's
+# modules under an active watch(): names a dense call by the module whose forward frame made it.
+_MODULE_NAMES: Dict[int, Tuple[Any, str, int, Any]] = {}
+_FORWARD_CODES: Dict[Any, int] = {}  # forward code objects of those modules' classes -> count
+_MODULES_LOCK = threading.RLock()  # _MODULE_NAMES and _PAIRS
 
 
-# Modules that a torch.compile wrapper (OptimizedModule) holds, and their submodules: watch()
-# hooks none of them, whichever module it is given (see make_wrapper_init).
-_COMPILED_INSIDE: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+# Module held by a live torch.compile wrapper (OptimizedModule), and its submodules -> a weak
+# reference to that wrapper: watch() hooks none of them (see make_wrapper_init).
+_COMPILED_INSIDE: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()
 
 
 def make_wrapper_init(original: Callable[..., None]) -> Callable[..., None]:
@@ -119,18 +121,23 @@ def make_wrapper_init(original: Callable[..., None]) -> Callable[..., None]:
 
     Why: users often compile ``model`` and hand ``watch()`` the same ``model``. Hooks on modules
     that run inside the compiled graph never run there, yet Dynamo traces them (a warm compile
-    x1.5 for an 8-layer stack on an H200) and guards on them. Known as compiled, they are treated
-    as under ``watch(compiled)``: no hooks; fused calls named from compile records, dense ones
-    by their forward frame (``layer_from_stack``)."""
+    x1.3-1.5 for an 8-layer stack on an H200) and guards on them. Known as compiled, they are
+    treated as under ``watch(compiled)``: no hooks (unless named in ``layers=``); fused calls
+    named from compile records, dense ones by their forward frame (``layer_from_stack``). Only
+    while the wrapper lives; ``torch.compiler.disable(module)`` (the same class) is not a
+    compile."""
 
     @functools.wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         try:
-            inner = self.__dict__.get("_modules", {}).get("_orig_mod")
+            if type(self.__dict__.get("dynamo_ctx")).__name__ == "DisableContext":
+                return
+            inner = self.__dict__.get("_orig_mod") or self.__dict__.get("_modules", {}).get("_orig_mod")
             if isinstance(inner, torch.nn.Module):
+                ref = weakref.ref(self)
                 for m in inner.modules():
-                    _COMPILED_INSIDE.add(m)
+                    _COMPILED_INSIDE[m] = ref
         except Exception as exc:
             internal_error("torch.compile wrapper note", exc)
 
@@ -139,19 +146,36 @@ def make_wrapper_init(original: Callable[..., None]) -> Callable[..., None]:
 
 def _compiled_inside(module: torch.nn.Module) -> bool:
     try:
-        return module in _COMPILED_INSIDE
+        ref = _COMPILED_INSIDE.get(module)
     except TypeError:  # unhashable module class
         return False
+    return ref is not None and ref() is not None
+
+
+def _forward_code(module: torch.nn.Module) -> Any:
+    """The code object of the module's own forward, under decorators (``functools.wraps``
+    chains: ``torch.compiler.disable``, Hugging Face's keyword-argument shims)."""
+    try:
+        fn = inspect.unwrap(type(module).forward)
+        return getattr(fn, "__code__", None)
+    except Exception:
+        return None
 
 
 def _name_module(module: torch.nn.Module, name: str) -> int:
+    """Known by identity under watch() (a root, named '', is not a layer: -1, nothing kept)."""
+    if not name:
+        return -1
     key = id(module)
     with _MODULES_LOCK:
         entry = _MODULE_NAMES.get(key)
         if entry is not None and entry[0]() is module:
-            _MODULE_NAMES[key] = (entry[0], entry[1] if len(entry[1]) <= len(name) else name, entry[2] + 1)
+            _MODULE_NAMES[key] = entry[:2] + (entry[2] + 1, entry[3])  # the first watch()'s name
         else:
-            _MODULE_NAMES[key] = (weakref.ref(module), name, 1)
+            code = _forward_code(module)
+            _MODULE_NAMES[key] = (weakref.ref(module), name, 1, code)
+            if code is not None:
+                _FORWARD_CODES[code] = _FORWARD_CODES.get(code, 0) + 1
     return key
 
 
@@ -159,32 +183,42 @@ def _unname_modules(keys: List[int]) -> None:
     with _MODULES_LOCK:
         for key in keys:
             entry = _MODULE_NAMES.get(key)
-            if entry is not None:
-                if entry[2] <= 1:
-                    del _MODULE_NAMES[key]
+            if entry is None:
+                continue
+            if entry[2] > 1:
+                _MODULE_NAMES[key] = entry[:2] + (entry[2] - 1, entry[3])
+                continue
+            del _MODULE_NAMES[key]
+            code = entry[3]
+            if code is not None:
+                left = _FORWARD_CODES.get(code, 1) - 1
+                if left <= 0:
+                    _FORWARD_CODES.pop(code, None)
                 else:
-                    _MODULE_NAMES[key] = (entry[0], entry[1], entry[2] - 1)
+                    _FORWARD_CODES[code] = left
 
 
 def layer_from_stack(frame: Any, limit: int = 200) -> Optional[str]:
     """The watched module whose forward (innermost) is on the stack of a dense call that no
-    hook named: inside a ``torch.compile``d module, hooks never run (Dynamo traced them), yet a
-    graph break, a ``torch.compiler.disable``d forward or the recompile limit runs the module's
-    forward eagerly, densely, and that is the call users need named. Only frames of ``forward``
-    / ``_call_impl`` are looked into; only on the dense path."""
+    hook named: inside a ``torch.compile``d module, hooks never run (Dynamo traced them, or
+    there are none), yet a graph break, a ``torch.compiler.disable``d forward or the recompile
+    limit runs the module's forward eagerly, densely, and that is the call users need named.
+    Only on the dense path. Locals are read only from frames running a watched class's own
+    forward, and only the innermost such frame (before Python 3.13 reading them leaves a
+    snapshot on the frame until it returns: the attention forward's own, whose tensors are
+    alive anyway)."""
     if not _MODULE_NAMES:
         return None
     f = frame
     while f is not None and limit > 0:
         limit -= 1
-        code = f.f_code
-        if code.co_name in _STACK_NAMES and code.co_argcount and code.co_varnames[0] == "self":
+        if f.f_code in _FORWARD_CODES:
             obj = f.f_locals.get("self")
             entry = _MODULE_NAMES.get(id(obj))
             if entry is not None and entry[0]() is obj:
-                if entry[1] and type(obj) not in STATS.flex_classes:
+                if type(obj) not in STATS.flex_classes:
                     STATS.flex_classes.add(type(obj))
-                return entry[1] or None
+                return entry[1]
         f = f.f_back
     return None
 
@@ -469,37 +503,25 @@ class _Frame:
 
 
 class _Hooks:
-    """watch()'s pre/post hook pair on one module. The hook functions only forward to ``owner``
-    (the Watch now entered, or None), so the same pair can serve every watch() of the module.
+    """watch()'s pre/post hook pair on one module: two function objects made once per module
+    (and per nesting level), registered when a watch() of the module starts and removed when it
+    ends; they forward to ``owner``, the Watch now entered.
 
-    Why: Dynamo guards on the hooks of a module it compiles. Hooks removed when watch() exits and
-    new ones added at the next entry would recompile the model at every step, until the recompile
-    limit sends it to eager, dense FlexAttention. So a pair that Dynamo has traced is *parked*
-    when watch() exits (left on the module, inert: one Python call that returns) and taken up
-    again by the next watch() of that module; ``fusionguard.disable()`` removes parked pairs.
-    A pair Dynamo never saw is removed at exit, as before.
+    Why the same objects every time: Dynamo guards on the hooks of a module it compiles (when
+    fusionguard cannot know the module runs inside a graph). New hook functions at every entry
+    recompiled the model at every step, until the recompile limit sent it to eager, dense
+    FlexAttention; the same functions re-registered pass the guards: at most one graph with
+    the hooks and one without. Nothing stays on the module after watch() exits (pickling,
+    ``torch.jit.script`` and copies of the model are unaffected).
     """
 
-    __slots__ = ("owner", "name", "compiled", "traced", "handles", "_module", "__weakref__")
+    __slots__ = ("owner", "name", "compiled", "handles", "pre", "post", "__weakref__")
 
     def __init__(self) -> None:
         self.owner: Optional["Watch"] = None
         self.name = ""
         self.compiled = False
-        self.traced = False
         self.handles: List[Any] = []
-
-    @classmethod
-    def attach(cls, module: torch.nn.Module, owner: "Watch", name: str, compiled: bool) -> "_Hooks":
-        with _MODULES_LOCK:
-            slot = _parked(module)
-            if slot is None or slot.owner is not None:
-                slot = cls()
-                slot._register(module)
-            slot.owner, slot.name, slot.compiled = owner, name, compiled
-            return slot
-
-    def _register(self, module: torch.nn.Module) -> None:
         slot = self  # the hooks hold the slot, never the module (the module holds the hooks)
         traced = _at_trace_time(lambda: _hooks_traced(slot))
 
@@ -519,52 +541,74 @@ class _Hooks:
                 frame = stack.pop()
                 frame.owner._post(frame, mod, args, kwargs, output)
 
+        self.pre, self.post = pre_hook, post_hook
+
+    @classmethod
+    def attach(cls, module: torch.nn.Module, owner: "Watch", name: str, compiled: bool) -> "_Hooks":
+        with _MODULES_LOCK:
+            try:
+                pool = _PAIRS.get(module)
+                if pool is None:
+                    pool = _PAIRS[module] = []
+            except TypeError:  # a module class that made itself unhashable: a pair of its own
+                pool = []
+            slot = next((x for x in pool if x.owner is None), None)
+            if slot is None:
+                slot = cls()
+                pool.append(slot)
+            slot.owner, slot.name, slot.compiled = owner, name, compiled
+            try:
+                slot._register(module)
+            except BaseException:
+                slot.detach()
+                raise
+            return slot
+
+    def _register(self, module: torch.nn.Module) -> None:
+        if self.handles and all(_reinsert(*entry) for entry in self.handles):
+            return
+        for h, _, _ in self.handles:  # (a partial re-insert)
+            h.remove()
         # with_kwargs: Hugging Face layers take their tensors as keyword arguments
-        self.handles = [
-            module.register_forward_pre_hook(pre_hook, with_kwargs=True),
-            module.register_forward_hook(post_hook, with_kwargs=True, always_call=True),
-        ]
-        self._module = weakref.ref(module)
+        pre = module.register_forward_pre_hook(self.pre, with_kwargs=True)
+        self.handles = [(pre, self.pre, _marks(pre))]
+        post = module.register_forward_hook(self.post, with_kwargs=True, always_call=True)
+        self.handles.append((post, self.post, _marks(post)))
 
     def detach(self) -> None:
         with _MODULES_LOCK:
             self.owner = None
-            module = self._module()
-            parked = None if module is None else _parked(module)
-            if module is not None and self.traced and parked in (None, self):
-                try:
-                    _PARKED[module] = self
-                    return
-                except TypeError:
-                    pass
-            if parked is self:
-                del _PARKED[module]
-            self.remove()
-
-    def remove(self) -> None:
-        handles, self.handles = self.handles, []
-        for h in handles:
-            h.remove()
+            for h, _, _ in self.handles:
+                h.remove()  # the handles stay, to put the same hooks back under the same ids
 
 
-_PARKED: "weakref.WeakKeyDictionary[torch.nn.Module, _Hooks]" = weakref.WeakKeyDictionary()
-
-
-def _parked(module: torch.nn.Module) -> Optional[_Hooks]:
+def _marks(handle: Any) -> Tuple[Any, ...]:
+    """What registering put in the handle's extra dicts (with_kwargs, always_call) under its id."""
     try:
-        return _PARKED.get(module)
-    except TypeError:  # a module class that made itself unhashable: hooks are not kept
-        return None
+        return tuple((ref, ref()[handle.id]) for ref in handle.extra_dict_ref if handle.id in (ref() or {}))
+    except Exception:
+        return ()
 
 
-def remove_parked_hooks() -> int:
-    """Take every parked hook pair off its module (``fusionguard.disable()``); how many."""
-    with _MODULES_LOCK:
-        slots = [s for s in list(_PARKED.values()) if s.owner is None]
-        for s in slots:
-            s.remove()
-        _PARKED.clear()
-    return len(slots)
+def _reinsert(handle: Any, fn: Callable[..., Any], marks: Tuple[Any, ...]) -> bool:
+    """Put a removed hook back under its old id, as registering put it (the hook in the
+    handle's dict, the same values in its extra dicts). Why: Dynamo guards on the ids of
+    always-called hooks, so a new registration (a new id) at each watch() entry recompiled
+    every step. False where the handle does not look like that (another torch): the caller
+    registers anew."""
+    try:
+        hooks = handle.hooks_dict_ref()
+        if hooks is None or not marks or any(ref() is None for ref, _ in marks):
+            return False
+        hooks[handle.id] = fn
+        for ref, value in marks:
+            ref()[handle.id] = value
+        return True
+    except Exception:
+        return False
+
+
+_PAIRS: "weakref.WeakKeyDictionary[torch.nn.Module, List[_Hooks]]" = weakref.WeakKeyDictionary()
 
 
 def _dense_count(layer: str, phase: str) -> int:
@@ -633,9 +677,12 @@ class Watch:
 
     def _install(self) -> None:
         for model in self.models:
-            compiled_roots: List[str] = []
+            compiled_roots: List[str] = []  # prefixes of torch.compile wrappers' modules
+            done: List[str] = []  # prefixes of modules held by a wrapper, already named below
             for raw_name, module in model.named_modules():
-                if any(not r or raw_name == r or raw_name.startswith(r + ".") for r in compiled_roots):
+                if any(not r or raw_name == r or raw_name.startswith(r + ".") for r in done):
+                    continue
+                if any(raw_name == r or raw_name.startswith(r + ".") for r in compiled_roots):
                     # inside a torch.compile'd module: Dynamo traces it, no hooks; known by
                     # identity, for a dense call it runs eagerly (layer_from_stack)
                     if not _builtin(module):
@@ -648,7 +695,7 @@ class Watch:
                     # held by a torch.compile wrapper (watch(model) beside compiled =
                     # torch.compile(model)): no hooks, as inside a compiled root; the names
                     # stay known (records of a wrapper compiled around it map to them)
-                    compiled_roots.append(raw_name)
+                    done.append(raw_name)
                     for sub_name, sub in module.named_modules(prefix=raw_name):
                         name = clean_name(sub_name)
                         if name:
@@ -656,6 +703,8 @@ class Watch:
                             self._names.append(name)
                         if not _builtin(sub):
                             self._ids.append(_name_module(sub, name))
+                        if (self.layer_types and isinstance(sub, self.layer_types)) or name in self.layer_names:
+                            self._slots.append(_Hooks.attach(sub, self, name, False))  # asked for by name
                     continue
                 name = clean_name(raw_name)
                 if name:
@@ -784,15 +833,12 @@ WATCH_TRACED_ADVICE = (
     "fusionguard could not tell: the model is called from a compiled function, or its "
     "torch.compile wrapper was made before fusionguard.enable(), or watch() was entered before "
     "torch.compile. Compile the module (model = torch.compile(model)) after enable() and before "
-    "watch(). The traced hooks stay on those modules, inert, after watch() exits, so that "
-    "entering watch() again does not recompile; fusionguard.disable() removes them."
+    "watch()."
 )
 
 
 def _hooks_traced(slot: "_Hooks") -> int:
-    """Runs at trace time: park these hooks when watch() exits; once per process, say that
-    watch()'s hooks are being compiled."""
-    slot.traced = True
+    """Runs at trace time: once per process, say that watch()'s hooks are being compiled."""
     name = slot.name
     try:
         if not STATS.told_traced:

@@ -500,11 +500,12 @@ def test_watching_a_module_inside_compile_says_so_once(guard, dynamo_reset, recw
     assert [str(w.message) for w in recwarn if issubclass(w.category, RuntimeWarning) and "watch()" in str(w.message)]
 
 
-def test_watch_entered_every_step_around_a_compiled_inner_model_compiles_once(guard, dynamo_reset, recwarn):
-    """watch(model) entered anew each step, model called through torch.compile: Dynamo guards
-    on the hooks it traced, so the same hooks serve every entry (parked, inert, in between) and
-    the model compiles once, not once per step up to the recompile limit (then eager, dense).
-    disable() takes the parked hooks off."""
+def test_watch_entered_every_step_around_a_compiled_inner_model_compiles_once(guard, dynamo_reset, recwarn, tmp_path):
+    """watch(model) entered anew each step, model called from a compiled function (fusionguard
+    cannot know it is compiled): Dynamo traces and guards on the hooks, and the same hook
+    functions at every entry pass those guards. At most one graph with hooks and one without,
+    however many steps, also with a nested watch() of the same model; nothing is left on the
+    model after exit (it pickles)."""
     from torch._dynamo.testing import CompileCounter
 
     q, k, v = torch.randn(1, 4, 64, 8), torch.randn(1, 2, 64, 8), torch.randn(1, 2, 64, 8)
@@ -514,16 +515,13 @@ def test_watch_entered_every_step_around_a_compiled_inner_model_compiles_once(gu
     compiled = torch.compile(lambda q, k, v: model(q, k, v), backend=counter)  # a function: hooks traced
     for _ in range(4):
         with fusionguard.watch(model):
-            compiled(q, k, v)
-    compiled(q, k, v)  # and outside watch()
-    assert counter.frame_count == 1
-    assert len(model.a._forward_pre_hooks) == len(model.a._forward_hooks) == 1  # parked
-    with torch.no_grad():
-        eager_out = model(q, k, v)  # inert hooks: the plain module still runs, unwatched
-    assert eager_out.shape == q.shape
-    fusionguard.disable()
-    assert not model.a._forward_pre_hooks and not model.a._forward_hooks
-    assert not model.b._forward_pre_hooks and not model._forward_hooks
+            with fusionguard.watch(model):
+                compiled(q, k, v)
+        compiled(q, k, v)  # and outside watch()
+    assert counter.frame_count <= 2
+    assert fusionguard.events("watch_traced")
+    assert not model.a._forward_pre_hooks and not model.a._forward_hooks and not model._forward_hooks
+    torch.save(model, tmp_path / "model.pt")
 
 
 def test_watch_beside_torch_compile_of_the_same_module_hooks_nothing_inside(guard, dynamo_reset, recwarn):
@@ -592,3 +590,41 @@ def test_dense_call_inside_a_compiled_model_is_named_by_its_module(guard, dynamo
     assert rows["a"]["dense"] == rows["b"]["dense"] == 1
     compiled(q, k, v)  # outside watch(): no names
     assert [e["layer"] for e in flex_events()[2:]] == [None, None]
+
+
+def test_compile_wrapper_marks_follow_the_wrapper_and_layers_still_get_hooks(guard):
+    """Modules count as compiled only while their torch.compile wrapper lives; a
+    torch.compiler.disable(module) wrapper (the same class) is no compile; layers= named
+    modules get hooks anyway; disable() inside watch() leaves nothing behind at exit."""
+    import gc
+
+    guard()
+    model = Two()
+    compiled = torch.compile(model, backend="eager")
+    with fusionguard.watch(model):
+        assert not model.a._forward_pre_hooks
+    with fusionguard.watch(model, layers=[InferenceAttention]):
+        assert model.a._forward_pre_hooks and not model._forward_pre_hooks
+    del compiled
+    gc.collect()
+    with fusionguard.watch(model):
+        assert model.a._forward_pre_hooks  # the wrapper is gone: an eager model again
+    other = Two()
+    torch.compiler.disable(other)
+    with fusionguard.watch(other):
+        assert other.a._forward_pre_hooks
+        fusionguard.disable()
+    assert not other.a._forward_pre_hooks and not other._forward_hooks
+
+
+def test_a_narrower_nested_watch_keeps_the_outer_names(guard, dynamo_reset, recwarn):
+    q, k, v = torch.randn(1, 4, 64, 8), torch.randn(1, 2, 64, 8), torch.randn(1, 2, 64, 8)
+    guard()
+    model = TwoDisabled()
+    compiled = torch.compile(model, backend="eager")
+    with fusionguard.watch(compiled):
+        compiled(q, k, v)
+        with fusionguard.watch(model.a):
+            compiled(q, k, v)
+        compiled(q, k, v)
+    assert [e["layer"] for e in flex_events()] == ["a", "b"] * 3
