@@ -73,31 +73,41 @@ def counts():
     return {"graphs": c["stats"].get("unique_graphs", 0), "breaks": sum(c["graph_break"].values()), "frames": c["frames"].get("total", 0)}
 
 
-def run_variant(name, args, shape, ctx_factory):
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    torch.manual_seed(0)
-    n, dim, hq, hkv, d = shape
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    model = Stack(args.layers, dim, hq, hkv, d).to(args.device, dtype)
-    late = getattr(ctx_factory, "wrapper_before_enable", False)
-    compiled = torch.compile(model) if late else None
+def _dtype(args):
+    return torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+
+
+def make_step(args, shape, model, holder):
+    """One training step (GPU) or inference call (CPU) of ``holder["compiled"]``."""
+    n, dim = shape[0], shape[1]
     train = args.device.startswith("cuda")
-    x = torch.randn(1, n, dim, device=args.device, dtype=dtype, requires_grad=train)
+    x = torch.randn(1, n, dim, device=args.device, dtype=_dtype(args), requires_grad=train)
     mask = create_block_mask(causal, None, None, n, n, device=args.device)
     opt = torch.optim.SGD(model.parameters(), lr=1e-6) if train else None
 
     def step():
         if train:
-            compiled(x, mask).float().square().mean().backward()
+            holder["compiled"](x, mask).float().square().mean().backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
         else:
             with torch.no_grad():
-                compiled(x, mask)
+                holder["compiled"](x, mask)
 
-    with ctx_factory(model, lambda: compiled if late else torch.compile(model)) as ctx:
-        compiled = ctx.pop("compiled") if isinstance(ctx, dict) else compiled
+    return step
+
+
+def run_variant(name, args, shape, ctx_factory):
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.manual_seed(0)
+    model = Stack(args.layers, *shape[1:]).to(args.device, _dtype(args))
+    late = getattr(ctx_factory, "wrapper_before_enable", False)
+    holder = {"compiled": torch.compile(model) if late else None}
+    step = make_step(args, shape, model, holder)
+
+    with ctx_factory(model, lambda: holder["compiled"] if late else torch.compile(model)) as ctx:
+        holder["compiled"] = ctx.pop("compiled")
         t0 = time.perf_counter()
         step()
         sync(args.device)
@@ -189,24 +199,11 @@ def interleaved(args, shape):
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     torch.manual_seed(0)
-    n, dim, hq, hkv, d = shape
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    model = Stack(args.layers, dim, hq, hkv, d).to(args.device, dtype)
+    model = Stack(args.layers, *shape[1:]).to(args.device, _dtype(args))
     fusionguard.enable(strict=True, log_path=False)  # at the top of a script: before torch.compile
     compiled = torch.compile(model)
     train = args.device.startswith("cuda")
-    x = torch.randn(1, n, dim, device=args.device, dtype=dtype, requires_grad=train)
-    mask = create_block_mask(causal, None, None, n, n, device=args.device)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-6) if train else None
-
-    def step():
-        if train:
-            compiled(x, mask).float().square().mean().backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        else:
-            with torch.no_grad():
-                compiled(x, mask)
+    step = make_step(args, shape, model, {"compiled": compiled})
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     ctxs = {

@@ -244,6 +244,11 @@ def test_compiled_backward_and_keyword_layers_are_attributed(guard, dynamo_reset
         assert (rows[(name, "backward")]["calls"], rows[(name, "backward")]["dense"]) == (2, 2)
 
 
+def gqa_qkv():
+    """Small GQA inputs (4 query heads, 2 key/value heads) for the inference models below."""
+    return torch.randn(1, 4, 64, 8), torch.randn(1, 2, 64, 8), torch.randn(1, 2, 64, 8)
+
+
 class InferenceAttention(nn.Module):
     def forward(self, q, k, v):
         return torch.nn.attention.flex_attention.flex_attention(q, k, v, enable_gqa=True)
@@ -335,7 +340,7 @@ def test_a_compiled_model_is_never_taken_for_an_attention_layer(guard, dynamo_re
     not measured as a layer (that timed the whole model: +13 % step time on an H200)."""
     from fusionguard.layers import STATS
 
-    q, k, v = torch.randn(1, 4, 64, 8), torch.randn(1, 2, 64, 8), torch.randn(1, 2, 64, 8)
+    q, k, v = gqa_qkv()
     guard(strict=True)
     for target in ("compiled", "raw"):
         torch._dynamo.reset()
@@ -367,7 +372,7 @@ def test_a_wrapper_around_the_watched_model_keeps_its_names(guard, dynamo_reset,
         def forward(this, *args):
             return this.module(*args)
 
-    q, k, v = torch.randn(1, 4, 64, 8), torch.randn(1, 2, 64, 8), torch.randn(1, 2, 64, 8)
+    q, k, v = gqa_qkv()
     guard(strict=True)
     model = Two()
     compiled = torch.compile(DDPLike(model))
@@ -417,7 +422,7 @@ def test_a_container_compiled_in_place_is_not_a_layer(guard, dynamo_reset):
         def forward(self, q, k, v):
             return self.two(q, k, v)
 
-    q, k, v = torch.randn(1, 4, 64, 8), torch.randn(1, 2, 64, 8), torch.randn(1, 2, 64, 8)
+    q, k, v = gqa_qkv()
     guard(strict=True)
     model = Outer()
     model.two.compile()
@@ -433,7 +438,7 @@ def test_blocks_compiled_in_place_add_no_made_up_layer_rows(guard, dynamo_reset)
     """Each block compiled in place (``block.compile()``): Dynamo names modules relative to the
     block (``a`` for every block's), which matches no single watched layer; summary() then
     counts no row for such a name rather than one row for all blocks."""
-    q, k, v = torch.randn(1, 4, 64, 8), torch.randn(1, 2, 64, 8), torch.randn(1, 2, 64, 8)
+    q, k, v = gqa_qkv()
 
     class Blocks(nn.Module):
         def __init__(self):
@@ -476,7 +481,7 @@ def test_wrapper_prefixes_map_to_watched_names_and_nothing_else():
 def test_watching_a_module_inside_compile_says_so_once(guard, dynamo_reset, recwarn):
     """watch(model) with model called through torch.compile: Dynamo compiles the hooks; the log
     and a RuntimeWarning say what that costs and what to do, once. watch(compiled): silent."""
-    q, k, v = torch.randn(1, 4, 64, 8), torch.randn(1, 2, 64, 8), torch.randn(1, 2, 64, 8)
+    q, k, v = gqa_qkv()
     guard()
     model = Two()
     compiled = torch.compile(model, backend="eager")
@@ -508,7 +513,7 @@ def test_watch_entered_every_step_around_a_compiled_inner_model_compiles_once(gu
     model after exit (it pickles)."""
     from torch._dynamo.testing import CompileCounter
 
-    q, k, v = torch.randn(1, 4, 64, 8), torch.randn(1, 2, 64, 8), torch.randn(1, 2, 64, 8)
+    q, k, v = gqa_qkv()
     guard()
     model = Two()
     counter = CompileCounter()
@@ -530,7 +535,7 @@ def test_watch_beside_torch_compile_of_the_same_module_hooks_nothing_inside(guar
     Dynamo to trace or guard on, no watch_traced; a dense call in it is still named."""
     from torch._dynamo.testing import CompileCounter
 
-    q, k, v = torch.randn(1, 4, 64, 8), torch.randn(1, 2, 64, 8), torch.randn(1, 2, 64, 8)
+    q, k, v = gqa_qkv()
     guard()
     model = TwoDisabled()
     counter = CompileCounter()
@@ -549,7 +554,7 @@ def test_watch_beside_torch_compile_of_the_same_module_hooks_nothing_inside(guar
 
 
 def test_watch_of_an_eager_model_leaves_no_hooks(guard):
-    q, k, v = torch.randn(1, 4, 64, 8), torch.randn(1, 2, 64, 8), torch.randn(1, 2, 64, 8)
+    q, k, v = gqa_qkv()
     guard()
     model = Two()
     with fusionguard.watch(model):
@@ -564,13 +569,13 @@ class DisabledAttn(nn.Module):
         return torch.nn.attention.flex_attention.flex_attention(q, k, v, enable_gqa=True)
 
 
-class TwoDisabled(nn.Module):
+class TwoDisabled(Two):
     def __init__(self):
         super().__init__()
         self.a, self.b = DisabledAttn(), DisabledAttn()
 
     def forward(self, q, k, v):
-        return self.b(self.a(q, k, v) * 2, k, v)
+        return self.b(self.a(q, k, v) * 2, k, v)  # a compiled graph between the two eager calls
 
 
 @pytest.mark.parametrize("target", ["compiled", "inner"])
@@ -578,7 +583,7 @@ def test_dense_call_inside_a_compiled_model_is_named_by_its_module(guard, dynamo
     """A torch.compiler.disable'd attention forward inside a compiled model runs eagerly and
     densely, and no hook runs there (none inside watch(compiled); traced ones for watch(inner)):
     the module whose forward is on the stack names the call, and the summary counts it."""
-    q, k, v = torch.randn(1, 4, 64, 8), torch.randn(1, 2, 64, 8), torch.randn(1, 2, 64, 8)
+    q, k, v = gqa_qkv()
     guard()
     model = TwoDisabled()
     compiled = torch.compile(model, backend="eager")
@@ -618,7 +623,7 @@ def test_compile_wrapper_marks_follow_the_wrapper_and_layers_still_get_hooks(gua
 
 
 def test_a_narrower_nested_watch_keeps_the_outer_names(guard, dynamo_reset, recwarn):
-    q, k, v = torch.randn(1, 4, 64, 8), torch.randn(1, 2, 64, 8), torch.randn(1, 2, 64, 8)
+    q, k, v = gqa_qkv()
     guard()
     model = TwoDisabled()
     compiled = torch.compile(model, backend="eager")
