@@ -511,8 +511,9 @@ class _Hooks:
     fusionguard cannot know the module runs inside a graph). New hook functions at every entry
     recompiled the model at every step, until the recompile limit sent it to eager, dense
     FlexAttention; the same functions re-registered pass the guards: at most one graph with
-    the hooks and one without. Nothing stays on the module after watch() exits (pickling,
-    ``torch.jit.script`` and copies of the model are unaffected).
+    the hooks and one without. Nothing stays on the module after watch() exits (pickling and
+    ``torch.jit.script`` after it are unaffected; a copy made *during* watch() carries the hooks,
+    which never count it as the watched module).
     """
 
     __slots__ = ("owner", "name", "compiled", "handles", "pre", "post", "__weakref__")
@@ -530,7 +531,9 @@ class _Hooks:
                 traced()
                 return
             owner = slot.owner
-            if owner is not None:
+            # (a deepcopy of the model made during watch() carries these hooks in dicts of its
+            # own: not the watched module, never counted as it)
+            if owner is not None and slot.handles and mod.__dict__.get("_forward_pre_hooks") is slot.handles[0][0].hooks_dict_ref():
                 owner._pre(slot, mod, args, kwargs)
 
         def post_hook(mod: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:

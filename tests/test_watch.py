@@ -633,3 +633,21 @@ def test_a_narrower_nested_watch_keeps_the_outer_names(guard, dynamo_reset, recw
             compiled(q, k, v)
         compiled(q, k, v)
     assert [e["layer"] for e in flex_events()] == ["a", "b"] * 3
+
+
+def test_a_copy_made_during_watch_is_not_counted_as_the_watched_model(guard):
+    """An EMA copy (deepcopy inside watch()) carries watch()'s hooks; at the next watch() of
+    the original, calls of the copy must not land in the original's rows."""
+    import copy
+
+    q, k, v = gqa_qkv()
+    guard()
+    model = Two()
+    with fusionguard.watch(model):
+        ema = copy.deepcopy(model)
+    with fusionguard.watch(model):
+        model(q, k, v)
+        ema(q, k, v)
+    assert [e["layer"] for e in flex_events()] == ["a", "b", None, None]
+    rows = {r["layer"]: r["calls"] for r in fusionguard.summary() if r["phase"] == "forward"}
+    assert rows == {"a": 1, "b": 1}
