@@ -694,10 +694,11 @@ class Watch:
                 compiled = hasattr(module, "_orig_mod") and hasattr(module, "_torchdynamo_orig_callable")
                 if compiled:
                     compiled_roots.append(f"{raw_name}._orig_mod" if raw_name else "_orig_mod")
-                elif _compiled_inside(module):
+                elif _compiled_inside(module) or getattr(module, "_compiled_call_impl", None) is not None:
                     # held by a torch.compile wrapper (watch(model) beside compiled =
-                    # torch.compile(model)): no hooks, as inside a compiled root; the names
-                    # stay known (records of a wrapper compiled around it map to them)
+                    # torch.compile(model)) or compiled in place (module.compile(), torchtitan's
+                    # per-block compile): no hooks, as inside a compiled root; the names stay
+                    # known (records of a wrapper compiled around it map to them)
                     done.append(raw_name)
                     for sub_name, sub in module.named_modules(prefix=raw_name):
                         name = clean_name(sub_name)
@@ -835,7 +836,7 @@ WATCH_TRACED_ADVICE = (
     "them (they never run inside the graph), which makes the compile longer (x1.3-1.5 measured). "
     "fusionguard could not tell: the model is called from a compiled function, or its "
     "torch.compile wrapper was made before fusionguard.enable(), or watch() was entered before "
-    "torch.compile. Compile the module (model = torch.compile(model)) after enable() and before "
+    "torch.compile (or module.compile()). Compile the module (model = torch.compile(model)) after enable() and before "
     "watch()."
 )
 

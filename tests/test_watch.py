@@ -427,8 +427,10 @@ def test_a_container_compiled_in_place_is_not_a_layer(guard, dynamo_reset):
     model = Outer()
     model.two.compile()
     with fusionguard.watch(model):
+        assert not model.two._forward_pre_hooks and not model.two.a._forward_pre_hooks  # compiled in place
         model(q, k, v)
         model(q, k, v)
+    assert fusionguard.events("watch_traced") == []
     assert not [c for c in STATS.flex_classes if c.__name__ in ("Outer", "Two", "OptimizedModule")]
     assert {e["layer"] for e in flex_events("flex_compile")} == {"two.a", "two.b"}
 
