@@ -395,7 +395,7 @@ def count_runs(compiled: Any, records: List[Dict[str, Any]]) -> None:
                     # (a watched layer's hooks count it as a recompute)
                     if per_layer and not (fields["phase"] == "forward" and in_backward()):
                         STATS.on_fused(per_layer, fields["phase"])
-                    STATE.log.emit("info", "flex_run", **fields)
+                    STATE.log.emit_fields("info", "flex_run", fields)
             except Exception as exc:
                 internal_error("fused run count", exc)
         return out

@@ -334,7 +334,9 @@ class FusedSampler:
             if isinstance(n, int) and not isinstance(n, bool):
                 w.flex_calls += n
             for name in self.aggregate:
-                value = fields.get(name)
+                if name not in fields:
+                    continue
+                value = fields[name]
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     slot = w.agg.get(name)
                     if slot is None:
@@ -468,6 +470,9 @@ class EventLog:
     def emit(self, level: str, event: str, durable: bool = True, **fields: Any) -> dict:
         """Log one event; returns the dict that was stored in memory ({} when sampled out).
         ``durable=False``: never fsync this one (see the module docstring)."""
+        return self.emit_fields(level, event, fields, durable)
+
+    def emit_fields(self, level: str, event: str, fields: dict, durable: bool = True) -> dict:
         sampler = self.sampler
         if sampler is not None:
             if event in FLUSH_BEFORE:
