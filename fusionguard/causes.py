@@ -249,12 +249,12 @@ def diagnose_forward(frame: Optional[types.FrameType]) -> Diagnosis:
                         ev["outer_frame"] = _frame_where(outer)
                         if info:
                             ev["outer_frame_failure"] = info
-                return Diagnosis(True, "non_inductor_backend", ev)
+                return Diagnosis(True, "non_inductor_backend", ev, site)
             else:
                 # PyTorch's eager wrapper ran inside a frame the user compiled: the call itself
                 # was left out of the graph.
                 cause, info = SIGNALS.lookup(orig.co_filename, orig.co_firstlineno)
-                return Diagnosis(False, "graph_break", {"compiled_frame": _frame_where(f), "dynamo": info})
+                return Diagnosis(False, "graph_break", {"compiled_frame": _frame_where(f), "dynamo": info}, site)
         else:
             if kind == _OTHER:
                 pass

@@ -175,7 +175,7 @@ def _name_module(module: torch.nn.Module, name: str) -> int:
             code = _forward_code(module)
             _MODULE_NAMES[key] = (weakref.ref(module), name, 1, code)
             if code is not None:
-                _FORWARD_CODES[code] = _FORWARD_CODES.get(code, 0) + 1
+                _FORWARD_CODES[id(code)] = _FORWARD_CODES.get(id(code), 0) + 1
     return key
 
 
@@ -191,11 +191,11 @@ def _unname_modules(keys: List[int]) -> None:
             del _MODULE_NAMES[key]
             code = entry[3]
             if code is not None:
-                left = _FORWARD_CODES.get(code, 1) - 1
+                left = _FORWARD_CODES.get(id(code), 1) - 1
                 if left <= 0:
-                    _FORWARD_CODES.pop(code, None)
+                    _FORWARD_CODES.pop(id(code), None)
                 else:
-                    _FORWARD_CODES[code] = left
+                    _FORWARD_CODES[id(code)] = left
 
 
 def layer_from_stack(frame: Any, limit: int = 200) -> Optional[str]:
@@ -212,7 +212,7 @@ def layer_from_stack(frame: Any, limit: int = 200) -> Optional[str]:
     f = frame
     while f is not None and limit > 0:
         limit -= 1
-        if f.f_code in _FORWARD_CODES:
+        if id(f.f_code) in _FORWARD_CODES:
             obj = f.f_locals.get("self")
             entry = _MODULE_NAMES.get(id(obj))
             if entry is not None and entry[0]() is obj:
