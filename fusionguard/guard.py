@@ -285,9 +285,7 @@ def _check_dense(phase: str, args: tuple, kwargs: dict, frame: Any) -> Optional[
     else:
         diagnosis = causes.diagnose_backward(origin, frame)
         call_site = (origin or {}).get("call_site") or causes.user_call_site(frame)
-    layer = (origin or {}).get("layer") if phase == "backward" and origin else layers.note_flex_call()
-    if layer is None and phase == "forward":
-        layer = layers.layer_from_stack(frame)
+    layer = (origin or {}).get("layer") if phase == "backward" and origin else layers.note_flex_call(frame if phase == "forward" else None)
     allowed = _allowed(origin)
     action = "allow" if allowed else ("raise" if STATE.config.strict else "warn")
     fields: Dict[str, Any] = {

@@ -82,16 +82,21 @@ def resolve_watched_name(name: str) -> str:
 _WRAPPER_ATTRS = frozenset({"module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
 
 
-def flex_layer() -> Optional[str]:
+def flex_layer(frame: Any = None) -> Optional[str]:
     """The layer a FlexAttention call made now belongs to: the innermost watched module whose
     forward is running, or in a backward (no forward hooks run there) the innermost open
-    backward span."""
+    backward span; given the caller's ``frame`` (the dense and rescue paths), else the watched
+    module whose forward is on the stack (``layer_from_stack``)."""
     stack = _LAYER.get()
     name = stack[-1][0] if stack else None
-    return name or (backward_layer() if in_backward() else None)
+    return (
+        name
+        or (backward_layer() if in_backward() else None)
+        or (layer_from_stack(frame) if frame is not None else None)
+    )
 
 
-def note_flex_call() -> Optional[str]:
+def note_flex_call(frame: Any = None) -> Optional[str]:
     """``flex_layer()``, and remember that the innermost watched module's class makes
     FlexAttention calls (it becomes an attention layer: measured, with backward spans). Called
     for a dense run and for a compiled graph with one FlexAttention call (a graph of several
@@ -101,7 +106,7 @@ def note_flex_call() -> Optional[str]:
         cls = stack[-1][1]
         if cls is not None and cls not in STATS.flex_classes:
             STATS.flex_classes.add(cls)
-    return flex_layer()
+    return flex_layer(frame)
 
 
 # id(module) -> (weak reference, qualified name, watch() count, forward's code) for the user's

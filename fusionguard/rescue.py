@@ -197,7 +197,7 @@ def _log_rescue(record: dict, frame: Any) -> None:
         count("rescue_compiles", compiles)
         count("rescue_compile_ms", int(seconds * 1000))
     from .guard import _tensor_fields
-    from .layers import flex_layer, layer_from_stack
+    from .layers import flex_layer
 
     local = frame.f_locals if frame is not None else {}
     tensors = _tensor_fields(local.get("query"), local.get("key")) if local.get("query") is not None else {}
@@ -209,7 +209,7 @@ def _log_rescue(record: dict, frame: Any) -> None:
         traced=False,
         cause=record["cause"],
         evidence=record["evidence"],
-        layer=flex_layer() or layer_from_stack(frame),
+        layer=flex_layer(frame),
         call_site=causes.user_call_site(frame),
         compiled=bool(compiles),
         compile_s=round(seconds, 3) if compiles else None,
