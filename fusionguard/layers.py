@@ -167,10 +167,14 @@ def _forward_code(module: torch.nn.Module) -> Any:
         return None
 
 
-def _name_module(module: torch.nn.Module, name: str) -> int:
-    """Known by identity under watch() (a root, named '', is not a layer: -1, nothing kept)."""
+def _under(raw_name: str, prefixes: List[str]) -> bool:
+    return any(not p or raw_name == p or raw_name.startswith(p + ".") for p in prefixes)
+
+
+def _name_module(module: torch.nn.Module, name: str) -> Optional[int]:
+    """Known by identity under watch() (a root, named '', is not a layer: nothing kept)."""
     if not name:
-        return -1
+        return None
     key = id(module)
     with _MODULES_LOCK:
         entry = _MODULE_NAMES.get(key)
@@ -521,13 +525,14 @@ class _Hooks:
     which never count it as the watched module).
     """
 
-    __slots__ = ("owner", "name", "compiled", "handles", "pre", "post", "__weakref__")
+    __slots__ = ("owner", "name", "compiled", "handles", "home", "pre", "post", "__weakref__")
 
     def __init__(self) -> None:
         self.owner: Optional["Watch"] = None
         self.name = ""
         self.compiled = False
-        self.handles: List[Any] = []
+        self.handles: List[Tuple[Any, Tuple[Any, ...]]] = []  # (pre, post): (handle, _marks)
+        self.home: Callable[[], Any] = lambda: None  # the module's pre-hook dict, weakly
         slot = self  # the hooks hold the slot, never the module (the module holds the hooks)
         traced = _at_trace_time(lambda: _hooks_traced(slot))
 
@@ -538,7 +543,7 @@ class _Hooks:
             owner = slot.owner
             # (a deepcopy of the model made during watch() carries these hooks in dicts of its
             # own: not the watched module, never counted as it)
-            if owner is not None and slot.handles and mod.__dict__.get("_forward_pre_hooks") is slot.handles[0][0].hooks_dict_ref():
+            if owner is not None and mod.__dict__.get("_forward_pre_hooks") is slot.home():
                 owner._pre(slot, mod, args, kwargs)
 
         def post_hook(mod: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
@@ -573,20 +578,22 @@ class _Hooks:
             return slot
 
     def _register(self, module: torch.nn.Module) -> None:
-        if self.handles and all(_reinsert(*entry) for entry in self.handles):
+        fns = (self.pre, self.post)
+        if self.handles and all(_reinsert(h, fn, marks) for fn, (h, marks) in zip(fns, self.handles)):
             return
-        for h, _, _ in self.handles:  # (a partial re-insert)
+        for h, _ in self.handles:  # (a partial re-insert)
             h.remove()
         # with_kwargs: Hugging Face layers take their tensors as keyword arguments
         pre = module.register_forward_pre_hook(self.pre, with_kwargs=True)
-        self.handles = [(pre, self.pre, _marks(pre))]
+        self.handles = [(pre, _marks(pre))]
+        self.home = pre.hooks_dict_ref
         post = module.register_forward_hook(self.post, with_kwargs=True, always_call=True)
-        self.handles.append((post, self.post, _marks(post)))
+        self.handles.append((post, _marks(post)))
 
     def detach(self) -> None:
         with _MODULES_LOCK:
             self.owner = None
-            for h, _, _ in self.handles:
+            for h, _ in self.handles:
                 h.remove()  # the handles stay, to put the same hooks back under the same ids
 
 
@@ -685,47 +692,43 @@ class Watch:
 
     def _install(self) -> None:
         for model in self.models:
-            compiled_roots: List[str] = []  # prefixes of torch.compile wrappers' modules
-            done: List[str] = []  # prefixes of modules held by a wrapper, already named below
+            # Modules that get no hooks: those inside a torch.compile wrapper (Dynamo's names,
+            # known to us by identity only), and those a wrapper holds or compiled in place
+            # (watch(model) beside compiled = torch.compile(model); module.compile(), torchtitan's
+            # per-block compile), whose names stay watched: records of a wrapper compiled around
+            # them map to them. Either kind is named by identity for a dense call it runs
+            # eagerly (layer_from_stack).
+            wrapped: List[str] = []  # prefixes inside torch.compile wrappers
+            held: List[str] = []  # prefixes of modules held by a wrapper or compiled in place
             for raw_name, module in model.named_modules():
-                if any(not r or raw_name == r or raw_name.startswith(r + ".") for r in done):
-                    continue
-                if any(raw_name == r or raw_name.startswith(r + ".") for r in compiled_roots):
-                    # inside a torch.compile'd module: Dynamo traces it, no hooks; known by
-                    # identity, for a dense call it runs eagerly (layer_from_stack)
-                    if not _builtin(module):
-                        self._ids.append(_name_module(module, clean_name(raw_name)))
-                    continue
-                compiled = hasattr(module, "_orig_mod") and hasattr(module, "_torchdynamo_orig_callable")
-                if compiled:
-                    compiled_roots.append(f"{raw_name}._orig_mod" if raw_name else "_orig_mod")
-                elif _compiled_inside(module) or getattr(module, "_compiled_call_impl", None) is not None:
-                    # held by a torch.compile wrapper (watch(model) beside compiled =
-                    # torch.compile(model)) or compiled in place (module.compile(), torchtitan's
-                    # per-block compile): no hooks, as inside a compiled root; the names stay
-                    # known (records of a wrapper compiled around it map to them)
-                    done.append(raw_name)
-                    for sub_name, sub in module.named_modules(prefix=raw_name):
-                        name = clean_name(sub_name)
-                        if name:
-                            _WATCHED_NAMES[name] = _WATCHED_NAMES.get(name, 0) + 1
-                            self._names.append(name)
-                        if not _builtin(sub):
-                            self._ids.append(_name_module(sub, name))
-                        if (self.layer_types and isinstance(sub, self.layer_types)) or name in self.layer_names:
-                            self._slots.append(_Hooks.attach(sub, self, name, False))  # asked for by name
-                    continue
                 name = clean_name(raw_name)
+                if _under(raw_name, wrapped):
+                    if not _builtin(module):
+                        self._name(module, name)
+                    continue
+                compiled = False
+                if not _under(raw_name, held):
+                    compiled = hasattr(module, "_orig_mod") and hasattr(module, "_torchdynamo_orig_callable")
+                    if compiled:
+                        wrapped.append(f"{raw_name}._orig_mod" if raw_name else "_orig_mod")
+                    elif _compiled_inside(module) or getattr(module, "_compiled_call_impl", None) is not None:
+                        held.append(raw_name)
                 if name:
                     _WATCHED_NAMES[name] = _WATCHED_NAMES.get(name, 0) + 1
                     self._names.append(name)
-                    if not compiled and not _builtin(module):
-                        self._ids.append(_name_module(module, name))
-                if _builtin(module) and not (self.layer_types and isinstance(module, self.layer_types)) and name not in self.layer_names:
+                if not compiled and not _builtin(module):
+                    self._name(module, name)
+                asked = bool(self.layer_types and isinstance(module, self.layer_types)) or name in self.layer_names
+                if not asked and (_builtin(module) or _under(raw_name, held)):
                     # torch.nn's own modules (Linear, norms, containers) never call FlexAttention;
                     # a hook would make Dynamo trace their whole __call__ under torch.compile
                     continue
                 self._slots.append(_Hooks.attach(module, self, name, compiled))
+
+    def _name(self, module: torch.nn.Module, name: str) -> None:
+        key = _name_module(module, name)
+        if key is not None:
+            self._ids.append(key)
 
     def _remove(self) -> None:
         slots, self._slots = self._slots, []
