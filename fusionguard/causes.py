@@ -186,6 +186,7 @@ def _is_user_file(filename: str) -> bool:
 
 def _code_kind(code: types.CodeType) -> Tuple[types.CodeType, int, Optional[types.CodeType], bool]:
     """(code, kind, original code of a Dynamo-generated one, is the user's code)."""
+    user = _is_user_file(code.co_filename)
     orig = _orig_code_lookup()(code)
     if orig is not None:
         kind = _COMPILED
@@ -195,10 +196,7 @@ def _code_kind(code: types.CodeType) -> Tuple[types.CodeType, int, Optional[type
         kind = _COMPILE_ENTRY
     elif _is_disable_wrapper(code):
         kind = _DISABLE_WRAPPER
-    elif (
-        is_public_flex(code.co_name, code.co_filename)
-        or (not is_torch_file(code.co_filename) and not code.co_filename.startswith(_FG_DIR))
-    ) and not code.co_filename.startswith("<"):
+    elif user or (is_public_flex(code.co_name, code.co_filename) and not code.co_filename.startswith("<")):
         # PyTorch's public flex_attention is a candidate too: torch.compile(flex_attention)
         # compiles that very frame, and it is the one that hits the recompile limit.
         kind = _CANDIDATE
@@ -206,7 +204,14 @@ def _code_kind(code: types.CodeType) -> Tuple[types.CodeType, int, Optional[type
         kind = _OTHER
     if len(_KINDS) > 50_000:
         _KINDS.clear()
-    entry = _KINDS[id(code)] = (code, kind, orig, _is_user_file(code.co_filename))
+    entry = _KINDS[id(code)] = (code, kind, orig, user)
+    return entry
+
+
+def _kind_entry(code: types.CodeType) -> Tuple[types.CodeType, int, Optional[types.CodeType], bool]:
+    entry = _KINDS.get(id(code))
+    if entry is None or entry[0] is not code:
+        entry = _code_kind(code)
     return entry
 
 
@@ -223,9 +228,7 @@ def diagnose_forward(frame: Optional[types.FrameType]) -> Diagnosis:
     while f is not None:
         depth += 1
         code = f.f_code
-        entry = _KINDS.get(id(code))
-        if entry is None or entry[0] is not code:
-            entry = _code_kind(code)
+        entry = _kind_entry(code)
         kind = entry[1]
         if site is None and entry[3]:
             site = f
@@ -267,12 +270,7 @@ def diagnose_forward(frame: Optional[types.FrameType]) -> Diagnosis:
             elif kind == _DISABLE_WRAPPER:
                 fn = f.f_locals.get("fn")
                 fn_code = getattr(fn, "__code__", None)
-                if (
-                    fn_code is not None
-                    and disabled_fn is None
-                    and not is_torch_file(fn_code.co_filename)
-                    and not fn_code.co_filename.startswith(("<", _FG_DIR))
-                ):
+                if fn_code is not None and disabled_fn is None and _is_user_file(fn_code.co_filename):
                     disabled_fn = f"{getattr(fn, '__qualname__', fn_code.co_name)} ({fn_code.co_filename}:{fn_code.co_firstlineno})"
             elif kind == _CANDIDATE:
                 user_frames.append((f, depth))
@@ -316,11 +314,7 @@ def diagnose_forward(frame: Optional[types.FrameType]) -> Diagnosis:
 
 def _first_user_frame(f: Optional[types.FrameType]) -> Optional[types.FrameType]:
     while f is not None:
-        code = f.f_code
-        entry = _KINDS.get(id(code))
-        if entry is None or entry[0] is not code:
-            entry = _code_kind(code)
-        if entry[3]:
+        if _kind_entry(f.f_code)[3]:
             return f
         f = f.f_back
     return None
