@@ -13,15 +13,13 @@ import argparse
 import cProfile
 import os
 import pstats
-import statistics
-import time
 import warnings
 
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 
 import fusionguard
-from fusionguard._state import STATE
+from paired import paired
 
 
 def small_inputs(device: str):
@@ -57,21 +55,9 @@ def measure(label, q, k, v, path, keep_all, pairs, sync) -> None:
     fusionguard.enable(log_path=path, keep_all=keep_all)
     for _ in range(10):
         flex_attention(q, k, v, enable_gqa=True)
-    diffs, plains = [], []
-    for i in range(pairs):
-        pair = {}
-        for on in (False, True) if i % 2 == 0 else (True, False):
-            STATE.enabled = on
-            sync()
-            t = time.perf_counter()
-            flex_attention(q, k, v, enable_gqa=True)
-            sync()
-            pair[on] = time.perf_counter() - t
-        diffs.append(pair[True] - pair[False])
-        plains.append(pair[False])
-    STATE.enabled = True
+    diff, plain = paired(lambda: flex_attention(q, k, v, enable_gqa=True), pairs, sync)
     fusionguard.disable()
-    print(f"{label:<32} plain {statistics.median(plains) * 1e3:.3f} ms, guard {statistics.median(diffs) * 1e6:+.0f} us", flush=True)
+    print(f"{label:<32} plain {plain * 1e3:.3f} ms, guard {diff * 1e6:+.0f} us", flush=True)
 
 
 def profile(q, k, v, calls: int, log: str) -> None:

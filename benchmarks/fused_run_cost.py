@@ -9,14 +9,12 @@ The graph is compiled with fusionguard on, so it carries the per-run counting th
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 
 import fusionguard
 from fusionguard._state import STATE
+from paired import paired
 
 
 def main() -> None:
@@ -33,25 +31,13 @@ def main() -> None:
         for _ in range(20):
             fn(q, k, v)
         before = STATE.counts.get("fused_runs_forward", 0)
-        diffs, plain = [], []
-        for i in range(args.pairs):
-            t = {}
-            for on in (True, False) if i % 2 else (False, True):
-                STATE.enabled = on
-                sync()
-                t0 = time.perf_counter()
-                fn(q, k, v)
-                sync()
-                t[on] = time.perf_counter() - t0
-            diffs.append(t[True] - t[False])
-            plain.append(t[False])
-        STATE.enabled = True
+        diff, plain = paired(lambda: fn(q, k, v), args.pairs, sync)
     counted = STATE.counts.get("fused_runs_forward", 0) - before
     fusionguard.disable()
     assert counted == args.pairs, f"fusionguard counted {counted} fused runs, expected {args.pairs}"
     print(
-        f"{args.device}, torch {torch.__version__}: graph run {statistics.median(plain) * 1e6:.1f} us unguarded; "
-        f"fusionguard per run {statistics.median(diffs) * 1e6:+.2f} us (median of {args.pairs} pairs; {counted} runs counted)"
+        f"{args.device}, torch {torch.__version__}: graph run {plain * 1e6:.1f} us unguarded; "
+        f"fusionguard per run {diff * 1e6:+.2f} us (median of {args.pairs} pairs; {counted} runs counted)"
     )
 
 

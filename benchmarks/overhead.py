@@ -26,6 +26,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import fusionguard
+from paired import paired
 
 
 def causal(b, h, q_idx, kv_idx):
@@ -171,13 +172,18 @@ def watched_late(model, make):
 watched_late.wrapper_before_enable = True
 
 
-@contextlib.contextmanager
-def profiled(model, make):
+def memory_profiler():
+    """``torch.profiler`` with ``profile_memory=True``: the tool users reach for instead."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    return profile(activities=acts, profile_memory=True, record_shapes=False)
+
+
+@contextlib.contextmanager
+def profiled(model, make):
     compiled = make()
-    with profile(activities=acts, profile_memory=True, record_shapes=False) as prof:
+    with memory_profiler() as prof:
         yield {"compiled": compiled, "prof": prof}
 
 
@@ -192,8 +198,6 @@ def interleaved(args, shape):
     ``watch(model)`` entered around each step (outside the timed region, as around a loop), and
     ``torch.profiler(profile_memory=True)`` with fusionguard off. Median of the per-step ratios
     to ``off``."""
-    from torch.profiler import ProfilerActivity, profile
-
     from fusionguard._state import STATE
 
     torch._dynamo.reset()
@@ -205,13 +209,12 @@ def interleaved(args, shape):
     train = args.device.startswith("cuda")
     step = make_step(args, shape, model, {"compiled": compiled})
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     ctxs = {
         "off": contextlib.nullcontext,
         "enabled": contextlib.nullcontext,
         "watch(compiled)": lambda: fusionguard.watch(compiled),
         "watch(model)": lambda: fusionguard.watch(model),
-        "profiler": lambda: profile(activities=acts, profile_memory=True, record_shapes=False),
+        "profiler": memory_profiler,
     }
     names = list(ctxs)
     on = {"enabled", "watch(compiled)", "watch(model)"}  # the profiler runs without fusionguard
@@ -290,30 +293,13 @@ def dense_cost(args, shape):
             out[label][f"{variant}_ms"] = guarded * 1e3
             out[label][f"{variant}_ratio"] = guarded / plain
             out[label][f"{variant}_cost_us"] = (guarded - plain) * 1e6
-        # Paired, call by call: the guard installed, switched off and on between consecutive
-        # calls (fusionguard's own enabled flag, the first thing every wrapper reads), so drift
-        # between blocks cancels; the order within a pair alternates (the second call of a pair
-        # runs on warmer allocator and caches); the median of the per-pair differences.
-        from fusionguard._state import STATE
-
+        # Paired, call by call (benchmarks/paired.py): drift between blocks cancels.
         fusionguard.enable(log_path=args.log)
         flex_attention(q, k, v, enable_gqa=True)
-        diffs, plains = [], []
-        for i in range(args.rounds * reps):
-            pair = {}
-            for on in (False, True) if i % 2 == 0 else (True, False):  # the order alternates too
-                STATE.enabled = on
-                sync(args.device)
-                t = time.perf_counter()
-                flex_attention(q, k, v, enable_gqa=True)
-                sync(args.device)
-                pair[on] = time.perf_counter() - t
-            diffs.append(pair[True] - pair[False])
-            plains.append(pair[False])
-        STATE.enabled = True
+        diff, plain_call = paired(lambda: flex_attention(q, k, v, enable_gqa=True), args.rounds * reps, lambda: sync(args.device))
         fusionguard.disable()
-        out[label]["paired_cost_us"] = statistics.median(diffs) * 1e6
-        out[label]["paired_share"] = statistics.median(diffs) / statistics.median(plains)
+        out[label]["paired_cost_us"] = diff * 1e6
+        out[label]["paired_share"] = diff / plain_call
     # the guard's fixed cost (measured at the tiny shape) as a share of the seed-shape dense call
     for variant in ("fsync_default", "fsync_always"):
         out[f"{variant}_fixed_share"] = out["tiny"][f"{variant}_cost_us"] / (out["seed"]["plain_ms"] * 1e3)

@@ -1,0 +1,31 @@
+"""Paired on/off timing shared by the benchmarks: fusionguard installed, its enabled flag (the
+first thing every wrapper reads) switched off and on between consecutive calls, so host drift
+cancels; the order within a pair alternates (the second call of a pair runs on warmer caches)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Tuple
+
+from fusionguard._state import STATE
+
+
+def paired(call: Callable[[], object], pairs: int, sync: Callable[[], object] = lambda: None) -> Tuple[float, float]:
+    """(median of guarded minus plain, median plain), in seconds, over ``pairs`` pairs."""
+    diffs, plains = [], []
+    try:
+        for i in range(pairs):
+            t = {}
+            for on in (False, True) if i % 2 == 0 else (True, False):
+                STATE.enabled = on
+                sync()
+                t0 = time.perf_counter()
+                call()
+                sync()
+                t[on] = time.perf_counter() - t0
+            diffs.append(t[True] - t[False])
+            plains.append(t[False])
+    finally:
+        STATE.enabled = True
+    return statistics.median(diffs), statistics.median(plains)
