@@ -324,18 +324,24 @@ def _template_from_source(compiled: Any, device: Optional[str]) -> str:
     return "triton"
 
 
-def _at_runtime(fields: Dict[str, Any]) -> Dict[str, Any]:
+def _at_runtime(fields: Dict[str, Any], per_layer: Tuple[Tuple[str, int], ...], cache: Dict[str, Any]) -> Any:
     """One compiled flex_attention often serves every layer (``torch.compile(flex_attention)``
     called from eager modules): its compile-time layer is the first caller's. For a graph with one
     FlexAttention call, name the layer running it now (forward hooks, or the open backward span),
-    unless the compile-time name is a more specific module inside it."""
+    unless the compile-time name is a more specific module inside it. Returns (fields, per-layer
+    counts), built once per layer name (``cache``): a run only looks them up."""
     now = flex_layer()
     if not now:
-        return fields
+        return fields, per_layer
     known = fields.get("layer")
     if known and known.startswith(now + "."):
-        return fields
-    return {**fields, "layer": now, "layers": [now]}
+        return fields, per_layer
+    hit = cache.get(now)
+    if hit is None:
+        if len(cache) > 10_000:
+            cache.clear()
+        hit = cache[now] = ({**fields, "layer": now, "layers": [now]}, ((now, 1),))
+    return hit
 
 
 def _per_layer(records: List[Dict[str, Any]]) -> Tuple[Tuple[str, int], ...]:
@@ -380,17 +386,16 @@ def count_runs(compiled: Any, records: List[Dict[str, Any]]) -> None:
 
     # Built once: per run, only a counter, the layer lookup of a single-call graph and the
     # (sampled) event remain on the fused path.
-    runs = [(f"fused_runs_{s['phase']}", s["flex_calls"], s, _per_layer(per_phase[s["phase"]])) for s in summaries]
+    runs = [(f"fused_runs_{s['phase']}", s["flex_calls"], s, _per_layer(per_phase[s["phase"]]), {}) for s in summaries]
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         out = fn(*args, **kwargs)
         if STATE.enabled:
             try:
-                for key, n, fields, per_layer in runs:
+                for key, n, fields, per_layer, cache in runs:
                     count(key, n)
                     if n == 1:
-                        fields = _at_runtime(fields)
-                        per_layer = ((fields["layer"], 1),) if fields.get("layer") else ()
+                        fields, per_layer = _at_runtime(fields, per_layer, cache)
                     # a forward re-run by checkpointing inside the backward is not a new call
                     # (a watched layer's hooks count it as a recompute)
                     if per_layer and not (fields["phase"] == "forward" and in_backward()):
