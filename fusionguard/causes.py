@@ -208,11 +208,6 @@ def _code_kind(code: types.CodeType) -> Tuple[types.CodeType, int, Optional[type
     return entry
 
 
-def _kind_entry(code: types.CodeType) -> Tuple[types.CodeType, int, Optional[types.CodeType], bool]:
-    entry = _KINDS.get(id(code))
-    if entry is None or entry[0] is not code:
-        entry = _code_kind(code)
-    return entry
 
 
 def diagnose_forward(frame: Optional[types.FrameType]) -> Diagnosis:
@@ -224,12 +219,19 @@ def diagnose_forward(frame: Optional[types.FrameType]) -> Diagnosis:
     depth_of_entries: list = []
     depth = 0
     site: Optional[types.FrameType] = None
+    kinds = _KINDS
     f = frame
     while f is not None:
         depth += 1
         code = f.f_code
-        entry = _kind_entry(code)
+        # the cached kind, looked up inline: this loop runs for every frame of every dense call
+        entry = kinds.get(id(code))
+        if entry is None or entry[0] is not code:
+            entry = _code_kind(code)
         kind = entry[1]
+        if kind == _OTHER:  # most frames (PyTorch's and libraries' own; never the user's)
+            f = f.f_back
+            continue
         if site is None and entry[3]:
             site = f
         if kind == _COMPILED:
@@ -259,9 +261,7 @@ def diagnose_forward(frame: Optional[types.FrameType]) -> Diagnosis:
                 cause, info = SIGNALS.lookup(orig.co_filename, orig.co_firstlineno)
                 return Diagnosis(False, "graph_break", {"compiled_frame": _frame_where(f), "dynamo": info}, site)
         else:
-            if kind == _OTHER:
-                pass
-            elif kind == _TORCH_WRAPPER:
+            if kind == _TORCH_WRAPPER:
                 internal = internal or "plain"
             elif kind == _COMPILE_ENTRY:
                 depth_of_entries.append(depth)
@@ -313,8 +313,13 @@ def diagnose_forward(frame: Optional[types.FrameType]) -> Diagnosis:
 
 
 def _first_user_frame(f: Optional[types.FrameType]) -> Optional[types.FrameType]:
+    kinds = _KINDS
     while f is not None:
-        if _kind_entry(f.f_code)[3]:
+        code = f.f_code
+        entry = kinds.get(id(code))
+        if entry is None or entry[0] is not code:
+            entry = _code_kind(code)
+        if entry[3]:
             return f
         f = f.f_back
     return None

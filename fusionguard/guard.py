@@ -18,7 +18,7 @@ import itertools
 import sys
 import threading
 import warnings
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -192,7 +192,9 @@ def _tensor_fields(q: Any, k: Any) -> Dict[str, Any]:
 def message(event: Dict[str, Any]) -> str:
     """``format_message``, reused when the event equals the phase's previous one (but for its
     ``seq``, ``ts`` and forward link)."""
-    same = {k: v for k, v in event.items() if k not in _VOLATILE}
+    same = dict(event)
+    for k in _VOLATILE:
+        same.pop(k, None)
     last = _MESSAGES.get(event.get("phase"))
     if last is not None and last[0] == same:
         return last[1]
@@ -262,11 +264,12 @@ def format_message(event: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _check_dense(phase: str, args: tuple, kwargs: dict, frame: Any) -> Optional[Dict[str, Any]]:
+def _check_dense(phase: str, args: tuple, kwargs: dict, frame: Any) -> Tuple[Optional[Dict[str, Any]], Any]:
+    """(the dense call's event, the user's frame that made the call when the walk found it)."""
     q = _arg(args, kwargs, 0, "query")
     k = _arg(args, kwargs, 1, "key")
     if not is_concrete(q):
-        return None  # tracing (fake / functional / meta): nothing really runs
+        return None, None  # tracing (fake / functional / meta): nothing really runs
     origin = _BACKWARD_ORIGIN.get() if phase == "backward" else None
     inlined = _INLINED.get()
     if inlined is not None:
@@ -332,11 +335,20 @@ def _check_dense(phase: str, args: tuple, kwargs: dict, frame: Any) -> Optional[
                 "seq": event.get("seq"),
             }
         )
-    return event
+    return event, (diagnosis.site if phase == "forward" else None)
 
 
-def _warn(message: str) -> None:
-    # Point the warning at the user's line so filters by module work and the output is useful.
+def _warn(message: str, target: Any = None) -> None:
+    """Point the warning at the user's line (``target``: the call site the diagnosis found, else
+    looked up) so filters by module work and the output is useful."""
+    if target is not None:
+        # what warnings.warn(stacklevel=...) does with the frame it finds, without walking to it
+        g = target.f_globals
+        registry = g.setdefault("__warningregistry__", {})
+        module = g.get("__name__", "<string>")
+        # (no module_globals: with them, warn_explicit reads the module's source on every call)
+        warnings.warn_explicit(message, DenseFallbackWarning, target.f_code.co_filename, target.f_lineno, module, registry)
+        return
     start = sys._getframe(1)
     target = causes._first_user_frame(start)
     f, level = start, 2
@@ -358,9 +370,9 @@ def make_dense_wrapper(phase: str, original: Callable[..., Any]) -> Callable[...
             return original(*args, **kwargs)
         if _is_compiling() or not STATE.enabled:
             return original(*args, **kwargs)
-        event = None
+        event = site = None
         try:
-            event = _check_dense(phase, args, kwargs, sys._getframe(1))
+            event, site = _check_dense(phase, args, kwargs, sys._getframe(1))
         except Exception as exc:
             internal_error(f"dense {phase} check", exc)
         if event is not None:
@@ -368,7 +380,7 @@ def make_dense_wrapper(phase: str, original: Callable[..., Any]) -> Callable[...
             if action == "raise":
                 raise DenseFallbackError(format_message(event), event)
             if action == "warn":
-                _warn(message(event))
+                _warn(message(event), site)
         return original(*args, **kwargs)
 
     fusionguard_dense_kernel.__wrapped__ = original  # type: ignore[attr-defined]

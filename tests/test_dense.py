@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import warnings
 
@@ -27,9 +28,10 @@ def test_eager_call_is_logged_and_warned(guard):
     log = guard()
     q, k, v = qkv(L=16, KV=24, HQ=4, HKV=2)
     with pytest.warns(fusionguard.DenseFallbackWarning, match="dense FlexAttention forward") as rec:
+        line = sys._getframe().f_lineno + 1
         flex_attention(q, k, v, enable_gqa=True)
     ours = [w for w in rec if issubclass(w.category, fusionguard.DenseFallbackWarning)]
-    assert ours[0].filename == __file__, "the warning points at the user's line"
+    assert (ours[0].filename, ours[0].lineno) == (__file__, line), "the warning points at the user's line"
     (event,) = flex_events()
     for key in FIELDS:
         assert key in event, key
@@ -271,3 +273,18 @@ def test_turning_fsync_on_makes_known_sites_durable(guard, fsync_spy):
             guard(fsync=fsync)
             flex_attention(q, k, v)  # same line both times
     assert len(fsync_spy) == 1
+
+
+def test_warning_shows_once_per_line_under_the_default_filter(guard):
+    """Python's default filter shows a warning once per code location: fusionguard's warning
+    keeps that (the location's registry), so a training loop is not flooded."""
+    guard()
+    q, k, v = qkv(L=16, KV=24, HQ=4, HKV=2)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("default", fusionguard.DenseFallbackWarning)
+        for _ in range(3):
+            flex_attention(q, k, v, enable_gqa=True)
+        flex_attention(q, k, v, enable_gqa=True)  # another line: shown again
+    ours = [w for w in rec if issubclass(w.category, fusionguard.DenseFallbackWarning)]
+    assert [w.filename for w in ours] == [__file__, __file__]
+    assert ours[0].lineno != ours[1].lineno
