@@ -261,31 +261,6 @@ def interleaved(args, shape):
     return out
 
 
-def pipelined(call, blocks, per_block, sync):
-    """Guarded minus plain time per call, calls queued back to back (``per_block`` calls, one
-    sync at the end), alternating guarded / plain blocks; medians over ``blocks`` pairs."""
-    from fusionguard._state import STATE
-
-    diffs, plains = [], []
-    try:
-        for i in range(blocks):
-            t = {}
-            for on in (False, True) if i % 2 == 0 else (True, False):
-                STATE.enabled = on
-                sync()
-                t0 = time.perf_counter()
-                for _ in range(per_block):
-                    call()
-                sync()
-                t[on] = (time.perf_counter() - t0) / per_block
-            diffs.append(t[True] - t[False])
-            plains.append(t[False])
-    finally:
-        STATE.enabled = True
-    diff, plain = statistics.median(diffs), statistics.median(plains)
-    return {"cost_us": diff * 1e6, "plain_ms": plain * 1e3, "share": diff / plain}
-
-
 def dense_cost(args, shape):
     """The eager dense call with and without the guard, in alternating blocks (drift cancels):
     at the seed-like shape (the ratio users see) and at a tiny shape, where the kernel is short
@@ -328,7 +303,8 @@ def dense_cost(args, shape):
         out[label]["paired_share"] = diff / plain_call
         # Back to back, one sync per block (a training loop does not sync per call: the host
         # queues work while the GPU runs, so the guard's host time can hide behind the kernels).
-        out[label]["pipelined"] = pipelined(lambda: flex_attention(q, k, v, enable_gqa=True), args.rounds * 4, 5, lambda: sync(args.device))
+        diff, plain_call = paired(lambda: flex_attention(q, k, v, enable_gqa=True), args.rounds * 4, lambda: sync(args.device), per=5)
+        out[label]["pipelined"] = {"cost_us": diff * 1e6, "plain_ms": plain_call * 1e3, "share": diff / plain_call}
         fusionguard.disable()
     # the guard's fixed cost (measured at the tiny shape) as a share of the seed-shape dense call
     for variant in ("fsync_default", "fsync_always"):
