@@ -208,6 +208,11 @@ def _code_kind(code: types.CodeType) -> Tuple[types.CodeType, int, Optional[type
     return entry
 
 
+def _kind_entry(code: types.CodeType) -> Tuple[types.CodeType, int, Optional[types.CodeType], bool]:
+    entry = _KINDS.get(id(code))
+    if entry is None or entry[0] is not code:
+        entry = _code_kind(code)
+    return entry
 
 
 def diagnose_forward(frame: Optional[types.FrameType]) -> Diagnosis:
@@ -224,7 +229,7 @@ def diagnose_forward(frame: Optional[types.FrameType]) -> Diagnosis:
     while f is not None:
         depth += 1
         code = f.f_code
-        # the cached kind, looked up inline: this loop runs for every frame of every dense call
+        # _kind_entry, inlined: this loop runs for every frame of every dense forward
         entry = kinds.get(id(code))
         if entry is None or entry[0] is not code:
             entry = _code_kind(code)
@@ -313,13 +318,8 @@ def diagnose_forward(frame: Optional[types.FrameType]) -> Diagnosis:
 
 
 def _first_user_frame(f: Optional[types.FrameType]) -> Optional[types.FrameType]:
-    kinds = _KINDS
     while f is not None:
-        code = f.f_code
-        entry = kinds.get(id(code))
-        if entry is None or entry[0] is not code:
-            entry = _code_kind(code)
-        if entry[3]:
+        if _kind_entry(f.f_code)[3]:
             return f
         f = f.f_back
     return None

@@ -341,21 +341,16 @@ def _check_dense(phase: str, args: tuple, kwargs: dict, frame: Any) -> Tuple[Opt
 def _warn(message: str, target: Any = None) -> None:
     """Point the warning at the user's line (``target``: the call site the diagnosis found, else
     looked up) so filters by module work and the output is useful."""
-    if target is not None:
-        # what warnings.warn(stacklevel=...) does with the frame it finds, without walking to it
-        g = target.f_globals
-        registry = g.setdefault("__warningregistry__", {})
-        module = g.get("__name__", "<string>")
-        # (no module_globals: with them, warn_explicit reads the module's source on every call)
-        warnings.warn_explicit(message, DenseFallbackWarning, target.f_code.co_filename, target.f_lineno, module, registry)
+    if target is None:
+        target = causes._first_user_frame(sys._getframe(1))
+    if target is None:
+        warnings.warn(message, DenseFallbackWarning, stacklevel=1)
         return
-    start = sys._getframe(1)
-    target = causes._first_user_frame(start)
-    f, level = start, 2
-    while f is not None and f is not target:
-        f = f.f_back
-        level += 1
-    warnings.warn(message, DenseFallbackWarning, stacklevel=level if f is not None else 1)
+    # what warnings.warn(stacklevel=...) does with the frame it finds, without walking to it
+    # (no module_globals: with them, warn_explicit reads the module's source on every call)
+    g = target.f_globals
+    registry = g.setdefault("__warningregistry__", {})
+    warnings.warn_explicit(message, DenseFallbackWarning, target.f_code.co_filename, target.f_lineno, g.get("__name__", "<string>"), registry)
 
 
 def make_dense_wrapper(phase: str, original: Callable[..., Any]) -> Callable[..., Any]:
