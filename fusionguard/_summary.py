@@ -5,7 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
-from typing import Any, Union
+from typing import Union
 
 from ._format import causes_text, count_text, mem_text, table
 from ._state import STATE

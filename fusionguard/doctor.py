@@ -82,10 +82,12 @@ def check_options(device: Optional[str], backend: str) -> Optional[str]:
                 return f"--device {device!r}: no CUDA device is available here (torch {torch.__version__})"
             if dev.index is not None and dev.index >= torch.cuda.device_count():
                 return f"--device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+    known: Optional[List[str]] = None
+    usual: List[str] = []
     try:
         known, usual = torch._dynamo.list_backends(exclude_tags=()), torch._dynamo.list_backends()
     except Exception:  # pragma: no cover - an older torch: let torch.compile decide
-        known = usual = None
+        pass
     if known is not None and backend not in known:
         return f"--backend {backend!r} is not a torch.compile backend here; e.g. {', '.join(sorted(usual or known))}"
     return None

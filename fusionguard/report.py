@@ -124,12 +124,6 @@ class Reservoir:
         return int(value) if float(value).is_integer() else value
 
 
-def _num(x: Any) -> Optional[float]:
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        return None
-    return x
-
-
 def _int(x: Any) -> Optional[int]:
     return int(x) if isinstance(x, int) and not isinstance(x, bool) else None
 
@@ -921,8 +915,8 @@ def build_report(agg: Aggregator) -> Dict[str, Any]:
     for s in streams:
         h = s.header
         if h:
-            v = (h.get("fusionguard"), h.get("torch"), h.get("triton"), h.get("python"))
-            versions[v] = versions.get(v, 0) + 1
+            vkey = (h.get("fusionguard"), h.get("torch"), h.get("triton"), h.get("python"))
+            versions[vkey] = versions.get(vkey, 0) + 1
             cuda = h.get("cuda") if isinstance(h.get("cuda"), dict) else {}
             host = str(h.get("hostname") or s.host or "?")
             names = cuda.get("devices") if isinstance(cuda.get("devices"), list) else None
@@ -934,8 +928,8 @@ def build_report(agg: Aggregator) -> Dict[str, Any]:
             if ws is not None:
                 world = max(world or 0, ws)
     schemas: Dict[str, int] = {}
-    for f in agg.files:
-        for k in f.schemas:
+    for fs in agg.files:
+        for k in fs.schemas:
             schemas[k] = schemas.get(k, 0) + 1
     warnings = list(agg.notes)
     numeric = [int(k) for k in schemas if k.isdigit()]
@@ -980,8 +974,8 @@ def build_report(agg: Aggregator) -> Dict[str, Any]:
                 "files": list(s.files),
             }
         )
-        for c in s.crashes:
-            crashes.append({"host": s.host, "pid": s.pid, "rank": s.rank, "kind": "crash", "crash": c["event"], "last_events": c["before"]})
+        for cr in s.crashes:
+            crashes.append({"host": s.host, "pid": s.pid, "rank": s.rank, "kind": "crash", "crash": cr["event"], "last_events": cr["before"]})
         if ending.startswith("stopped"):
             crashes.append({"host": s.host, "pid": s.pid, "rank": s.rank, "kind": "stopped", "crash": None, "last_events": [compact(x) for x in s.recent]})
 

@@ -11,7 +11,6 @@ import os
 import stat
 import subprocess
 import sys
-import warnings
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import flex_attention
 
 import fusionguard
-from fusionguard import cli, report
+from fusionguard import report
 
 from conftest import ROOT, qkv, run_cli
 
