@@ -282,6 +282,10 @@ def _is_int(v: Any) -> bool:
     return v.__class__ is int and -_INT_RANGE <= v < _INT_RANGE
 
 
+def _is_count(v: Any) -> bool:
+    return v.__class__ is int and 0 <= v < _INT_RANGE
+
+
 def _is_num(v: Any) -> bool:
     c = v.__class__
     return (c is int and -_INT_RANGE <= v < _INT_RANGE) or (c is float and math.isfinite(v))
@@ -312,9 +316,10 @@ _STR_FIELDS = (
     "function", "where", "exc_type", "diagnosis", "message", "error", "file", "fusionguard", "torch", "triton",
     "python", "version", "source",
 )
-_INT_FIELDS = (
-    "seq", "pid", "rank", "scores_bytes", "scores_bytes_max", "scores_bytes_last", "count", "total", "flex_calls",
-    "line", "world_size", "local_rank", "calls", "dense", "fused", "recompute_calls", "dense_recompute", "measured",
+_INT_FIELDS = ("seq", "pid", "rank", "line", "world_size", "local_rank")
+_COUNT_FIELDS = (  # never negative: a count of -5 would take calls away
+    "scores_bytes", "scores_bytes_max", "scores_bytes_last", "count", "total", "flex_calls", "calls", "dense",
+    "fused", "dense_recompute", "measured",
 )
 _NUM_FIELDS = (
     "alloc_delta", "peak_delta", "alloc_delta_max", "alloc_delta_last", "peak_delta_max", "peak_delta_last",
@@ -323,6 +328,7 @@ _NUM_FIELDS = (
 _CHECKS: Dict[str, Callable[[Any], bool]] = {
     **{k: _is_str for k in _STR_FIELDS},
     **{k: _is_int for k in _INT_FIELDS},
+    **{k: _is_count for k in _COUNT_FIELDS},
     **{k: _is_num for k in _NUM_FIELDS},
     "ts": _is_ts,
     "schema": lambda v: _is_int(v) or _is_str(v),
@@ -331,7 +337,7 @@ _CHECKS: Dict[str, Callable[[Any], bool]] = {
     "layers": _list_of(_is_str),
     "frames": _list_of(_is_str),
     "devices": _list_of(_is_str),
-    "causes": _dict_of(_is_int),
+    "causes": _dict_of(_is_count),
     "counts": _dict_of(_is_num),
     "call_site": _fields,
     "last_flex": _fields,
