@@ -759,20 +759,15 @@ class Aggregator:
                 ks = self.keys[key]
                 fused = row.get("fused") or 0
                 c.summary_fused = max(c.summary_fused or 0, fused)
-                # dense calls whose events are gone (rotated away) are still in the process's
-                # own count; its rows do not tell allowed calls apart, so they count as dense
-                dense = row.get("dense") or 0
-                missing = dense - c.dense - c.allowed
-                if missing > 0:
-                    c.dense += missing
+                if target.synthetic:  # the row is all there is
+                    c.fused = max(c.fused, fused)
+                    c.dense = max(c.dense, row.get("dense") or 0)
                     for k, v in (row.get("causes") or {}).items():
                         if v is not None and v > c.causes.get(k, 0):
                             c.causes[k] = v
                     sb = row.get("scores_bytes")
-                    if sb is not None and (ks.scores_max is None or sb > ks.scores_max):
+                    if sb is not None and c.dense and (ks.scores_max is None or sb > ks.scores_max):
                         ks.scores_max = sb
-                if target.synthetic:  # the row is all there is
-                    c.fused = max(c.fused, fused)
                 for name, res in (("alloc_delta", ks.alloc), ("peak_delta", ks.peak)):
                     mx, last = row.get(f"{name}_max"), row.get(f"{name}_last")
                     if mx is not None:
@@ -784,21 +779,34 @@ class Aggregator:
         for r, st in synthetic.items():
             self.streams[("(summary)", None, r)] = st
 
-    @staticmethod
-    def _split_by_summary(s: Stream) -> None:
+    def _split_by_summary(self, s: Stream) -> None:
+        """Name the layers of a process's unattributed fused calls (NO_LAYER: counters of graphs
+        holding several layers' calls) from its summary rows, never adding a call: a named layer
+        takes what its row counts beyond its own events, out of the unattributed calls. When the
+        rows count more than the unattributed calls can cover (rows of an earlier log of the same
+        process), nothing is split and a warning says so."""
         phases: Dict[str, List[Tuple[Tuple[str, str], Counts]]] = {}
         for key, c in s.counts.items():
             phases.setdefault(key[1], []).append((key, c))
-        for items in phases.values():
-            total = sum(c.fused for _, c in items)
-            named = 0
-            for key, c in items:
-                if key[0] != NO_LAYER:
-                    c.fused = max(c.fused, c.summary_fused or 0)
-                    named += c.fused
-            for key, c in items:
-                if key[0] == NO_LAYER:
-                    c.fused = max(0, total - named)
+        for phase, items in phases.items():
+            loose = [c for key, c in items if key[0] == NO_LAYER]
+            unnamed = sum(c.fused for c in loose)
+            deficits = [(c, (c.summary_fused or 0) - c.fused) for key, c in items if key[0] != NO_LAYER]
+            deficits = [(c, d) for c, d in deficits if d > 0]
+            want = sum(d for _, d in deficits)
+            if not want or not unnamed:
+                continue
+            if want > unnamed:
+                self.notes.append(
+                    f"pid {s.pid}: summary rows count {want:,} more {phase} fused calls than its log leaves unnamed "
+                    f"({unnamed:,}); those stay under {NO_LAYER!r} (rows of an earlier log of the same process?)"
+                )
+                continue
+            for c, d in deficits:
+                c.fused += d
+            left = unnamed - want
+            for c in loose:  # what no row claims stays unnamed
+                c.fused, left = min(c.fused, left), left - min(c.fused, left)
 
     def finish(self) -> Dict[str, Any]:
         firsts = [st.first_ts for st in self.streams.values() if st.first_ts is not None]

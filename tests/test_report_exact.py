@@ -90,7 +90,9 @@ def test_a_model_compiled_whole_and_per_block_counts_each_call_once(guard, capsy
     """Issue 18: a 2-layer model compiled whole, run twice, is 4 fused calls (report said 8, with
     an extra "(no layer)" row); blocks compiled in place: 2 blocks x 2 layers x 2 runs = 8."""
     q, k, v = _gqa()
-    log = guard()
+    # sampled: the first run in full, the second as a counter that names no layer (the process's
+    # summary rows then name them)
+    log = guard(fused_first=1, fused_every=1)
     model = Two()
     compiled = torch.compile(model)
     with fusionguard.watch(compiled):
@@ -99,6 +101,8 @@ def test_a_model_compiled_whole_and_per_block_counts_each_call_once(guard, capsy
     rows = {(r["layer"], r["phase"]): r for r in fusionguard.summary()}
     fusionguard.disable()
     assert {k: r["fused"] for k, r in rows.items()} == {("a", "forward"): 2, ("b", "forward"): 2}
+    kinds = [json.loads(line)["event"] for line in log.read_text().splitlines()]
+    assert kinds.count("flex_run") == 1 and kinds.count("fused_calls") == 1
     rep = as_json(capsys, log)
     assert rep["totals"]["fused_calls"] == 4 and rep["totals"]["dense_calls"] == 0
     got = {(r["layer"], r["phase"]): (r["fused"], r["compiles"]) for r in rep["rows"]}
@@ -151,12 +155,12 @@ def _mix(has_compile, has_runs, sampled, has_rescued, has_layer_memory, has_summ
                 for l, n in (("a", 3), ("b", 3), ("c", 2), ("d", 1))]
         events += [ev("summary", next(seq), rows=rows)]
     events += [ev("shutdown", next(seq), reason="exit")]
-    named = has_summary or (has_runs and not sampled)
+    named = has_runs and (has_summary or not sampled)  # summary rows name calls, never add them
     expected = {
         "a": 3 if named else (1 if has_runs else 0),
         "b": 3 if named else (1 if has_runs else 0),
-        "c": 2 if (has_runs or has_rescued or has_summary) else 0,
-        "d": 1 if (has_runs or has_layer_memory or has_summary) else 0,
+        "c": 2 if (has_runs or has_rescued) else 0,
+        "d": 1 if (has_runs or has_layer_memory) else 0,
         report.NO_LAYER: 4 if (has_runs and sampled and not has_summary) else 0,
     }
     return events, expected
@@ -180,6 +184,21 @@ def test_every_mix_of_records_counts_each_fused_call_once(mix, tmp_path):
     assert rep["totals"]["dense_calls"] == 0
     for r in rep["rows"]:  # a compile record is a graph, never a call; no row is all zeros
         assert r["fused"] or r["compiles"] or r["memory_samples"], r
+
+
+def test_summary_rows_of_an_earlier_log_never_add_calls(tmp_path, capsys):
+    """enable(log_path=A) ... enable(log_path=B) in one process: B's summary rows also count A's
+    calls. Reading B alone, they must neither add calls nor split B's counters wrongly."""
+    events = [header(),
+              ev("flex_run", 1, layer=None, layers=["a", "b"], phase="forward", path="fused", flex_calls=2),
+              ev("fused_calls", 2, layer=None, phase="forward", path="fused", of="flex_run", count=1, total=2, flex_calls=2),
+              ev("summary", 3, rows=[{"layer": l, "phase": "forward", "fused": 7, "dense": 4, "causes": {"eager_call": 4}, "rank": 0}
+                                     for l in "ab"]),
+              ev("shutdown", 4, reason="exit")]
+    rep = as_json(capsys, write(tmp_path / "b.jsonl", events))
+    got = {r["layer"]: (r["fused"], r["dense"]) for r in rep["rows"]}
+    assert got == {"a": (1, 0), "b": (1, 0), report.NO_LAYER: (2, 0)}
+    assert any("summary rows count 12 more forward fused calls than its log leaves unnamed (2)" in w for w in rep["warnings"])
 
 
 def test_counts_of_two_processes_add_and_a_gathered_summary_never_doubles(tmp_path, capsys):
