@@ -78,6 +78,17 @@ def _doctor(args: argparse.Namespace) -> int:
     return doctor.main(shape=shape, device=args.device, backend=args.backend)
 
 
+def _write_stdout(text: str) -> None:
+    """Print, also on a terminal whose encoding lacks ``Δ`` / ``×`` (escaped, never a traceback)."""
+    try:
+        sys.stdout.write(text)
+    except UnicodeEncodeError:
+        enc = getattr(sys.stdout, "encoding", None) or "ascii"
+        sys.stdout.flush()
+        sys.stdout.buffer.write(text.encode(enc, "backslashreplace"))
+    sys.stdout.flush()
+
+
 def _gates(args: argparse.Namespace, totals: Dict[str, Any]) -> List[str]:
     """Why the gate flags fail (empty: they pass)."""
     failed = []
@@ -117,8 +128,7 @@ def _report(args: argparse.Namespace) -> int:
             return _fail("report", f"cannot write -o {args.output}: {exc.strerror or exc}")
     else:
         try:
-            sys.stdout.write(text)
-            sys.stdout.flush()
+            _write_stdout(text)
         except BrokenPipeError:  # `fusionguard report ... | head`
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())

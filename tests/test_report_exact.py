@@ -481,3 +481,12 @@ def test_plot_draws_dollar_signs_and_says_when_there_is_no_memory_data(tmp_path,
     rc, out, err = run_cli(capsys, write(tmp_path / "cpu.jsonl", cpu), "--plot", png)
     assert rc == 0 and "no memory data in the log" in err and "calls per layer plotted instead" in err
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_a_terminal_without_utf8_gets_escapes_not_a_traceback(tmp_path):
+    path = write(tmp_path / "fg.jsonl", [header(), dict(ev("flex_call", 1, layer="ü", phase="forward", path="dense", cause="eager_call",
+                                                            action="warn"), level="warning")])
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONIOENCODING="ascii")
+    p = subprocess.run([sys.executable, "-m", "fusionguard", "report", str(path)], capture_output=True, env=env, timeout=60)
+    assert p.returncode == 0 and b"Traceback" not in p.stderr, p.stderr
+    assert b"eager_call\\xd71" in p.stdout and b"\\xfc" in p.stdout
