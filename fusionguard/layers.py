@@ -859,6 +859,8 @@ def _hooks_traced(slot: "_Hooks") -> int:
             from .guard import _warn
 
             _warn(WATCH_TRACED_ADVICE, None, RuntimeWarning)  # at the user's line, not this file
+    except Warning:  # filters say error: never raised into Dynamo's trace (the event is logged)
+        pass
     except Exception as exc:
         internal_error("watch traced note", exc)
     return 0
