@@ -1,4 +1,4 @@
-"""A small speculative-decoding drafter (DFlash-style, as in the seed write-ups), guarded.
+"""A small speculative-decoding drafter (DFlash-style, as in the first reports of this failure), guarded.
 
 Packed documents form the context; at random *anchors* the drafter predicts a block of the next
 tokens. Each draft block attends (one FlexAttention call per layer, GQA) to
@@ -21,7 +21,7 @@ On a GPU it trains: forward, backward and an AdamW step per step, seed sizes (bf
 head_dim 128, 128 anchors x 16 = 2048 query tokens, 8192 context + 2048 draft = 10240 KV tokens).
 On CPU it runs inference only (forward, under ``torch.no_grad()``), at tiny sizes (4/2 heads,
 head_dim 16, a few hundred tokens): PyTorch refuses FlexAttention gradients on CPU. ``--size``
-overrides the choice (``tiny`` or ``seed``).
+overrides the choice (``tiny``, or ``seed``: the reference sizes of those first reports).
 
 It ends by printing ``fusionguard report`` for its own log (``--log``, default
 ``drafter-<mode>.jsonl``, overwritten). Exit status: 0, or 1 when strict mode stopped the run.
@@ -194,7 +194,7 @@ def make_attend(mode: str) -> Callable:
     if mode == "eager":
         return eager_attend
     if mode in ("compiled", "aot_eager"):
-        # the seed pattern: flex_attention compiled on its own, called from eager modules
+        # the reported pattern: flex_attention compiled on its own, called from eager modules
         flex = torch.compile(flex_attention, backend="inductor" if mode == "compiled" else "aot_eager")
 
         def attend(q, k, v, mask):

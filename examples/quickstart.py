@@ -50,6 +50,7 @@ def main() -> None:
     fused = fusionguard.events("flex_compile")
     print(f"\nverdict: {len(dense)} dense call(s) caught, {len(fused)} fused FlexAttention kernel(s) compiled")
     fusionguard.disable()
+    print("the whole story, from the log: fusionguard report fusionguard.jsonl")
 
 
 if __name__ == "__main__":

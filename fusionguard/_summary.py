@@ -5,8 +5,9 @@ from __future__ import annotations
 import csv
 import json
 import os
-from typing import Any, Union
+from typing import Union
 
+from ._format import causes_text, count_text, mem_text, table
 from ._state import STATE
 from .layers import STATS
 
@@ -16,25 +17,28 @@ COLUMNS = (
 )
 
 
-def _gb(n: Any) -> str:
-    return "-" if n is None else f"{n / 1e9:.3f}"
-
-
 class Summary(list):
-    """A list of per-(layer, phase) rows (dicts) that prints as a table."""
+    """A list of per-(layer, phase) rows (dicts) that prints as a table: the same layout, units
+    and cause style as ``fusionguard report`` (``fusionguard._format``)."""
 
     def __str__(self) -> str:
         if not self:
             return "fusionguard: no FlexAttention layer seen (is the model inside fusionguard.watch(model)?)"
-        head = f"{'layer':<32} {'phase':<8} {'calls':>6} {'dense':>6} {'fused':>6}  {'alloc GB':>9} {'peak GB':>9}  causes"
-        lines = [head]
-        for r in self:
-            causes = ", ".join(f"{k}x{v}" for k, v in (r.get("causes") or {}).items())
-            lines.append(
-                f"{str(r['layer']):<32} {r['phase']:<8} {r['calls']:>6} {r['dense']:>6} {r['fused']:>6}  "
-                f"{_gb(r.get('alloc_delta_max')):>9} {_gb(r.get('peak_delta_max')):>9}  {causes}"
-            )
-        return "\n".join(lines)
+        rows = [
+            [
+                str(r["layer"]),
+                str(r["phase"]),
+                count_text(r.get("calls")),
+                count_text(r.get("dense")),
+                count_text(r.get("fused")),
+                causes_text(r.get("causes")),
+                mem_text(r.get("alloc_delta_last"), r.get("alloc_delta_max")),
+                mem_text(r.get("peak_delta_last"), r.get("peak_delta_max")),
+            ]
+            for r in self
+        ]
+        heads = ["layer", "phase", "calls", "dense", "fused", "causes", "alloc Δ last / max", "peak Δ last / max"]
+        return "\n".join(table(heads, rows, right=(2, 3, 4)))
 
 
 def summary(all_ranks: bool = False) -> Summary:

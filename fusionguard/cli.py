@@ -1,7 +1,14 @@
 """Command line: ``fusionguard report PATH...`` and ``fusionguard doctor`` (also ``python -m fusionguard``).
 
-Exit status: 0 done; 1 ``--fail-on-dense`` and dense calls were found; 2 bad input (a missing
-path, a directory without logs), a bad option, or ``--plot`` without matplotlib.
+Exit status, the same contract for every command (``docs/cli.md``):
+
+- ``report``: 0 the report was written (also when it lists dense calls: only a gate flag fails);
+  1 a gate flag failed (``--fail-on-dense``: a dense call that was not allowed;
+  ``--expect-fused`` / ``--expect-calls N``: fewer fused calls than expected); 2 usage or input
+  error (a bad option, a missing path, no fusionguard event in the input, an unwritable
+  ``-o`` / ``--plot`` path, ``--plot`` without matplotlib).
+- ``doctor``: 0 every compiled case ran fused; 1 something ran dense or an experiment failed;
+  2 usage error (a bad ``--shape``, ``--device``, ``--backend``).
 """
 
 from __future__ import annotations
@@ -9,13 +16,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
+
+from ._version import __version__
 
 PLOT_HINT = "pip install 'fusionguard[plot]'  (or: pip install matplotlib)"
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fusionguard", description="fusionguard: FlexAttention dense-fallback logs")
+    p.add_argument("--version", action="version", version=f"fusionguard {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     r = sub.add_parser(
         "report",
@@ -28,7 +38,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--plot", metavar="FILE.png", help="also write per-layer forward/backward peak-memory bars (needs matplotlib)")
     r.add_argument("--last", type=int, default=10, metavar="N", help="events shown before a crash or stop (default 10)")
     r.add_argument("-o", "--output", metavar="FILE", help="write the report here instead of stdout")
-    r.add_argument("--fail-on-dense", action="store_true", help="exit status 1 when any dense FlexAttention call is in the logs")
+    r.add_argument("--fail-on-dense", action="store_true", help="exit status 1 when the logs hold a dense FlexAttention call that was not allowed (allow_dense() calls never fail it)")
+    r.add_argument("--expect-fused", action="store_true", help="exit status 1 unless the logs hold at least one fused FlexAttention call (a gate never passes on silence)")
+    r.add_argument("--expect-calls", type=int, metavar="N", help="exit status 1 when the logs hold fewer than N fused FlexAttention calls")
     d = sub.add_parser(
         "doctor",
         help="check that this machine's torch.compile fuses FlexAttention forward and backward",
@@ -36,10 +48,15 @@ def _parser() -> argparse.ArgumentParser:
         "with GQA, forward and backward (CPU: inference only); print what fusionguard logged and the "
         "peak memory of each, then FUSED - OK (exit 0) or what failed (exit 1).",
     )
-    d.add_argument("--shape", metavar="B,HQ,HKV,Q,KV,D", help="default: the seed shape 1,32,8,2048,10240,128 on a GPU with room, smaller otherwise")
+    d.add_argument("--shape", metavar="B,HQ,HKV,Q,KV,D", help="default: the reference shape 1,32,8,2048,10240,128 on a GPU with room, smaller otherwise")
     d.add_argument("--device", help="cuda, cuda:1, cpu (default: cuda if available)")
     d.add_argument("--backend", default="inductor", help="torch.compile backend for the compiled cases (default inductor; aot_eager shows a failing stack)")
     return p
+
+
+def _fail(command: str, message: str) -> int:
+    sys.stderr.write(f"fusionguard {command}: {message}\n")
+    return 2
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -50,50 +67,81 @@ def _doctor(args: argparse.Namespace) -> int:
             if len(shape) != 6 or min(shape) < 1:
                 raise ValueError
         except ValueError:
-            sys.stderr.write("fusionguard doctor: --shape takes six positive integers B,HQ,HKV,Q,KV,D\n")
-            return 2
+            return _fail("doctor", "--shape takes six positive integers B,HQ,HKV,Q,KV,D")
         if shape[1] % shape[2]:
-            sys.stderr.write("fusionguard doctor: HQ must be a multiple of HKV (GQA)\n")
-            return 2
+            return _fail("doctor", "HQ must be a multiple of HKV (GQA)")
     from . import doctor
 
+    problem = doctor.check_options(args.device, args.backend)
+    if problem:
+        return _fail("doctor", problem)
     return doctor.main(shape=shape, device=args.device, backend=args.backend)
+
+
+def _write_stdout(text: str) -> None:
+    """Print, also on a terminal whose encoding lacks ``Δ`` / ``×`` (escaped, never a traceback)."""
+    try:
+        sys.stdout.write(text)
+    except UnicodeEncodeError:
+        enc = getattr(sys.stdout, "encoding", None) or "ascii"
+        sys.stdout.flush()
+        sys.stdout.buffer.write(text.encode(enc, "backslashreplace"))
+    sys.stdout.flush()
+
+
+def _gates(args: argparse.Namespace, totals: Dict[str, Any]) -> List[str]:
+    """Why the gate flags fail (empty: they pass)."""
+    failed = []
+    dense = totals["dense_calls"]
+    if args.fail_on_dense and dense:
+        allowed = f" ({totals['allowed_dense_calls']:,} allowed ones not counted)" if totals["allowed_dense_calls"] else ""
+        failed.append(f"--fail-on-dense: {dense:,} dense FlexAttention call{'s' if dense != 1 else ''}{allowed}")
+    expected = max(1 if args.expect_fused else 0, args.expect_calls or 0)
+    if expected and totals["fused_calls"] < expected:
+        flag = f"--expect-calls {args.expect_calls}" if args.expect_calls else "--expect-fused"
+        failed.append(f"{flag}: {totals['fused_calls']:,} fused FlexAttention call(s) in the logs, expected at least {expected:,}")
+    return failed
 
 
 def _report(args: argparse.Namespace) -> int:
     from . import report
 
     if args.last < 0:
-        sys.stderr.write("fusionguard report: --last must be >= 0\n")
-        return 2
+        return _fail("report", "--last must be >= 0")
+    if args.expect_calls is not None and args.expect_calls < 0:
+        return _fail("report", "--expect-calls must be >= 0")
     if args.plot:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            sys.stderr.write(f"fusionguard report: --plot needs matplotlib, which is not installed: {PLOT_HINT}\n")
-            return 2
+            return _fail("report", f"--plot needs matplotlib, which is not installed: {PLOT_HINT}")
     try:
         rep = report.build(args.paths, last=args.last)
     except report.ReportError as exc:
-        sys.stderr.write(f"fusionguard report: {exc}\n")
-        return 2
+        return _fail("report", str(exc))
     text = {"text": report.render_text, "json": report.render_json, "csv": report.render_csv}[args.format](rep)
     if args.output:
-        with open(args.output, "w", encoding="utf-8", newline="") as fh:
-            fh.write(text)
+        try:
+            with open(args.output, "w", encoding="utf-8", newline="") as fh:
+                fh.write(text)
+        except OSError as exc:
+            return _fail("report", f"cannot write -o {args.output}: {exc.strerror or exc}")
     else:
         try:
-            sys.stdout.write(text)
-            sys.stdout.flush()
+            _write_stdout(text)
         except BrokenPipeError:  # `fusionguard report ... | head`
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())
     if args.plot:
-        report.plot(rep, args.plot)
-        sys.stderr.write(f"fusionguard report: plot written to {args.plot}\n")
-    if args.fail_on_dense and rep["totals"]["dense_calls"]:
-        return 1
-    return 0
+        try:
+            note = report.plot(rep, args.plot)
+        except OSError as exc:
+            return _fail("report", f"cannot write --plot {args.plot}: {exc.strerror or exc}")
+        sys.stderr.write(f"fusionguard report: plot written to {args.plot}{note}\n")
+    failed = _gates(args, rep["totals"])
+    for f in failed:
+        sys.stderr.write(f"fusionguard report: gate failed: {f}\n")
+    return 1 if failed else 0
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -1,10 +1,13 @@
-"""``fusionguard doctor``: the seed write-ups' controlled experiment, on your own machine.
+"""``fusionguard doctor``: the reference experiment (the shape of the first reports of this
+failure: bf16, 32/8 heads, Q=2048, KV=10240, head_dim 128) on your own machine.
 
 Eager vs ``torch.compile(flex_attention)``, without and with a causal BlockMask, with GQA,
 forward and backward (GPU; CPU checks inference only, as PyTorch trains FlexAttention only on
 accelerators). For each case: what fusionguard logged, forward and backward peak memory above
 the start, and a last line ``FUSED - OK`` or a clear failure with its cause. Exit status 0 only
-when the compiled path is fused in every direction checked.
+when the compiled path is fused in every direction checked; 1 when something ran dense or an
+experiment failed; bad options are refused before anything runs (``check_options``, exit 2).
+A progress line per experiment goes to stderr as it starts (compiles take seconds on a CPU).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-SEED_SHAPE = (1, 32, 8, 2048, 10240, 128)  # B, Hq, Hkv, Q, KV, head_dim (the seed write-ups)
+REFERENCE_SHAPE = (1, 32, 8, 2048, 10240, 128)  # B, Hq, Hkv, Q, KV, head_dim (the first reports' shape)
 CPU_SHAPE = (1, 4, 2, 256, 256, 16)
 
 
@@ -51,16 +54,43 @@ def _versions() -> Dict[str, Any]:
 
 
 def default_shape() -> Tuple[int, ...]:
-    """The seed shape when the GPU has room for its dense reference (~18 GB), else scaled down."""
+    """The reference shape when the GPU has room for its dense run (~18 GB), else scaled down."""
     import torch
 
     if not torch.cuda.is_available():
         return CPU_SHAPE
     free, _ = torch.cuda.mem_get_info()
-    b, hq, hkv, q, kv, d = SEED_SHAPE
+    b, hq, hkv, q, kv, d = REFERENCE_SHAPE
     while b * hq * q * kv * 4 * 2.5 > free and q > 128:  # dense backward needs ~2x the fp32 scores
         q, kv = q // 2, kv // 2
     return (b, hq, hkv, q, kv, d)
+
+
+def check_options(device: Optional[str], backend: str) -> Optional[str]:
+    """What is wrong with ``--device`` / ``--backend`` (None: nothing), found before any run."""
+    import torch
+
+    if device is not None:
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, ValueError) as exc:
+            return f"--device {device!r} is not a device torch knows ({str(exc).splitlines()[0]}); use cpu, cuda or cuda:N"
+        if dev.type not in ("cpu", "cuda"):
+            return f"--device {device!r}: doctor runs on cpu or cuda"
+        if dev.type == "cuda":
+            if not torch.cuda.is_available():
+                return f"--device {device!r}: no CUDA device is available here (torch {torch.__version__})"
+            if dev.index is not None and dev.index >= torch.cuda.device_count():
+                return f"--device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+    known: Optional[List[str]] = None
+    usual: List[str] = []
+    try:
+        known, usual = torch._dynamo.list_backends(exclude_tags=()), torch._dynamo.list_backends()
+    except Exception:  # pragma: no cover - an older torch: let torch.compile decide
+        pass
+    if known is not None and backend not in known:
+        return f"--backend {backend!r} is not a torch.compile backend here; e.g. {', '.join(sorted(usual or known))}"
+    return None
 
 
 def _causal(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
@@ -127,8 +157,12 @@ def _gb(n: Optional[int]) -> str:
     return "-" if n is None else f"{n / 1e9:.2f} GB"
 
 
-def main(shape: Optional[Sequence[int]] = None, device: Optional[str] = None, out: Any = None, backend: str = "inductor") -> int:
-    """Run the experiment, print the table and the verdict; 0 only if compiled is fused both ways."""
+def main(
+    shape: Optional[Sequence[int]] = None, device: Optional[str] = None, out: Any = None, backend: str = "inductor",
+    progress: Any = sys.stderr,
+) -> int:
+    """Run the experiment, print the table and the verdict; 0 only if compiled is fused both ways,
+    1 otherwise (dense, or an experiment failed). ``progress``: a line per experiment as it starts."""
     import torch
 
     import fusionguard
@@ -152,23 +186,33 @@ def main(shape: Optional[Sequence[int]] = None, device: Optional[str] = None, ou
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            for masked in (False, True):
-                for compiled in (False, True):
-                    name = f"{'compiled' if compiled else 'eager':<8} {'causal BlockMask' if masked else 'no mask':<16} GQA"
-                    t0 = time.perf_counter()
+            cases = [(masked, compiled) for masked in (False, True) for compiled in (False, True)]
+            for i, (masked, compiled) in enumerate(cases, 1):
+                name = f"{'compiled' if compiled else 'eager':<8} {'causal BlockMask' if masked else 'no mask':<16} GQA"
+                if progress is not None:
+                    progress.write(f"fusionguard doctor: [{i}/{len(cases)}] {' '.join(name.split())}{' (compiling)' if compiled else ''} ...\n")
+                    progress.flush()
+                t0 = time.perf_counter()
+                try:
                     row = run_case(name, compiled, masked, shape, device, backend)
-                    row["seconds"] = time.perf_counter() - t0
-                    rows.append(row)
-                    verdict = "; ".join(f"{p}: " + ", ".join(f"{a} ({b})" for a, b in row["paths"].get(p, [])) or f"{p}: nothing logged" for p in row["phases"])
-                    out.write(f"  {name:<34} fwd {_gb(row['fwd_peak']):>9}  bwd {_gb(row['bwd_peak']):>9}  {verdict}\n")
-                    if row["error"]:
-                        out.write(f"      error: {row['error']}\n")
+                except Exception as exc:  # the experiment itself failed: a finding, exit 1
+                    row = {"case": name, "compiled": compiled, "phases": ["forward"], "paths": {}, "fwd_peak": None,
+                           "bwd_peak": None, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+                row["seconds"] = time.perf_counter() - t0
+                rows.append(row)
+                verdict = "; ".join(f"{p}: " + ", ".join(f"{a} ({b})" for a, b in row["paths"].get(p, [])) or f"{p}: nothing logged" for p in row["phases"])
+                out.write(f"  {name:<34} fwd {_gb(row['fwd_peak']):>9}  bwd {_gb(row['bwd_peak']):>9}  {verdict}\n")
+                out.flush()
+                if row["error"]:
+                    out.write(f"      error: {row['error']}\n")
     finally:
         if not was_enabled:
             fusionguard.disable()
     failures = []
     for row in rows:
         if not row["compiled"]:
+            if row["error"]:  # the eager reference itself failed to run
+                failures.append(f"{row['case'].strip()}: {row['error']}")
             continue
         for phase in row["phases"]:
             got = row["paths"].get(phase, [])

@@ -235,7 +235,9 @@ def format_message(event: Dict[str, Any]) -> str:
     head = {
         "raise": f"dense FlexAttention {phase}{layer} blocked before it allocated a {size} score matrix (strict mode)",
         "warn": f"dense FlexAttention {phase}{layer} is materialising a {size} score matrix",
-        "allow": f"dense FlexAttention {phase}{layer} allowed by allow_dense() ({size} score matrix)",
+        "allow": f"dense FlexAttention {phase}{layer} allowed by "
+        + ("the debug flag" if event.get("cause") == "debug_flag" else "allow_dense()")
+        + f" ({size} score matrix)",
     }.get(action, f"dense FlexAttention {phase}{layer}")
     q, kv = event.get("q_shape"), event.get("kv_shape")
     dims = ""
@@ -289,7 +291,9 @@ def _check_dense(phase: str, args: tuple, kwargs: dict, frame: Any) -> Tuple[Opt
         diagnosis = causes.diagnose_backward(origin, frame)
         call_site = (origin or {}).get("call_site") or causes.user_call_site(frame)
     layer = (origin or {}).get("layer") if phase == "backward" and origin else layers.note_flex_call(frame if phase == "forward" else None)
-    allowed = _allowed(origin)
+    # The debug flag is the user asking for the dense path, as allow_dense() is: logged, never
+    # warned about or blocked.
+    allowed = _allowed(origin) or diagnosis.cause == "debug_flag"
     action = "allow" if allowed else ("raise" if STATE.config.strict else "warn")
     fields: Dict[str, Any] = {
         "phase": phase,
@@ -338,19 +342,20 @@ def _check_dense(phase: str, args: tuple, kwargs: dict, frame: Any) -> Tuple[Opt
     return event, (diagnosis.site if phase == "forward" else None)
 
 
-def _warn(message: str, target: Any = None) -> None:
+def _warn(message: str, target: Any = None, category: type = DenseFallbackWarning) -> None:
     """Point the warning at the user's line (``target``: the call site the diagnosis found, else
-    looked up) so filters by module work and the output is useful."""
+    looked up) so filters by module work and the output is useful. Issued through the warnings
+    machinery: the user's filters decide (``-W error`` makes it an exception, as for any warning)."""
     if target is None:
         target = causes._first_user_frame(sys._getframe(1))
     if target is None:
-        warnings.warn(message, DenseFallbackWarning, stacklevel=1)
+        warnings.warn(message, category, stacklevel=1)
         return
     # what warnings.warn(stacklevel=...) does with the frame it finds, without walking to it
     # (no module_globals: with them, warn_explicit reads the module's source on every call)
     g = target.f_globals
     registry = g.setdefault("__warningregistry__", {})
-    warnings.warn_explicit(message, DenseFallbackWarning, target.f_code.co_filename, target.f_lineno, g.get("__name__", "<string>"), registry)
+    warnings.warn_explicit(message, category, target.f_code.co_filename, target.f_lineno, g.get("__name__", "<string>"), registry)
 
 
 def make_dense_wrapper(phase: str, original: Callable[..., Any]) -> Callable[..., Any]:

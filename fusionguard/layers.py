@@ -856,7 +856,11 @@ def _hooks_traced(slot: "_Hooks") -> int:
         if not STATS.told_traced:
             STATS.told_traced = True
             STATE.log.emit("warning", "watch_traced", layer=name or None, advice=WATCH_TRACED_ADVICE)
-            warnings.warn(WATCH_TRACED_ADVICE, RuntimeWarning, stacklevel=2)
+            from .guard import _warn
+
+            _warn(WATCH_TRACED_ADVICE, None, RuntimeWarning)  # at the user's line, not this file
+    except Warning:  # filters say error: never raised into Dynamo's trace (the event is logged)
+        pass
     except Exception as exc:
         internal_error("watch traced note", exc)
     return 0

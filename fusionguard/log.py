@@ -402,6 +402,12 @@ class EventLog:
             structlog.processors.JSONRenderer(serializer=lambda obj, **_: dumps(obj)),
         ]
 
+    @property
+    def seq(self) -> int:
+        """The ``seq`` of the last event stamped (0: none yet); read-only, for readers such as
+        the pytest plugin that take the events logged since a mark."""
+        return self._seq
+
     # -- structlog processors -------------------------------------------------------------
     def _stamp(self, logger: Any, method: str, event_dict: dict) -> dict:
         self._seq += 1  # under self._emit_lock (see _log)

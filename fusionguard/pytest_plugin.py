@@ -1,7 +1,9 @@
 """pytest plugin: ``pytest --fusionguard=strict`` (or ``=warn``) guards a whole test session.
 
 Registered through the ``pytest11`` entry point, so it is loaded by every pytest run in an
-environment where fusionguard is installed. Without ``--fusionguard`` it does nothing: this module
+environment where fusionguard is installed. The mode comes from ``--fusionguard=MODE`` or, without
+it, the ini option ``fusionguard = strict`` (``pytest.ini``, ``[tool.pytest.ini_options]`` in
+``pyproject.toml``, ...; also ``fusionguard_log = PATH``). Off, it does nothing: this module
 imports neither torch nor fusionguard's patches, and no hook beyond the option parsing is
 registered.
 
@@ -9,12 +11,13 @@ With the option, the guard is enabled at session start (log: ``--fusionguard-log
 a directory, default ``fusionguard.jsonl`` in pytest's base temporary directory), and then:
 
 - strict: a test that runs a dense FlexAttention path fails with the ``DenseFallbackError``
-  verdict in its report. A test that *catches* the error (``except RuntimeError: ...``) fails too:
-  the blocked call is in the log, and passing would hide it.
+  verdict in its report, whatever its marks: a test that *catches* the error (``except
+  RuntimeError: ...``) fails too, and so does an ``xfail`` / ``unittest.expectedFailure`` test (an
+  expected failure would hide the verdict); ``fusionguard_allow_dense`` is the way to allow it.
 - warn: dense calls run; each one is a ``DenseFallbackWarning`` (pytest's warnings summary) and is
   collected per test.
-- each test carries its dense calls: ``user_properties`` entry ``fusionguard`` (a list of
-  {seq, phase, cause, action, traced, call_site, scores_bytes}; in junitxml and across xdist),
+- each test carries its dense calls: ``user_properties`` entry ``fusionguard``, a JSON text (a list
+  of {seq, phase, cause, action, traced, call_site, scores_bytes}; in junitxml and across xdist),
   a report section ``fusionguard (<phase>)`` with the verdicts; the terminal summary lists dense
   calls per test and per cause.
 - ``@pytest.mark.fusionguard_allow_dense`` runs a test inside ``fusionguard.allow_dense()`` (an
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import json
 import os
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -57,6 +61,18 @@ def pytest_addoption(parser: Any) -> None:
         help="fusionguard JSON-lines log: a file, or a directory (one file per process); "
         "default: fusionguard.jsonl in pytest's base temporary directory",
     )
+    parser.addini("fusionguard", "fusionguard mode for the session when --fusionguard is not given: strict, warn or off", default="")
+    parser.addini("fusionguard_log", "fusionguard log path when --fusionguard-log is not given", default="")
+
+
+def _mode(config: Any) -> Optional[str]:
+    """``--fusionguard`` first, then the ini option; a bad ini value is a usage error."""
+    mode = config.getoption("fusionguard", None)
+    if mode is None:
+        mode = str(config.getini("fusionguard") or "").strip().lower() or None
+        if mode is not None and mode not in MODES:
+            raise pytest.UsageError(f"ini option fusionguard = {mode!r}: use one of {', '.join(MODES)}")
+    return mode
 
 
 def pytest_configure(config: Any) -> None:
@@ -65,7 +81,7 @@ def pytest_configure(config: Any) -> None:
         f"{MARKER}: run the test inside fusionguard.allow_dense() (dense FlexAttention calls are "
         "logged as allowed and do not fail it under --fusionguard=strict)",
     )
-    mode = config.getoption("fusionguard", None)
+    mode = _mode(config)
     if mode in (None, "off"):
         return
     config.pluginmanager.register(FusionGuardSession(config, mode), "fusionguard-session")
@@ -127,7 +143,7 @@ class FusionGuardSession:
     def pytest_sessionstart(self, session: Any) -> None:
         if not self.active:
             return
-        path = self.config.getoption("fusionguard_log") or self._default_log()
+        path = self.config.getoption("fusionguard_log") or self.config.getini("fusionguard_log") or self._default_log()
         import fusionguard
 
         # keep_all: every dense call of every test is reported, none folded into counters
@@ -135,7 +151,7 @@ class FusionGuardSession:
         from fusionguard._state import STATE
 
         self.log_path = STATE.config.log_path  # resolved (a directory becomes rank/pid file)
-        self._mark = (STATE.log, STATE.log._seq)
+        self._mark = (STATE.log, STATE.log.seq)
 
     def pytest_report_header(self, config: Any) -> str:
         where = self.log_path if self.active else "in the workers' base temporary directories"
@@ -159,9 +175,9 @@ class FusionGuardSession:
         last_log, last_seq = self._mark
         if log is not last_log:  # a test reset fusionguard's state: a new log, seq from 0
             last_seq = 0
-        if log is last_log and log._seq == last_seq:
+        if log is last_log and log.seq == last_seq:
             return []
-        self._mark = (log, log._seq)
+        self._mark = (log, log.seq)
         fresh: List[dict] = []
         for event in reversed(list(log.memory)):  # list(): a snapshot, threads may append
             if event.get("seq", 0) <= last_seq:
@@ -203,13 +219,25 @@ class FusionGuardSession:
 
         messages = [format_message(e) for e in dense]
         # on the item: the teardown report (junitxml, xdist, our summary) then carries every phase
-        entry = (PROPERTY, [_compact(e) for e in dense])
+        entry = (PROPERTY, json.dumps([_compact(e) for e in dense]))  # JSON in junitxml, not a repr
         item.user_properties.append(entry)
         if report.when == "teardown":  # created before this point: add it there too
             report.user_properties.append(entry)
         report.sections.append((f"fusionguard ({report.when})", "\n\n".join(messages)))
         blocked = [m for e, m in zip(dense, messages) if e.get("action") == "raise"]
-        if blocked and report.passed:
+        if not blocked:
+            return
+        if hasattr(report, "wasxfail"):
+            # xfail / unittest.expectedFailure: an expected failure (or an xpass) would hide the
+            # verdict; only fusionguard_allow_dense allows a dense call.
+            del report.wasxfail
+            report.outcome = "failed"
+            report.longrepr = (
+                f"fusionguard (strict): {len(blocked)} dense FlexAttention call(s) blocked during {report.when} of a "
+                "test marked as an expected failure; a blocked call fails the test whatever its marks "
+                f"(use @pytest.mark.{MARKER} to allow it)\n\n" + "\n\n".join(blocked)
+            )
+        elif report.passed:
             # The DenseFallbackError was caught by the code under test: still a failure.
             report.outcome = "failed"
             report.longrepr = (
@@ -226,7 +254,11 @@ class FusionGuardSession:
             return
         for name, value in report.user_properties:
             if name == PROPERTY:
-                self.dense.setdefault(report.nodeid, []).extend(value)
+                try:
+                    calls = json.loads(value) if isinstance(value, str) else list(value)
+                except (TypeError, ValueError):
+                    continue
+                self.dense.setdefault(report.nodeid, []).extend(calls)
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         tr = terminalreporter

@@ -29,10 +29,16 @@ import os
 import random
 import re
 import time
-from typing import Any, Deque, Dict, Iterable, Iterator, List, Optional, Tuple
+import stat
+from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, Optional, Tuple
+
+from ._format import causes_text as _causes_text
+from ._format import escape, human_bytes
+from ._format import mem_text as _mem
+from ._format import table as _table
 
 SUPPORTED_SCHEMA = 1
-REPORT_VERSION = 1
+REPORT_VERSION = 2  # 2: rows' fused = calls (never compile records), allowed apart from dense
 MAX_LINE = 16 * 1024 * 1024
 RESERVOIR = 2048
 MAX_CRASHES_SHOWN = 4  # crash/stop sections in the text report (all in --format json)
@@ -49,6 +55,9 @@ KNOWN_EVENTS = frozenset(
 _DECODER = json.JSONDecoder()
 _ROTATED = re.compile(r"^(?P<base>.+\.jsonl)(?:\.(?P<n>\d+))?$")
 _PHASE_ORDER = {"forward": 0, "backward": 1}
+_DIGITS = re.compile(r"[0-9]+")
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_DIGIT_SPLIT = re.compile(r"([0-9]+)")
 
 
 class ReportError(Exception):
@@ -115,12 +124,6 @@ class Reservoir:
         return int(value) if float(value).is_integer() else value
 
 
-def _num(x: Any) -> Optional[float]:
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        return None
-    return x
-
-
 def _int(x: Any) -> Optional[int]:
     return int(x) if isinstance(x, int) and not isinstance(x, bool) else None
 
@@ -129,19 +132,6 @@ def _short(x: Any, n: int = 200) -> Any:
     if isinstance(x, str) and len(x) > n:
         return x[: n - 3] + "..."
     return x
-
-
-def human_bytes(n: Optional[float], signed: bool = False) -> str:
-    if n is None:
-        return "-"
-    sign = "-" if n < 0 else ("+" if signed and n > 0 else "")
-    value = abs(float(n))
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if value < 1000 or unit == "TB":
-            body = f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
-            return sign + body
-        value /= 1000
-    return f"{n} B"
 
 
 def site_text(site: Any) -> Optional[str]:
@@ -153,7 +143,8 @@ def site_text(site: Any) -> Optional[str]:
 def natural_key(text: str) -> Tuple:
     if text in (NO_LAYER, OTHER_LAYERS):
         return (1, text)
-    return (0,) + tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", text))
+    # [0-9] only: str.isdigit() is also true for "²", which int() refuses
+    return (0,) + tuple((0, int(p), "") if _DIGITS.fullmatch(p) else (1, 0, p) for p in _DIGIT_SPLIT.split(text))
 
 
 def rank_ranges(ranks: Iterable[Any]) -> str:
@@ -190,10 +181,20 @@ def fmt_duration(seconds: Optional[float]) -> str:
 # -- input files -----------------------------------------------------------------------------------
 
 
-def find_logs(paths: Iterable[str], notes: Optional[List[str]] = None) -> List[str]:
+def _regular(path: str) -> bool:
+    """A regular file (after links): a FIFO or a link to /dev/zero named ``*.jsonl`` is never
+    opened (reading it would block or never end)."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+def find_logs(paths: Iterable[str], notes: Optional[List[str]] = None, ignored: Optional[List[Dict[str, str]]] = None) -> List[str]:
     """Files to read, in order; directories give every ``*.jsonl`` (and rotated ``*.jsonl.N``,
-    oldest first) below them. A file is read alone; its rotated parts, if any, are mentioned in
-    ``notes``. Raises ReportError for a missing path or a directory without logs."""
+    oldest first) below them that is a regular file (others go to ``ignored``). A file is read
+    alone; its rotated parts, if any, are mentioned in ``notes``. Raises ReportError for a
+    missing path, a path that is not a regular file or directory, or a directory without logs."""
     out: List[str] = []
     seen = set()
     for raw in paths:
@@ -205,12 +206,17 @@ def find_logs(paths: Iterable[str], notes: Optional[List[str]] = None) -> List[s
                 for name in files:
                     m = _ROTATED.match(name)
                     if m:
+                        full = os.path.join(root, name)
+                        if not _regular(full):
+                            if ignored is not None:
+                                ignored.append({"path": full, "reason": "not a regular file"})
+                            continue
                         n = int(m.group("n")) if m.group("n") else 0
-                        found.append((os.path.join(root, m.group("base")), -n, os.path.join(root, name)))
+                        found.append((os.path.join(root, m.group("base")), -n, full))
             if not found:
                 raise ReportError(f"no fusionguard logs (*.jsonl) in directory {path}")
             files_in_order = [f for _, _, f in sorted(found)]
-        elif os.path.isfile(path):
+        elif _regular(path):
             files_in_order = [path]
             if notes is not None and path.endswith(".jsonl") and os.path.exists(path + ".1"):
                 notes.append(
@@ -218,7 +224,7 @@ def find_logs(paths: Iterable[str], notes: Optional[List[str]] = None) -> List[s
                     "pass its directory to include them"
                 )
         elif os.path.exists(path):
-            raise ReportError(f"not a file or directory: {path}")
+            raise ReportError(f"not a regular file or directory: {path}")
         else:
             raise ReportError(f"no such file or directory: {path}")
         for f in files_in_order:
@@ -230,7 +236,10 @@ def find_logs(paths: Iterable[str], notes: Optional[List[str]] = None) -> List[s
 
 
 class FileStats:
-    __slots__ = ("path", "bytes", "lines", "events", "corrupt", "corrupt_lines", "torn_last_line", "oversized", "schemas", "headers")
+    __slots__ = (
+        "path", "bytes", "lines", "events", "corrupt", "corrupt_lines", "torn_last_line", "oversized", "schemas",
+        "headers", "known",
+    )
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -243,6 +252,7 @@ class FileStats:
         self.oversized = 0
         self.schemas: Dict[str, int] = {}
         self.headers = 0
+        self.known = 0  # events of a fusionguard kind: 0 means the file is not a fusionguard log
 
     def bad(self, lineno: int) -> None:
         self.corrupt += 1
@@ -263,15 +273,135 @@ class FileStats:
         }
 
 
+# -- field types: a line whose known field has the wrong type is corrupt ----------------------------
+
+_INT_RANGE = 2**63
+
+
+def _is_int(v: Any) -> bool:
+    return v.__class__ is int and -_INT_RANGE <= v < _INT_RANGE
+
+
+def _is_count(v: Any) -> bool:
+    return v.__class__ is int and 0 <= v < _INT_RANGE
+
+
+def _is_num(v: Any) -> bool:
+    c = v.__class__
+    return (c is int and -_INT_RANGE <= v < _INT_RANGE) or (c is float and math.isfinite(v))
+
+
+def _is_str(v: Any) -> bool:
+    return v.__class__ is str
+
+
+def _is_ts(v: Any) -> bool:  # Unix seconds that time.gmtime can show
+    return _is_num(v) and 0 <= v < 1e11
+
+
+def _list_of(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda v: v.__class__ is list and all(check(x) for x in v)
+
+
+def _dict_of(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda v: v.__class__ is dict and all(_is_str(k) and (x is None or check(x)) for k, x in v.items())
+
+
+def _fields(v: Any) -> bool:
+    return v.__class__ is dict and _valid(v)
+
+
+_STR_FIELDS = (
+    "event", "level", "thread", "hostname", "layer", "phase", "path", "cause", "action", "template", "reason", "of",
+    "function", "where", "exc_type", "diagnosis", "message", "error", "file", "fusionguard", "torch", "triton",
+    "python", "version", "source",
+)
+_INT_FIELDS = ("seq", "pid", "rank", "line", "world_size", "local_rank")
+_COUNT_FIELDS = (  # never negative: a count of -5 would take calls away
+    "scores_bytes", "scores_bytes_max", "scores_bytes_last", "count", "total", "flex_calls", "calls", "dense",
+    "fused", "dense_recompute", "measured",
+)
+_NUM_FIELDS = (
+    "alloc_delta", "peak_delta", "alloc_delta_max", "alloc_delta_last", "peak_delta_max", "peak_delta_last",
+    "allocated", "reserved", "peak",
+)
+_CHECKS: Dict[str, Callable[[Any], bool]] = {
+    **{k: _is_str for k in _STR_FIELDS},
+    **{k: _is_int for k in _INT_FIELDS},
+    **{k: _is_count for k in _COUNT_FIELDS},
+    **{k: _is_num for k in _NUM_FIELDS},
+    "ts": _is_ts,
+    "schema": lambda v: _is_int(v) or _is_str(v),
+    "recompute": lambda v: v.__class__ is bool or _is_int(v),
+    "allowed": lambda v: v.__class__ is bool,
+    "layers": _list_of(_is_str),
+    "frames": _list_of(_is_str),
+    "devices": _list_of(_is_str),
+    "causes": _dict_of(_is_count),
+    "counts": _dict_of(_is_num),
+    "call_site": _fields,
+    "last_flex": _fields,
+    "cuda": _fields,
+    "rows": _list_of(_fields),
+}
+
+
+def _valid(e: dict) -> bool:
+    """Every field the report reads has its type (null is always fine); others are not looked at."""
+    checks = _CHECKS
+    for k, v in e.items():
+        if v is not None:
+            check = checks.get(k)
+            if check is not None and not check(v):
+                return False
+    return True
+
+
+def _has_surrogate(obj: Any) -> bool:
+    """A lone surrogate (``"\\ud800"``) decodes to a str that no UTF-8 output can print."""
+    if isinstance(obj, str):
+        return any("\ud800" <= c <= "\udfff" for c in obj)
+    if isinstance(obj, dict):
+        return any(_has_surrogate(k) or _has_surrogate(v) for k, v in obj.items())
+    if isinstance(obj, list):
+        return any(_has_surrogate(x) for x in obj)
+    return False
+
+
+def _open_regular(path: str) -> Any:
+    """Open for reading without blocking on a FIFO, and refuse what is not a regular file."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(0, "not a regular file", path)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def read_events(path: str, stats: FileStats) -> Iterator[dict]:
-    """Events of one file, one line at a time; bad lines are counted in ``stats``."""
+    """Events of one file, one line at a time; bad lines are counted in ``stats``: not JSON,
+    not an object with a string ``event``, a known field of the wrong type (a list for ``pid``,
+    ``NaN`` for ``ts``), lone surrogates, nesting too deep to decode."""
     max_line = MAX_LINE
     decode = _DECODER.decode
 
     def loads(raw: bytes) -> Any:
-        return decode(raw.decode("utf-8"))
+        try:
+            obj = decode(raw.decode("utf-8"))
+        except RecursionError:  # 100,000 nested brackets
+            raise ValueError("nested too deeply") from None
+        try:
+            if _SURROGATE_ESCAPE.search(raw) and _has_surrogate(obj):
+                raise ValueError("lone surrogate")
+            if not isinstance(obj, dict) or not isinstance(obj.get("event"), str) or not _valid(obj):
+                raise ValueError("not an event")
+        except RecursionError:
+            raise ValueError("nested too deeply") from None
+        return obj
 
-    with open(path, "rb") as fh:
+    with _open_regular(path) as fh:
         lineno = 0
         while True:
             line = fh.readline(max_line)
@@ -304,9 +434,6 @@ def read_events(path: str, stats: FileStats) -> Iterator[dict]:
                 except ValueError:  # includes UnicodeDecodeError
                     stats.bad(lineno)
                     continue
-            if not isinstance(obj, dict) or not isinstance(obj.get("event"), str):
-                stats.bad(lineno)
-                continue
             stats.events += 1
             yield obj
 
@@ -315,22 +442,28 @@ def read_events(path: str, stats: FileStats) -> Iterator[dict]:
 
 
 class Counts:
-    __slots__ = ("dense", "fused", "calls", "runs", "compiles", "blocked", "inlined", "causes")
+    """One process's counts for one (layer, phase)."""
+
+    __slots__ = ("dense", "allowed", "blocked", "causes", "runs", "rescued", "layer_calls", "summary_fused", "fused", "compiles", "inlined")
 
     def __init__(self) -> None:
-        self.dense = 0
-        self.fused = 0  # explicit fused per-call records (layer_memory, rescued flex_call)
-        self.calls = 0  # per-call records (layer_memory / fused_calls), recomputes excluded
-        self.runs = 0  # fused FlexAttention calls executed by compiled graphs (flex_run)
-        self.compiles = 0
+        self.dense = 0  # dense calls that were not allowed (warned or blocked)
+        self.allowed = 0  # dense calls inside allow_dense() (or the debug flag): on purpose
         self.blocked = 0
+        self.causes: Dict[str, int] = {}  # of the dense (not allowed) calls
+        self.runs = 0  # fused calls executed by compiled graphs (flex_run, its counters)
+        self.rescued = 0  # rescued calls (flex_call path "rescued")
+        self.layer_calls = 0  # watched layer calls that ran no dense kernel (layer_memory, its counters)
+        self.summary_fused: Optional[int] = None  # the process's own summary() row
+        self.fused = 0  # the fused calls, once every source is read (Aggregator.finish)
+        self.compiles = 0  # compile records (flex_compile): compiled graphs, never calls
         self.inlined = 0
-        self.causes: Dict[str, int] = {}
 
-    def fused_calls(self) -> int:
-        # calls of a FlexAttention layer that ran no dense kernel ran the fused one; compiled
-        # graphs count their own runs (the same calls, seen from the other side: never added)
-        return max(self.fused, self.calls - self.dense, self.runs)
+    def event_fused(self) -> int:
+        """Fused calls from this process's events. The three sources see the same calls from
+        different sides (a rescued call also runs a compiled graph; a watched layer calling a
+        compiled flex_attention is one layer call and one graph run): the largest, never the sum."""
+        return max(self.runs, self.rescued, self.layer_calls)
 
 
 class KeyStats:
@@ -410,6 +543,8 @@ class Aggregator:
         self.host_of_pid: Dict[Any, Any] = {}
         self.key_overflow = 0
         self.notes: List[str] = []
+        self.ignored: List[Dict[str, str]] = []  # inputs that are not fusionguard logs, and why
+        self.errors = 0  # events the aggregation could not take (counted as corrupt lines)
 
     # keys
     def _key(self, e: dict) -> Tuple[str, str]:
@@ -417,6 +552,9 @@ class Aggregator:
         layer = NO_LAYER if layer is None else str(layer)
         phase = e.get("phase")
         phase = "?" if phase is None else str(phase)
+        return self._named(layer, phase)
+
+    def _named(self, layer: str, phase: str) -> Tuple[str, str]:
         key = (layer, phase)
         if key not in self.keys:
             if len(self.keys) >= MAX_KEYS:
@@ -434,8 +572,14 @@ class Aggregator:
         file_hosts: Dict[Any, Any] = {}
         stream: Optional[Stream] = None
         sid: Any = None
+        lineno = 0
         for e in read_events(path, stats):
+            lineno = stats.lines
             kind = e["event"]
+            if kind in KNOWN_EVENTS:
+                stats.known += 1
+            elif not stats.known:
+                continue  # someone else's JSON lines (until a fusionguard event says otherwise)
             pid, rank = e.get("pid"), e.get("rank")
             if kind == "header":
                 host = e.get("hostname")
@@ -453,8 +597,16 @@ class Aggregator:
                 if not stream.files or stream.files[-1] != path:
                     stream.files.append(path)
             assert stream is not None
-            self._event(stream, kind, e)
-        if not stats.headers and stats.events:
+            try:
+                self._event(stream, kind, e)
+            except Exception:  # a combination of fields no check foresaw: one corrupt line, never a traceback
+                self.errors += 1
+                stats.events -= 1
+                stats.bad(lineno)
+        if not stats.known:
+            reason = "empty" if not stats.lines else ("no fusionguard events" if stats.events else "not JSON lines")
+            self.ignored.append({"path": path, "reason": reason})
+        elif not stats.headers:
             stats.schemas["none"] = 0
 
     def _event(self, s: Stream, kind: str, e: dict) -> None:
@@ -464,18 +616,14 @@ class Aggregator:
         kinds = self.kinds
         kinds[kind] = kinds.get(kind, 0) + 1
         ts = e.get("ts")
-        if ts.__class__ is float or ts.__class__ is int:
+        if ts is not None:  # a finite number (read_events checked it)
             if s.first_ts is None:
                 s.first_ts = s.last_ts = ts
             elif ts > s.last_ts:  # type: ignore[operator]
                 s.last_ts = ts
             elif ts < s.first_ts:
                 s.first_ts = ts
-        else:
-            ts = None
         seq = e.get("seq")
-        if seq.__class__ is not int:
-            seq = None
         if seq is None or s.last_seq is None or seq >= s.last_seq:
             if seq is not None:
                 s.last_seq = seq
@@ -490,14 +638,10 @@ class Aggregator:
         s.recent.append(e)
         if kind == "layer_memory":
             key = self._key(e)
-            c = s.count(key)
             ks = self.keys[key]
-            path = e.get("path")
-            if not e.get("recompute"):
-                c.calls += 1
-                if path == "fused":
-                    c.fused += 1
-            a, p = _num(e.get("alloc_delta")), _num(e.get("peak_delta"))
+            if not e.get("recompute") and e.get("path") == "fused":
+                s.count(key).layer_calls += 1
+            a, p = e.get("alloc_delta"), e.get("peak_delta")
             if a is not None:
                 ks.alloc.add(a)
             if p is not None:
@@ -508,17 +652,21 @@ class Aggregator:
             c = s.count(key)
             ks = self.keys[key]
             # dense_calls: the sampled repeats of one dense call (counted, not logged one by one)
-            n = (_int(e.get("count")) or 0) if kind == "dense_calls" else 1
-            if e.get("path") == "rescued":
-                c.fused += 1  # rescue ran it through a fused compile
-            elif e.get("path", "dense") == "dense":
+            n = (e.get("count") or 0) if kind == "dense_calls" else 1
+            path = e.get("path", "dense")
+            if path == "rescued":
+                c.rescued += 1  # rescue ran it through a fused compile
+            elif path == "dense" or path is None:
+                sb = e.get("scores_bytes" if kind == "flex_call" else "scores_bytes_max")
+                if e.get("action") == "allow" or e.get("allowed") is True:
+                    c.allowed += n
+                    return
                 c.dense += n
                 cause = e.get("cause")
-                cause = "unknown" if cause is None else str(cause)
+                cause = "unknown" if cause is None else cause
                 c.causes[cause] = c.causes.get(cause, 0) + n
                 if e.get("action") == "raise":
                     c.blocked += n
-                sb = _int(e.get("scores_bytes" if kind == "flex_call" else "scores_bytes_max"))
                 if sb is not None and (ks.scores_max is None or sb > ks.scores_max):
                     ks.scores_max = sb
                 fd = ks.first_dense
@@ -530,7 +678,7 @@ class Aggregator:
                         "host": s.host,
                         "seq": seq,
                         "cause": e.get("cause"),
-                        "call_site": e.get("call_site") if isinstance(e.get("call_site"), dict) else None,
+                        "call_site": e.get("call_site"),
                         "scores_bytes": sb,
                     }
         elif kind == "flex_compile":
@@ -539,46 +687,63 @@ class Aggregator:
             t = e.get("template")
             if t is not None:
                 ks = self.keys[key]
-                ks.templates[str(t)] = ks.templates.get(str(t), 0) + 1
+                ks.templates[t] = ks.templates.get(t, 0) + 1
         elif kind == "flex_run":
-            n = _int(e.get("flex_calls"))
-            s.count(self._key(e)).runs += n if n is not None else 1
+            n = e.get("flex_calls")
+            self._runs(s, e, 1 if n is None else n)
         elif kind == "flex_inlined":
             s.count(self._key(e)).inlined += 1
         elif kind == "fused_calls":
-            key = self._key(e)
-            c = s.count(key)
-            n = _int(e.get("count")) or 0
+            n = e.get("count") or 0
             if e.get("of") == "flex_run":
-                flex = _int(e.get("flex_calls"))
-                c.runs += flex if flex is not None else n
+                flex = e.get("flex_calls")
+                self._runs(s, e, n if flex is None else flex)
                 return
-            c.calls += n
-            c.fused += n
+            key = self._key(e)
+            s.count(key).layer_calls += n
             ks = self.keys[key]
             for name, res in (("alloc_delta", ks.alloc), ("peak_delta", ks.peak)):
-                mx, last = _num(e.get(f"{name}_max")), _num(e.get(f"{name}_last"))
+                mx, last = e.get(f"{name}_max"), e.get(f"{name}_last")
                 if mx is not None:
                     res.note_max(mx)
                 if last is not None:
                     res.add(last)
         elif kind == "summary":
             rows = e.get("rows")
-            if isinstance(rows, list):
-                s.summary_rows = [r for r in rows[: MAX_KEYS] if isinstance(r, dict)]
+            if rows is not None:
+                s.summary_rows = rows[:MAX_KEYS]
         elif kind == "shutdown":
             s.last_shutdown = str(e.get("reason"))
         elif kind == "header":
             s.header = {k: e.get(k) for k in ("schema", "fusionguard", "torch", "triton", "python", "hostname", "cuda", "world_size", "local_rank")}
 
-    # -- summary rows: what the process itself counted (covers sampled-out events) --------------
-    def _merge_summaries(self) -> None:
+    def _runs(self, s: Stream, e: dict, n: int) -> None:
+        """Fused calls of graph runs, to their layer. A graph holding several layers' calls names
+        them in ``layers``: one call each when there are as many calls as distinct names;
+        otherwise (and in counters, which name no layers) the calls stay unattributed (NO_LAYER)
+        until the process's summary rows split them."""
+        layers = e.get("layers")
+        if e.get("layer") is None and layers and n == len(layers) and len(set(layers)) == n:
+            phase = str(e.get("phase"))
+            for name in layers:
+                s.count(self._named(name, phase)).runs += 1
+            return
+        s.count(self._key(e)).runs += n
+
+    # -- the fused calls of each process, and its summary rows -----------------------------------
+    def _settle(self) -> None:
+        """Per process: each key's fused calls from its events; the process's last ``summary``
+        rows then name the layers of calls that the events could not attribute (a graph holding
+        several layers' calls), without adding a call: per phase, the named rows take the larger
+        of events and summary, and NO_LAYER keeps only what is left of the events' total.
+        Rows gathered from a rank whose own log is not in the input become a stream of their own
+        ("summary only")."""
         real_ranks = {s.rank for s in self.streams.values()}
         synthetic: Dict[Any, Stream] = {}
         for s in list(self.streams.values()):
-            if not s.summary_rows:
-                continue
-            for row in s.summary_rows:
+            for c in s.counts.values():
+                c.fused = c.event_fused()
+            for row in s.summary_rows or ():
                 row_rank = row.get("rank", s.rank)
                 if row_rank == s.rank or row_rank is None:
                     target = s
@@ -592,35 +757,63 @@ class Aggregator:
                 key = self._key(row)
                 c = target.count(key)
                 ks = self.keys[key]
-                dense = _int(row.get("dense")) or 0
-                fused = _int(row.get("fused")) or 0
-                calls = _int(row.get("calls")) or 0
-                c.dense = max(c.dense, dense)
-                c.fused = max(c.fused, fused)
-                c.calls = max(c.calls, calls)
-                causes = row.get("causes")
-                if isinstance(causes, dict):
-                    for k, v in causes.items():
-                        if isinstance(v, int):
-                            c.causes[str(k)] = max(c.causes.get(str(k), 0), v)
+                fused = row.get("fused") or 0
+                c.summary_fused = max(c.summary_fused or 0, fused)
+                if target.synthetic:  # the row is all there is
+                    c.fused = max(c.fused, fused)
+                    c.dense = max(c.dense, row.get("dense") or 0)
+                    for k, v in (row.get("causes") or {}).items():
+                        if v is not None and v > c.causes.get(k, 0):
+                            c.causes[k] = v
+                    sb = row.get("scores_bytes")
+                    if sb is not None and c.dense and (ks.scores_max is None or sb > ks.scores_max):
+                        ks.scores_max = sb
                 for name, res in (("alloc_delta", ks.alloc), ("peak_delta", ks.peak)):
-                    mx, last = _num(row.get(f"{name}_max")), _num(row.get(f"{name}_last"))
+                    mx, last = row.get(f"{name}_max"), row.get(f"{name}_last")
                     if mx is not None:
                         res.note_max(mx)
                     if last is not None and not res.sample:
                         res.add(last)
-                sb = _int(row.get("scores_bytes"))
-                if sb is not None and dense and (ks.scores_max is None or sb > ks.scores_max):
-                    ks.scores_max = sb
+            if not s.synthetic and s.summary_rows:
+                self._split_by_summary(s)
         for r, st in synthetic.items():
             self.streams[("(summary)", None, r)] = st
+
+    def _split_by_summary(self, s: Stream) -> None:
+        """Name the layers of a process's unattributed fused calls (NO_LAYER: counters of graphs
+        holding several layers' calls) from its summary rows, never adding a call: a named layer
+        takes what its row counts beyond its own events, out of the unattributed calls. When the
+        rows count more than the unattributed calls can cover (rows of an earlier log of the same
+        process), nothing is split and a warning says so."""
+        phases: Dict[str, List[Tuple[Tuple[str, str], Counts]]] = {}
+        for key, c in s.counts.items():
+            phases.setdefault(key[1], []).append((key, c))
+        for phase, items in phases.items():
+            loose = [c for key, c in items if key[0] == NO_LAYER]
+            unnamed = sum(c.fused for c in loose)
+            deficits = [(c, (c.summary_fused or 0) - c.fused) for key, c in items if key[0] != NO_LAYER]
+            deficits = [(c, d) for c, d in deficits if d > 0]
+            want = sum(d for _, d in deficits)
+            if not want or not unnamed:
+                continue
+            if want > unnamed:
+                self.notes.append(
+                    f"pid {s.pid}: summary rows count {want:,} more {phase} fused calls than its log leaves unnamed "
+                    f"({unnamed:,}); those stay under {NO_LAYER!r} (rows of an earlier log of the same process?)"
+                )
+                continue
+            for c, d in deficits:
+                c.fused += d
+            left = unnamed - want
+            for c in loose:  # what no row claims stays unnamed
+                c.fused, left = min(c.fused, left), left - min(c.fused, left)
 
     def finish(self) -> Dict[str, Any]:
         firsts = [st.first_ts for st in self.streams.values() if st.first_ts is not None]
         lasts = [st.last_ts for st in self.streams.values() if st.last_ts is not None]
         self.first_ts = min(firsts) if firsts else None
         self.last_ts = max(lasts) if lasts else None
-        self._merge_summaries()
+        self._settle()
         return build_report(self)
 
 
@@ -665,30 +858,29 @@ def build_report(agg: Aggregator) -> Dict[str, Any]:
     for key in sorted(agg.keys, key=lambda k: (natural_key(k[0]), _PHASE_ORDER.get(k[1], 9), k[1])):
         total = Counts()
         dense_ranks, fused_ranks = set(), set()
-        per_call_records = False
         for s in streams:
             c = s.counts.get(key)
             if c is None:
                 continue
             total.dense += c.dense
-            total.calls += c.calls
+            total.allowed += c.allowed
+            total.fused += c.fused
             total.compiles += c.compiles
             total.blocked += c.blocked
             total.inlined += c.inlined
-            fc = c.fused_calls()
-            total.fused += fc
-            per_call_records = per_call_records or c.calls > 0 or c.fused > 0 or c.runs > 0
             for k, v in c.causes.items():
                 total.causes[k] = total.causes.get(k, 0) + v
             pr = per_rank.setdefault(s.rank, {}).setdefault(key, [0, 0])
             pr[0] += c.dense
-            pr[1] += fc + c.compiles
+            pr[1] += c.fused + c.compiles
         for r, keys in per_rank.items():
             d, f = keys.get(key, (0, 0))
             if d:
                 dense_ranks.add(r)
             elif f:
                 fused_ranks.add(r)
+        if not (total.dense or total.allowed or total.fused or total.compiles or total.inlined or agg.keys[key].alloc.n or agg.keys[key].peak.n):
+            continue  # a key only a dense recompute's or an odd record's
         ks = agg.keys[key]
         fd = ks.first_dense
         rows.append(
@@ -696,10 +888,10 @@ def build_report(agg: Aggregator) -> Dict[str, Any]:
                 "layer": key[0],
                 "phase": key[1],
                 "dense": total.dense,
-                "fused": total.fused if per_call_records else total.compiles,
-                "fused_calls": total.fused if per_call_records else None,
-                "compiles": total.compiles,
+                "allowed": total.allowed,
                 "blocked": total.blocked,
+                "fused": total.fused,
+                "compiles": total.compiles,
                 "inlined": total.inlined,
                 "causes": dict(sorted(total.causes.items(), key=lambda kv: (-kv[1], kv[0]))),
                 "alloc_delta_median": ks.alloc.median(),
@@ -737,8 +929,8 @@ def build_report(agg: Aggregator) -> Dict[str, Any]:
     for s in streams:
         h = s.header
         if h:
-            v = (h.get("fusionguard"), h.get("torch"), h.get("triton"), h.get("python"))
-            versions[v] = versions.get(v, 0) + 1
+            vkey = (h.get("fusionguard"), h.get("torch"), h.get("triton"), h.get("python"))
+            versions[vkey] = versions.get(vkey, 0) + 1
             cuda = h.get("cuda") if isinstance(h.get("cuda"), dict) else {}
             host = str(h.get("hostname") or s.host or "?")
             names = cuda.get("devices") if isinstance(cuda.get("devices"), list) else None
@@ -750,8 +942,8 @@ def build_report(agg: Aggregator) -> Dict[str, Any]:
             if ws is not None:
                 world = max(world or 0, ws)
     schemas: Dict[str, int] = {}
-    for f in agg.files:
-        for k in f.schemas:
+    for fs in agg.files:
+        for k in fs.schemas:
             schemas[k] = schemas.get(k, 0) + 1
     warnings = list(agg.notes)
     numeric = [int(k) for k in schemas if k.isdigit()]
@@ -766,9 +958,12 @@ def build_report(agg: Aggregator) -> Dict[str, Any]:
         warnings.append(f"{corrupt} corrupt line{'s' if corrupt > 1 else ''} skipped ({where}{', ...' if corrupt > 5 else ''})")
     if torn:
         warnings.append(f"torn last line (a write cut short by a crash) in {', '.join(os.path.basename(p) for p in torn)}")
-    empty = [f.path for f in agg.files if f.events == 0]
-    if empty:
-        warnings.append(f"{len(empty)} file{'s' if len(empty) > 1 else ''} without events: {', '.join(os.path.basename(p) for p in empty[:5])}")
+    if agg.ignored:
+        shown = ", ".join(f"{os.path.basename(i['path'])} ({i['reason']})" for i in agg.ignored[:5])
+        more = f", +{len(agg.ignored) - 5} more" if len(agg.ignored) > 5 else ""
+        warnings.append(f"ignored {len(agg.ignored)} input{'s' if len(agg.ignored) > 1 else ''} that {'are' if len(agg.ignored) > 1 else 'is'} not a fusionguard log: {shown}{more}")
+    if agg.errors:
+        warnings.append(f"{agg.errors} event(s) with fields this report could not read were skipped (counted as corrupt lines)")
     if agg.unknown:
         warnings.append("unknown event kinds ignored: " + ", ".join(f"{k} ({v})" for k, v in sorted(agg.unknown.items())))
     if agg.key_overflow:
@@ -793,8 +988,8 @@ def build_report(agg: Aggregator) -> Dict[str, Any]:
                 "files": list(s.files),
             }
         )
-        for c in s.crashes:
-            crashes.append({"host": s.host, "pid": s.pid, "rank": s.rank, "kind": "crash", "crash": c["event"], "last_events": c["before"]})
+        for cr in s.crashes:
+            crashes.append({"host": s.host, "pid": s.pid, "rank": s.rank, "kind": "crash", "crash": cr["event"], "last_events": cr["before"]})
         if ending.startswith("stopped"):
             crashes.append({"host": s.host, "pid": s.pid, "rank": s.rank, "kind": "stopped", "crash": None, "last_events": [compact(x) for x in s.recent]})
 
@@ -802,7 +997,7 @@ def build_report(agg: Aggregator) -> Dict[str, Any]:
     return {
         "report_version": REPORT_VERSION,
         "run": {
-            "files": len(agg.files),
+            "files": sum(1 for f in agg.files if f.known),
             "processes": len([s for s in streams if not s.synthetic]),
             "ranks": ranks,
             "world_size": world,
@@ -822,7 +1017,9 @@ def build_report(agg: Aggregator) -> Dict[str, Any]:
         "totals": {
             "dense_calls": total_dense,
             "dense_pairs": sum(1 for r in rows if r["dense"]),
-            "fused_calls": sum(r["fused_calls"] or 0 for r in rows),
+            "blocked_calls": sum(r["blocked"] for r in rows),
+            "allowed_dense_calls": sum(r["allowed"] for r in rows),
+            "fused_calls": sum(r["fused"] for r in rows),
             "compiles": sum(r["compiles"] for r in rows),
             "causes": _sum_causes(rows),
             "scores_bytes_max": max((r["scores_bytes_max"] for r in rows if r["scores_bytes_max"] is not None), default=None),
@@ -832,7 +1029,8 @@ def build_report(agg: Aggregator) -> Dict[str, Any]:
         "disagreements": disagreements,
         "endings": endings,
         "crashes": crashes,
-        "files": [f.to_dict() for f in agg.files],
+        "files": [f.to_dict() for f in agg.files if f.known],
+        "ignored": list(agg.ignored),
         "warnings": warnings,
     }
 
@@ -850,40 +1048,24 @@ def _sum_causes(rows: List[Dict[str, Any]]) -> Dict[str, int]:
 
 
 def build(paths: Iterable[str], last: int = 10) -> Dict[str, Any]:
-    """Read every log under ``paths`` and return the report dict (``--format json``)."""
-    notes: List[str] = []
-    files = find_logs(paths, notes)
+    """Read every log under ``paths`` and return the report dict (``--format json``). Raises
+    ReportError when no input holds a fusionguard event (exit status 2: nothing to report on)."""
     agg = Aggregator(last=last)
-    agg.notes = notes
+    files = find_logs(paths, agg.notes, agg.ignored)
     for f in files:
         try:
             agg.read(f)
         except OSError as exc:
-            stats = FileStats(f)
-            agg.files.append(stats)
-            agg.unknown.setdefault(f"(unreadable file {os.path.basename(f)}: {exc.strerror})", 1)
+            if agg.files and agg.files[-1].path == f and not agg.files[-1].lines:
+                agg.files.pop()
+            agg.ignored.append({"path": f, "reason": f"unreadable: {exc.strerror or exc}"})
+    if not any(f.known for f in agg.files):
+        what = "; ".join(f"{i['path']}: {i['reason']}" for i in agg.ignored[:5]) or "no input"
+        raise ReportError(f"no fusionguard events in the input ({what})")
     return agg.finish()
 
 
 # -- text ------------------------------------------------------------------------------------------
-
-
-def _causes_text(causes: Dict[str, int]) -> str:
-    return ", ".join(f"{k}×{v}" for k, v in causes.items()) or "-"
-
-
-def _mem(med: Any, mx: Any) -> str:
-    if med is None and mx is None:
-        return "-"
-    return f"{human_bytes(med)} / {human_bytes(mx)}"
-
-
-def _table(headers: List[str], rows: List[List[str]], right: Iterable[int] = ()) -> List[str]:
-    right = set(right)
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
-    def line(cells: List[str]) -> str:
-        return "  ".join(c.rjust(widths[i]) if i in right else c.ljust(widths[i]) for i, c in enumerate(cells)).rstrip()
-    return [line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows]
 
 
 def _event_line(e: Dict[str, Any], t0: Optional[float]) -> str:
@@ -910,7 +1092,23 @@ def _who(item: Dict[str, Any]) -> str:
     return f"rank {item.get('rank')} (pid {item.get('pid')}{host})"
 
 
+_ESCAPED_NEWLINE = escape("\n")
+
+
+def _escaped(obj: Any) -> Any:
+    if isinstance(obj, str):
+        return escape(obj)
+    if isinstance(obj, dict):
+        return {(escape(k) if isinstance(k, str) else k): _escaped(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_escaped(x) for x in obj]
+    return obj
+
+
 def render_text(rep: Dict[str, Any]) -> str:
+    """The report for people. Every string from a log is escaped first: control characters
+    (ESC, newlines) are shown as ``\\x1b``, never sent to the terminal."""
+    rep = _escaped(rep)
     run, totals = rep["run"], rep["totals"]
     out: List[str] = []
     ranks = run["ranks"]
@@ -939,34 +1137,51 @@ def render_text(rep: Dict[str, Any]) -> str:
         out.append(f"  warning:  {w}")
     out.append("")
 
+    allowed = totals["allowed_dense_calls"]
+    allowed_text = (
+        f"{allowed:,} allowed dense call{'s' if allowed != 1 else ''} (allow_dense() or the debug flag: on purpose, not counted as dense)"
+        if allowed else ""
+    )
     if not rep["rows"]:
-        out.append("No FlexAttention events in the input." if run["events"] else "No events in the input.")
+        out.append("No FlexAttention calls or compiles in the input.")
     else:
+        fused = f"{totals['fused_calls']:,} fused call{'s' if totals['fused_calls'] != 1 else ''}"
+        graphs = f"{totals['compiles']:,} compiled graph{'s' if totals['compiles'] != 1 else ''}"
         if totals["dense_calls"]:
             big = f"; largest dense score matrix {human_bytes(totals['scores_bytes_max'])} (fp32)" if totals["scores_bytes_max"] else ""
+            blocked = f" ({totals['blocked_calls']:,} blocked)" if totals["blocked_calls"] else ""
             out.append(
-                f"DENSE: {totals['dense_calls']:,} dense FlexAttention call{'s' if totals['dense_calls'] != 1 else ''} in "
+                f"DENSE: {totals['dense_calls']:,} dense FlexAttention call{'s' if totals['dense_calls'] != 1 else ''}{blocked} in "
                 f"{totals['dense_pairs']} layer/phase pair{'s' if totals['dense_pairs'] != 1 else ''}; causes: {_causes_text(totals['causes'])}{big}"
             )
+            out.append(f"  also: {fused}, {graphs}" + (f"; {allowed_text}" if allowed else ""))
         else:
-            out.append(f"OK: no dense FlexAttention; {totals['fused_calls']:,} fused calls recorded, {totals['compiles']} fused compile record(s)")
+            out.append(f"OK: no dense FlexAttention; {fused}, {graphs}")
+            if allowed:
+                out.append(f"  also: {allowed_text}")
         out.append("")
+        show_allowed = bool(allowed)
         table_rows = []
         for r in rep["rows"]:
-            table_rows.append(
-                [
-                    r["layer"],
-                    r["phase"],
-                    f"{r['dense']:,}" if r["dense"] else "0",
-                    f"{r['fused_calls']:,}" if r["fused_calls"] is not None else "-",
-                    str(r["compiles"]),
-                    _causes_text(r["causes"]),
-                    _mem(r["alloc_delta_median"], r["alloc_delta_max"]),
-                    _mem(r["peak_delta_median"], r["peak_delta_max"]),
-                    r["first_dense_call_site"] or "-",
-                ]
-            )
-        out.extend(_table(["layer", "phase", "dense", "fused", "compiled", "causes", "alloc Δ med / max", "peak Δ med / max", "first dense call site"], table_rows, right=(2, 3, 4)))
+            cells = [r["layer"], r["phase"], f"{r['dense']:,}"]
+            if show_allowed:
+                cells.append(f"{r['allowed']:,}")
+            cells += [
+                f"{r['fused']:,}",
+                f"{r['compiles']:,}",
+                _causes_text(r["causes"]),
+                _mem(r["alloc_delta_median"], r["alloc_delta_max"]),
+                _mem(r["peak_delta_median"], r["peak_delta_max"]),
+                r["first_dense_call_site"] or "-",
+            ]
+            table_rows.append(cells)
+        heads = ["layer", "phase", "dense"] + (["allowed"] if show_allowed else []) + [
+            "fused", "compiled", "causes", "alloc Δ med / max", "peak Δ med / max", "first dense call site",
+        ]
+        n = 4 if show_allowed else 3
+        out.extend(_table(heads, table_rows, right=range(2, n + 2)))
+        out.append("")
+        out.append("dense: calls that ran (or were blocked) dense; fused: calls executed fused; compiled: graphs compiled or loaded")
 
     if rep["ranks"]:
         out.append("")
@@ -996,7 +1211,7 @@ def render_text(rep: Dict[str, Any]) -> str:
             ev = c["crash"] or {}
             thread = f" in thread {ev.get('thread')}" if ev.get("thread") not in (None, "MainThread") else ""
             out.append(f"CRASH {_who(c)}{thread} at {fmt_ts(ev.get('ts'))}")
-            out.append(f"  {ev.get('exc_type')}: {str(ev.get('message') or '').splitlines()[0] if ev.get('message') else ''}")
+            out.append(f"  {ev.get('exc_type')}: {str(ev.get('message') or '').split(_ESCAPED_NEWLINE)[0]}")
             if ev.get("diagnosis"):
                 out.append(f"  diagnosis: {ev['diagnosis']}")
             lf = ev.get("last_flex")
@@ -1039,7 +1254,7 @@ def _devices_text(names: List[str]) -> str:
 # -- csv -------------------------------------------------------------------------------------------
 
 CSV_COLUMNS = (
-    "layer", "phase", "dense", "fused", "fused_calls", "compiles", "blocked", "causes",
+    "layer", "phase", "dense", "allowed", "blocked", "fused", "compiles", "causes",
     "alloc_delta_median", "alloc_delta_max", "peak_delta_median", "peak_delta_max",
     "scores_bytes_max", "first_dense_call_site", "dense_ranks", "fused_ranks",
 )
@@ -1094,11 +1309,76 @@ def short_labels(layers: List[str]) -> Tuple[List[str], Optional[str]]:
 
 
 def plot(rep: Dict[str, Any], path: str) -> str:
-    """Per-layer forward/backward peak-memory bars, dense ones in red and labelled. Needs
-    matplotlib (``pip install 'fusionguard[plot]'``); raises ImportError otherwise."""
+    """Per-layer forward/backward peak-memory bars, dense ones in red and labelled; without
+    any memory figure in the log (CPU runs, ``watch(memory=False)``), dense and fused calls per
+    layer instead. Returns a note on what is missing ("" when nothing is). Layer names and
+    causes are drawn as they are (no mathtext: a ``$`` is a dollar sign). Needs matplotlib
+    (``pip install 'fusionguard[plot]'``); raises ImportError otherwise, OSError for a path
+    that cannot be written."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    rep = _escaped(rep)
+    measured = any(r["peak_delta_max"] is not None for r in rep["rows"])
+    estimated = any(r["dense"] and r["scores_bytes_max"] is not None for r in rep["rows"])
+    with plt.rc_context({"text.parse_math": False}):
+        if measured or estimated:
+            _plot_memory(rep, path)
+        else:
+            _plot_counts(rep, path)
+    if measured:
+        return ""
+    if estimated:
+        return "; no measured memory in the log (CPU run or watch(memory=False)): dense bars show the score-matrix size"
+    return "; no memory data in the log (CPU run or watch(memory=False)): dense and fused calls per layer plotted instead"
+
+
+def _layers(rows: List[Dict[str, Any]]) -> List[str]:
+    layers: List[str] = []
+    for r in rows:
+        if r["layer"] not in layers:
+            layers.append(r["layer"])
+    return layers
+
+
+def _plot_counts(rep: Dict[str, Any], path: str) -> None:
+    import matplotlib.pyplot as plt
+
+    rows = rep["rows"]
+    layers = _layers(rows)
+    labels, pattern = short_labels(layers)
+    by = {(r["layer"], r["phase"]): r for r in rows}
+    n = max(1, len(layers))
+    fig, ax = plt.subplots(figsize=(min(20.0, max(8.5, 0.6 * n + 5)), 5.4))
+    width = 0.2
+    bars = [("forward", "fused", "#7fa7d6"), ("forward", "dense", "#f08a7e"), ("backward", "fused", "#2c5d94"), ("backward", "dense", "#b3261e")]
+    for j, (phase, kind, color) in enumerate(bars):
+        xs = [i + (j - 1.5) * width for i in range(len(layers))]
+        ys = [(by.get((l, phase)) or {}).get(kind) or 0 for l in layers]
+        ax.bar(xs, ys, width=width, color=color, label=f"{phase}, {kind}")
+    ax.set_xticks(range(len(layers)))
+    ax.set_xticklabels(labels, rotation=35 if len(layers) > 8 else 0, ha="right" if len(layers) > 8 else "center", fontsize=8)
+    if pattern is not None:
+        ax.set_xlabel(f"layer: {pattern}", fontsize=9)
+    ax.set_ylabel("FlexAttention calls")
+    t = rep["totals"]
+    ax.set_title(f"fusionguard: calls per attention layer ({t['dense_calls']:,} dense, {t['fused_calls']:,} fused)", fontsize=11, loc="left")
+    fig.text(0.01, 0.01, "no memory data in the log (CPU run or watch(memory=False)): call counts shown", fontsize=7, color="#444444")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, frameon=False)
+    if not rows:
+        ax.text(0.5, 0.5, "no FlexAttention layers in the input", ha="center", va="center", transform=ax.transAxes)
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_axisbelow(True)
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    try:
+        fig.savefig(path, dpi=120)
+    finally:
+        plt.close(fig)
+
+
+def _plot_memory(rep: Dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
@@ -1189,6 +1469,7 @@ def plot(rep: Dict[str, Any], path: str) -> str:
     ax.grid(axis="y", alpha=0.3)
     ax.set_axisbelow(True)
     fig.tight_layout(rect=(0, 0.03, 1, 1))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    try:
+        fig.savefig(path, dpi=120)
+    finally:
+        plt.close(fig)

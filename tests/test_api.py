@@ -187,3 +187,39 @@ def test_internal_error_fails_open(guard, monkeypatch, capsys):
     errors = [e for e in read_jsonl(log) if e["event"] == "internal_error"]
     assert len(errors) == 1 and "ZeroDivisionError" in errors[0]["error"]
     assert capsys.readouterr().err.count("internal error") == 1
+
+
+def test_summary_and_report_format_the_same_things_the_same_way(guard, capsys):
+    """One table formatter and one unit style (automatic units, ``cause×n``) for summary() and
+    fusionguard report: the same row reads the same in both."""
+    import warnings
+
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from conftest import run_cli
+
+    log = guard()
+
+    class Attn(torch.nn.Module):
+        def forward(self, q, k, v):
+            return flex_attention(q, k, v)
+
+    model = torch.nn.Sequential(Attn())
+    q, k, v = qkv()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with fusionguard.watch(model):
+            model[0](q, k, v)
+            model[0](q, k, v)
+    text = str(fusionguard.summary())
+    fusionguard.disable()
+    head, rule, row = text.splitlines()
+    assert head.split()[:5] == ["layer", "phase", "calls", "dense", "fused"] and set(rule) <= {"-", " "}
+    assert row.split()[:5] == ["0", "forward", "2", "2", "0"] and "eager_call×2" in row
+    rc, out, _ = run_cli(capsys, log)
+    line = next(l for l in out.splitlines() if l.startswith("0 "))
+    assert "eager_call×2" in line and line.split()[:3] == ["0", "forward", "2"]
+    from fusionguard import _format, _summary, report
+
+    assert report._table is _format.table and _summary.table is _format.table
+    assert report.human_bytes is _format.human_bytes

@@ -162,3 +162,80 @@ def test_untouched(request):
         noise = [line for line in result.outlines if "fusionguard:" in line or re.match(r"=+ fusionguard =+$", line)]
         assert noise == [], result.outlines
     assert not list(pytester.path.rglob("fusionguard*.jsonl"))
+
+
+MARKED_TESTS = HELPERS + """
+import unittest
+
+
+@pytest.mark.xfail(reason="known to be slow")
+def test_xfail_dense():
+    attend()
+
+
+@pytest.mark.xfail(reason="catches it", strict=False)
+def test_xfail_swallowed():
+    try:
+        attend()
+    except RuntimeError:
+        pass
+
+
+@pytest.mark.xfail(reason="a genuine expected failure")
+def test_xfail_unrelated():
+    assert False
+
+
+class Case(unittest.TestCase):
+    @unittest.expectedFailure
+    def test_expected_failure_dense(self):
+        attend()
+
+
+@pytest.mark.xfail(reason="allowed on purpose")
+@pytest.mark.fusionguard_allow_dense
+def test_xfail_allowed():
+    attend()
+    assert False
+"""
+
+
+def test_a_blocked_call_fails_the_test_whatever_its_marks(pytester):
+    """Under strict mode an xfail / unittest.expectedFailure test that runs dense FlexAttention
+    must not report XFAIL (that hides the verdict); fusionguard_allow_dense is the way to allow it."""
+    pytester.makepyfile(test_inner=MARKED_TESTS)
+    result = pytester.runpytest_subprocess(*PLUGIN, "--fusionguard=strict", "-p", "no:cacheprovider", "-rfx")
+    result.assert_outcomes(failed=3, xfailed=2)
+    result.stdout.fnmatch_lines(
+        [
+            "FAILED test_inner.py::test_xfail_dense*",
+            "FAILED test_inner.py::test_xfail_swallowed*",
+            "FAILED test_inner.py::Case::test_expected_failure_dense*",
+        ],
+        consecutive=False,
+    )
+    out = "\n".join(result.outlines)
+    assert "a blocked call fails the test whatever its marks" in out
+    assert "XFAIL test_inner.py::test_xfail_unrelated" in out and "XFAIL test_inner.py::test_xfail_allowed" in out
+
+
+def test_junitxml_property_is_json_and_the_ini_option_turns_it_on(pytester):
+    pytester.makepyfile(test_inner=HELPERS + "\n\ndef test_dense():\n    attend()\n")
+    pytester.makeini("[pytest]\nfusionguard = warn\nfusionguard_log = logs/fg.jsonl\n")
+    junit = pytester.path / "junit.xml"
+    result = pytester.runpytest_subprocess(*PLUGIN, f"--junitxml={junit}", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["fusionguard: warn mode, log: *fg.jsonl"])
+    import xml.etree.ElementTree as ET
+
+    (prop,) = [p for p in ET.parse(junit).iter("property") if p.get("name") == "fusionguard"]
+    (call,) = __import__("json").loads(prop.get("value"))
+    assert (call["phase"], call["cause"], call["action"]) == ("forward", "eager_call", "warn")
+    assert (pytester.path / "logs" / "fg.jsonl").exists()
+
+    # the command line wins over the ini file; a bad ini value is a usage error
+    result = pytester.runpytest_subprocess(*PLUGIN, "--fusionguard=strict", "-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    pytester.makeini("[pytest]\nfusionguard = loud\n")
+    result = pytester.runpytest_subprocess(*PLUGIN, "-p", "no:cacheprovider")
+    assert result.ret == 4 and "fusionguard = 'loud': use one of strict, warn, off" in "\n".join(result.errlines)

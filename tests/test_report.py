@@ -26,11 +26,11 @@ from conftest import ROOT, qkv, read_jsonl, run_cli
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
 ROW_KEYS = {
-    "layer", "phase", "dense", "fused", "fused_calls", "compiles", "blocked", "inlined", "causes",
+    "layer", "phase", "dense", "allowed", "fused", "compiles", "blocked", "inlined", "causes",
     "alloc_delta_median", "alloc_delta_max", "peak_delta_median", "peak_delta_max", "memory_samples",
     "scores_bytes_max", "templates", "first_dense", "first_dense_call_site", "dense_ranks", "fused_ranks",
 }
-TOP_KEYS = {"report_version", "run", "totals", "rows", "ranks", "disagreements", "endings", "crashes", "files", "warnings"}
+TOP_KEYS = {"report_version", "run", "totals", "rows", "ranks", "disagreements", "endings", "crashes", "files", "ignored", "warnings"}
 SITE = {"file": "train.py", "line": 7, "function": "attention"}
 
 
@@ -89,7 +89,7 @@ def test_report_on_a_real_log_of_eager_dense_calls(guard, capsys):
     assert set(rep) == TOP_KEYS
     (row,) = rep["rows"]
     assert set(row) == ROW_KEYS
-    assert (row["layer"], row["phase"], row["dense"], row["fused_calls"]) == ("(no layer)", "forward", 2, None)
+    assert (row["layer"], row["phase"], row["dense"], row["fused"], row["allowed"]) == ("(no layer)", "forward", 2, 0, 0)
     assert row["causes"] == {"eager_call": 2} and row["scores_bytes_max"] == 1 * 2 * 16 * 24 * 4
     assert row["first_dense_call_site"] == site
     assert rep["run"]["versions"][0]["torch"].startswith("2.")
@@ -140,12 +140,12 @@ def test_per_layer_memory_causes_and_rank_disagreement(tmp_path, capsys):
     rows = {(r["layer"], r["phase"]): r for r in rep["rows"]}
     assert list(rows) == [("layers.0.attn", "forward"), ("layers.0.attn", "backward"), ("layers.1.attn", "forward")]
     f0 = rows[("layers.0.attn", "forward")]
-    assert (f0["dense"], f0["fused_calls"], f0["fused"]) == (0, 4, 4)
+    assert (f0["dense"], f0["fused"], f0["compiles"]) == (0, 4, 0)
     assert (f0["alloc_delta_median"], f0["alloc_delta_max"]) == (250, 400)  # 100 200 300 400
     assert (f0["peak_delta_median"], f0["peak_delta_max"]) == (2_500, 9_000)
     assert f0["fused_ranks"] == [0, 1] and f0["dense_ranks"] == []
     f1 = rows[("layers.1.attn", "forward")]
-    assert (f1["dense"], f1["fused_calls"], f1["compiles"]) == (1, 1, 1)
+    assert (f1["dense"], f1["fused"], f1["compiles"]) == (1, 1, 1)
     assert f1["causes"] == {"recompile_limit": 1} and f1["templates"] == ["triton"]
     assert f1["first_dense_call_site"] == "train.py:7 in attention" and f1["first_dense"]["rank"] == 1
     assert f1["peak_delta_max"] == 310_000_000
@@ -197,7 +197,7 @@ def test_summary_rows_and_fused_call_counters(tmp_path, capsys):
         ev("layer_memory", 2, layer="layers.0", phase="forward", path="fused", alloc_delta=1, peak_delta=10),
         ev("fused_calls", 3, layer="layers.0", phase="forward", path="fused", of="layer_memory", count=999, total=1000,
            alloc_delta_max=7, alloc_delta_last=2, peak_delta_max=77, peak_delta_last=20),
-        # all of layers.5's calls were sampled out: only the process's own summary knows them
+        # a row for calls this log does not hold
         ev("summary", 4, rows=[
             {"layer": "layers.5", "phase": "backward", "calls": 40, "dense": 40, "fused": 0, "causes": {"eager_call": 40},
              "alloc_delta_last": 5, "alloc_delta_max": 6, "peak_delta_last": 8e9, "peak_delta_max": 9e9, "scores_bytes": 2_700_000_000, "rank": 0},
@@ -209,11 +209,13 @@ def test_summary_rows_and_fused_call_counters(tmp_path, capsys):
     rep = as_json(capsys, write(tmp_path / "fg.jsonl", events))
     rows = {(r["layer"], r["phase"]): r for r in rep["rows"]}
     l0 = rows[("layers.0", "forward")]
-    assert l0["fused_calls"] == 1000 and l0["dense"] == 10  # rank 3's gathered row counts
+    assert l0["fused"] == 1000 and l0["dense"] == 10  # rank 3's gathered row counts
     assert l0["alloc_delta_max"] == 7 and l0["peak_delta_max"] == 77
     assert l0["dense_ranks"] == [3] and l0["fused_ranks"] == [0]
+    # the process's own rows add no call its events do not hold (counters are flushed before a
+    # summary; rows may also count an earlier log of the process): only their memory figures
     l5 = rows[("layers.5", "backward")]
-    assert (l5["dense"], l5["causes"], l5["peak_delta_max"], l5["scores_bytes_max"]) == (40, {"eager_call": 40}, 9e9, 2_700_000_000)
+    assert (l5["dense"], l5["causes"], l5["peak_delta_max"], l5["scores_bytes_max"]) == (0, {}, 9e9, None)
     assert {e["rank"]: e["ending"] for e in rep["endings"]} == {0: "exit", 3: "summary only"}
 
 
@@ -320,8 +322,8 @@ def test_mixed_schema_versions(tmp_path, capsys):
 def test_empty_file_empty_directory_missing_path(tmp_path, capsys):
     empty = tmp_path / "empty.jsonl"
     empty.write_bytes(b"")
-    rc, out, err = run_cli(capsys, empty)
-    assert rc == 0 and "No events in the input." in out and "1 file without events: empty.jsonl" in out
+    rc, out, err = run_cli(capsys, empty, "--fail-on-dense")
+    assert rc == 2 and out == "" and "no fusionguard events in the input" in err and "empty.jsonl: empty" in err
 
     (tmp_path / "nologs").mkdir()
     (tmp_path / "nologs" / "notes.txt").write_text("hi")
@@ -363,7 +365,7 @@ def test_sampler_keeps_first_events_then_counters_and_loses_no_call(tmp_path, ca
     assert kinds.index("shutdown") == len(kinds) - 1
     rep = as_json(capsys, path)
     rows = {(r["layer"], r["phase"]): r for r in rep["rows"]}
-    assert rows[("layers.1", "forward")]["fused_calls"] == 500
+    assert rows[("layers.1", "forward")]["fused"] == 500
     assert rows[("layers.1", "forward")]["peak_delta_max"] == 10_000
     assert rows[("layers.0", "forward")]["dense"] == 1
 
@@ -463,7 +465,7 @@ def test_fused_runs_of_a_compiled_flex_are_counted_exactly(guard, capsys, dynamo
     rep = as_json(capsys, log)
     assert not [w for w in rep["warnings"] if "unknown event kinds" in w]
     (row,) = [r for r in rep["rows"] if r["phase"] == "forward"]
-    assert row["fused_calls"] == 15 and row["dense"] == 0
+    assert row["fused"] == 15 and row["dense"] == 0 and row["compiles"] == 1
 
 
 def test_graph_runs_and_layer_records_of_the_same_calls_are_not_added(tmp_path, capsys):
@@ -480,9 +482,12 @@ def test_graph_runs_and_layer_records_of_the_same_calls_are_not_added(tmp_path, 
     ]
     rep = as_json(capsys, write(tmp_path / "fg.jsonl", events))
     rows = {(r["layer"], r["phase"]): r for r in rep["rows"]}
-    assert rows[(report.NO_LAYER, "forward")]["fused_calls"] == 6
-    assert rows[("c", "forward")]["fused_calls"] == 1
-    assert rows[("d", "forward")]["fused_calls"] == 1 and rows[("d", "forward")]["dense"] == 0
+    # the kept runs name one call per layer; the counter names none
+    assert rows[("a", "forward")]["fused"] == 2 and rows[("b", "forward")]["fused"] == 2
+    assert rows[(report.NO_LAYER, "forward")]["fused"] == 2
+    assert rows[("c", "forward")]["fused"] == 1
+    assert rows[("d", "forward")]["fused"] == 1 and rows[("d", "forward")]["dense"] == 0
+    assert rep["totals"]["fused_calls"] == 6 + 1 + 1
 
 
 def test_repeated_dense_calls_are_sampled_and_counted_exactly(guard, capsys):

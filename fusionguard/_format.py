@@ -1,0 +1,61 @@
+"""Text formatting shared by ``summary()`` and ``fusionguard report``: one table layout, one
+unit style (automatic decimal units, ``×`` for counts), one escape for untrusted text."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Dict, Iterable, List, Optional
+
+# C0 (except newline, handled by the caller), DEL, C1, and the bidirectional overrides that can
+# make a terminal show text other than what is there.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def escape(text: str) -> str:
+    """``text`` with control characters (ESC, newline, ...) written as ``\\xNN`` / ``\\uNNNN``:
+    a log's strings never move the cursor, recolour or forge lines in a terminal."""
+
+    def sub(m: "re.Match[str]") -> str:
+        c = ord(m.group())
+        return f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}"
+
+    return _CONTROL.sub(sub, text)
+
+
+def human_bytes(n: Optional[float], signed: bool = False) -> str:
+    """``123 B``, ``1.23 KB`` ... ``TB`` (decimal units, as the README's figures)."""
+    if n is None:
+        return "-"
+    sign = "-" if n < 0 else ("+" if signed and n > 0 else "")
+    value = abs(float(n))
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if value < 1000 or unit == "TB":
+            body = f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+            return sign + body
+        value /= 1000
+    return f"{n} B"  # pragma: no cover
+
+
+def causes_text(causes: Optional[Dict[str, Any]]) -> str:
+    return ", ".join(f"{k}×{v}" for k, v in (causes or {}).items()) or "-"
+
+
+def mem_text(med: Any, mx: Any) -> str:
+    if med is None and mx is None:
+        return "-"
+    return f"{human_bytes(med)} / {human_bytes(mx)}"
+
+
+def count_text(n: Optional[int]) -> str:
+    return "-" if n is None else f"{n:,}"
+
+
+def table(headers: List[str], rows: List[List[str]], right: Iterable[int] = ()) -> List[str]:
+    """Columns padded to their widest cell, two spaces apart, a dashed rule under the header."""
+    right = set(right)
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+
+    def line(cells: List[str]) -> str:
+        return "  ".join(c.rjust(widths[i]) if i in right else c.ljust(widths[i]) for i, c in enumerate(cells)).rstrip()
+
+    return [line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows]
