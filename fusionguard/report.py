@@ -31,6 +31,8 @@ import re
 import time
 from typing import Any, Deque, Dict, Iterable, Iterator, List, Optional, Tuple
 
+from . import crash
+
 SUPPORTED_SCHEMA = 1
 REPORT_VERSION = 1
 MAX_LINE = 16 * 1024 * 1024
@@ -569,7 +571,7 @@ class Aggregator:
         elif kind == "shutdown":
             s.last_shutdown = str(e.get("reason"))
         elif kind == "header":
-            s.header = {k: e.get(k) for k in ("schema", "fusionguard", "torch", "triton", "python", "hostname", "cuda", "world_size", "local_rank")}
+            s.header = {k: e.get(k) for k in ("schema", "fusionguard", "torch", "triton", "python", "hostname", "cuda", "world_size", "local_rank", "crash_file")}
 
     # -- summary rows: what the process itself counted (covers sampled-out events) --------------
     def _merge_summaries(self) -> None:
@@ -779,6 +781,10 @@ def build_report(agg: Aggregator) -> Dict[str, Any]:
     endings = []
     crashes = []
     for s in sorted(streams, key=lambda s: (str(s.rank), str(s.host), str(s.pid))):
+        native = crash.native_crash(s.header.get("crash_file"), s.files, s.recent)  # a segfault/abort
+        if native is not None:
+            s.crashes.append({"event": native, "before": [compact(x) for x in s.recent]})
+            s.crash_count += 1
         ending = _ending(s)
         endings.append(
             {
