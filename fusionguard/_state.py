@@ -232,16 +232,16 @@ def _locks_after_fork() -> None:
     if log.sampler is not None:
         log.sampler._lock = _reinit(log.sampler._lock)
     STATE.patches._lock = _reinit(STATE.patches._lock)
-    crash = sys.modules.get("fusionguard.crash")
+    crash: Any = sys.modules.get("fusionguard.crash")
     if crash is not None:
         crash._lock = _reinit(crash._lock)
         crash._sigterm_state = "idle"
-    layers = sys.modules.get("fusionguard.layers")
+    layers: Any = sys.modules.get("fusionguard.layers")
     if layers is not None:
         layers._MODULES_LOCK = _reinit(layers._MODULES_LOCK)
         layers.STATS.lock = _reinit(layers.STATS.lock)
         layers.STATS.rows = {}  # the parent's per-layer counts are the parent's
-    signals = sys.modules.get("fusionguard.dynamo_signals")
+    signals: Any = sys.modules.get("fusionguard.dynamo_signals")
     if signals is not None:
         signals.SIGNALS.lock = _reinit(signals.SIGNALS.lock)
 
@@ -264,7 +264,7 @@ def _after_fork_in_child() -> None:
             log.sampler = log.sampler.fresh()
         parent_sink, log.sink = log.sink, None
         log.open_pending = None
-        capture = sys.modules.get("fusionguard.crash")
+        capture: Any = sys.modules.get("fusionguard.crash")
         if capture is not None:
             capture.release_native(after_fork=True)
         if parent_sink is not None and STATE.enabled:

@@ -9,9 +9,7 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 
-import pytest
 
 import fusionguard
 from fusionguard import _state, activate
