@@ -337,7 +337,7 @@ def disable() -> None:
 def _at_exit() -> None:
     try:
         with STATE.lock:
-            if STATE.enabled:
+            if STATE.enabled and STATE.log.open_pending is None:  # (set: a forked child that never logged)
                 STATE.flusher.stop()
                 _final_events("exit")
                 STATE.log.close()
