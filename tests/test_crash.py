@@ -527,8 +527,9 @@ def test_a_host_owned_faulthandler_is_left_alone(tmp_path):
     import fusionguard
     from fusionguard import _state
 
-    was = faulthandler.is_enabled()
-    faulthandler.enable()  # as pytest does by default
+    was = faulthandler.is_enabled()  # pytest enables it by default (then it stays pytest's)
+    if not was:
+        faulthandler.enable()
     try:
         fusionguard.enable(log_path=str(tmp_path / "fg.jsonl"))
         fusionguard.disable()
