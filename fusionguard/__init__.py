@@ -214,7 +214,10 @@ def enable(
               ``max_events`` (default 10000: events kept in memory), ``rescue`` (default False:
               run eager FlexAttention calls through a fused Inductor compile instead of the dense
               kernels; logged as ``path: "rescued"``; strict mode then raises only for calls that
-              cannot be rescued).
+              cannot be rescued), ``flush_interval`` (default 0.5 s: counted calls reach the file
+              within it, so a killed process loses at most that much of its counts; 0: only
+              every N calls and at exit), ``log_mode`` (default 0o600: new log / crash files).
+    ``FUSIONGUARD=off`` in the environment makes this a no-op (kill switch; docs/guarantees.md).
     """
     unknown = set(options) - set(OPTIONS)
     if unknown:
