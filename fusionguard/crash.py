@@ -138,15 +138,22 @@ def capture_native(log_path: str, mode: int = 0o600) -> Dict[str, Any]:
     with _lock:
         path = crash_file_for(log_path)
         if _native is not None:
-            if _native[1] == path:
-                return {"crash_capture": "faulthandler", "crash_file": path}
+            if _native[1] == path or _native[1].startswith(path[: -len(".crash")] + "-"):
+                return {"crash_capture": "faulthandler", "crash_file": _native[1]}
             release_native()
         if faulthandler.is_enabled():
             return {"crash_capture": "host-owned", "crash_file": None}
         fd = -1
         try:
-            fd = open_regular(path, mode)
-            os.ftruncate(fd, 0)  # a file left by an earlier process of the same pid
+            for n in range(1, 100):  # a crash file of an earlier process with our pid (containers
+                fd = open_regular(path, mode)  # reuse pids) is kept: take the next free name
+                if os.fstat(fd).st_size == 0:
+                    break
+                os.close(fd)
+                fd = -1
+                path = f"{crash_file_for(log_path)[: -len('.crash')]}-{n}.crash"
+            else:
+                raise OSError("no free crash file name")
             faulthandler.enable(file=fd, all_threads=True)
         except Exception as exc:
             if fd >= 0:

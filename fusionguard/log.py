@@ -120,6 +120,13 @@ def open_regular(path: str, mode: int = DEFAULT_LOG_MODE, flags: int = os.O_WRON
     return fd
 
 
+def _read_at(fd: int, offset: int) -> bytes:
+    if hasattr(os, "pread"):
+        return os.pread(fd, 1, offset)
+    os.lseek(fd, offset, os.SEEK_SET)  # pragma: no cover - Windows
+    return os.read(fd, 1)
+
+
 class FileSink:
     """Append-only JSON-lines file. Thread-safe; safe to share between processes."""
 
@@ -165,7 +172,7 @@ class FileSink:
             return
         try:
             st = os.fstat(fd)
-            if stat.S_ISREG(st.st_mode) and st.st_size and os.pread(fd, 1, st.st_size - 1) != b"\n":
+            if stat.S_ISREG(st.st_mode) and st.st_size and _read_at(fd, st.st_size - 1) != b"\n":
                 self._write_bytes(b"\n")
         except OSError:
             pass

@@ -566,3 +566,28 @@ def stat_mode(path):
     import stat as _stat
 
     return _stat.S_IMODE(os.stat(path).st_mode)
+
+
+def test_a_crash_file_of_an_earlier_process_with_our_pid_is_kept(tmp_path):
+    """Containers reuse pids (the main process is often pid 1): never overwrite a crash record.
+    In a subprocess: faulthandler there is not pytest's."""
+    code = """
+import json, sys
+from pathlib import Path
+from fusionguard import crash
+log = sys.argv[1]
+old = Path(crash.crash_file_for(log))
+old.write_text("Fatal Python error: Segmentation fault\\n")
+fields = crash.capture_native(log)
+again = crash.capture_native(log)
+crash.release_native()
+print(json.dumps({"fields": fields, "again": again, "old": str(old), "old_text": old.read_text(),
+                  "new_exists": Path(fields["crash_file"]).exists(), "torch": "torch" in sys.modules}))
+"""
+    p = subprocess.run([PY, "-c", code, str(tmp_path / "fg.jsonl")], capture_output=True, text=True, env=_env(), timeout=60)
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    assert r["fields"]["crash_capture"] == "faulthandler" and r["fields"]["crash_file"].endswith("-1.crash")
+    assert r["again"] == r["fields"], "enable() again: the same file"
+    assert r["old_text"] == "Fatal Python error: Segmentation fault\n" and not r["new_exists"]
+    assert not r["torch"]
