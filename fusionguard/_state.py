@@ -301,5 +301,34 @@ def _open_child_log(parent_sink: Any) -> None:
     STATE.log.emit("info", "header", **fields)
 
 
+_FORK_HELD = False  # the forking thread took STATE.lock in _before_fork
+
+
+def _before_fork() -> None:
+    """Wait (bounded) for an enable() / disable() of another thread to finish, so the child never
+    starts with half-applied patches or a half-built config."""
+    global _FORK_HELD
+    try:
+        _FORK_HELD = STATE.lock.acquire(timeout=5.0)
+    except Exception:
+        _FORK_HELD = False
+
+
+def _after_fork_in_parent() -> None:
+    global _FORK_HELD
+    if _FORK_HELD:
+        _FORK_HELD = False
+        try:
+            STATE.lock.release()
+        except Exception:
+            pass
+
+
+def _after_fork_in_child_hook() -> None:
+    global _FORK_HELD
+    _FORK_HELD = False  # the lock is re-initialised (free) in the child
+    _after_fork_in_child()
+
+
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child_hook)
