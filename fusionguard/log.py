@@ -249,6 +249,7 @@ class FileSink:
                 pass
             os.close(old)
         self._fd = open_regular(self.path, self.mode)
+        self._torn = False  # a fragment stays in the file it was written to
         self._size = self._file_size()
         if self._size == 0 and self.preamble is not None:
             try:
