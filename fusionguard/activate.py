@@ -76,7 +76,19 @@ def startup() -> None:
         _say_once("startup", f"fusionguard: start-up hook failed ({type(exc).__name__}: {exc}); fusionguard is off in this process\n")
 
 
+#: Launcher processes that import torch but never run attention (torchrun's elastic agent):
+#: their workers are enabled, they are not (no log of their own next to the ranks' logs).
+_LAUNCHERS = ("torchrun", "torch/distributed/run.py", "torch/distributed/launch.py")
+
+
+def is_launcher(argv0: str) -> bool:
+    name = argv0.replace(os.sep, "/")
+    return any(name == x or name.endswith("/" + x) for x in _LAUNCHERS)
+
+
 def _enable(mode: str) -> None:
+    if sys.argv and is_launcher(sys.argv[0]):
+        return
     try:
         import fusionguard
 

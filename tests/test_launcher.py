@@ -131,3 +131,10 @@ def test_off_is_a_kill_switch_over_code(monkeypatch, capsys, tmp_path):
     finally:
         fusionguard.disable()
         _state.reset_for_tests()
+
+
+def test_torchrun_s_agent_is_left_alone_its_workers_are_not():
+    for argv0 in ("/venv/bin/torchrun", "torchrun", "/venv/lib/python3.11/site-packages/torch/distributed/run.py"):
+        assert activate.is_launcher(argv0), argv0
+    for argv0 in ("train.py", "/x/torchrun_helper.py", "-c", "/venv/lib/python3.11/site-packages/torch/distributed/elastic/x.py"):
+        assert not activate.is_launcher(argv0), argv0
