@@ -81,13 +81,21 @@ def startup() -> None:
 _LAUNCHERS = ("torchrun", "torch/distributed/run.py", "torch/distributed/launch.py")
 
 
-def is_launcher(argv0: str) -> bool:
+_LAUNCHER_MODULES = ("torch.distributed.run", "torch.distributed.launch")
+
+
+def is_launcher(argv0: str, orig_argv: Sequence[str] = ()) -> bool:
+    """``argv0``: ``sys.argv[0]``; ``orig_argv``: ``sys.orig_argv`` (for ``python -m X``, whose
+    ``sys.argv[0]`` is ``-m`` while the module is being found, when torch gets imported)."""
+    if argv0 == "-m":
+        args = list(orig_argv)
+        return "-m" in args[:-1] and args[args.index("-m") + 1] in _LAUNCHER_MODULES
     name = argv0.replace(os.sep, "/")
     return any(name == x or name.endswith("/" + x) for x in _LAUNCHERS)
 
 
 def _enable(mode: str) -> None:
-    if sys.argv and is_launcher(sys.argv[0]):
+    if sys.argv and is_launcher(sys.argv[0], getattr(sys, "orig_argv", ())):
         return
     try:
         import fusionguard

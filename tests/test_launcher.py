@@ -138,3 +138,6 @@ def test_torchrun_s_agent_is_left_alone_its_workers_are_not():
         assert activate.is_launcher(argv0), argv0
     for argv0 in ("train.py", "/x/torchrun_helper.py", "-c", "/venv/lib/python3.11/site-packages/torch/distributed/elastic/x.py"):
         assert not activate.is_launcher(argv0), argv0
+    assert activate.is_launcher("-m", ["python", "-m", "torch.distributed.run", "--nproc-per-node", "2", "train.py"])
+    assert not activate.is_launcher("-m", ["python", "-m", "mypkg.train"])
+    assert not activate.is_launcher("-m", ["python", "-m"])
