@@ -141,3 +141,29 @@ def test_torchrun_s_agent_is_left_alone_its_workers_are_not():
     assert activate.is_launcher("-m", ["python", "-m", "torch.distributed.run", "--nproc-per-node", "2", "train.py"])
     assert not activate.is_launcher("-m", ["python", "-m", "mypkg.train"])
     assert not activate.is_launcher("-m", ["python", "-m"])
+
+
+WORKER = """
+import os, warnings
+import torch
+from torch.nn.attention.flex_attention import flex_attention
+import fusionguard
+warnings.simplefilter("ignore")
+q = torch.randn(1, 2, 16, 8)
+flex_attention(q, q, q)
+print("worker", os.environ["RANK"], os.getpid(), fusionguard.is_enabled(), flush=True)
+"""
+
+
+def test_fusionguard_run_torchrun_enables_each_worker_not_the_agent(tmp_path):
+    """The issue's example: `fusionguard run -- torchrun ... train.py` with an unmodified script."""
+    (tmp_path / "w.py").write_text(WORKER)
+    logs = tmp_path / "logs"
+    p = _run([PY, "-m", "fusionguard", "run", "--log", f"{logs}/", "--", PY, "-m", "torch.distributed.run", "--nproc-per-node", "2", "w.py"], tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    workers = sorted(line.split()[1:] for line in p.stdout.splitlines() if line.startswith("worker"))
+    assert [(rank, enabled) for rank, _, enabled in workers] == [("0", "True"), ("1", "True")]
+    names = sorted(f.name for f in logs.iterdir() if f.suffix == ".jsonl")
+    assert names == sorted(f"fusionguard.rank{rank}.pid{pid}.jsonl" for rank, pid, _ in workers), "no log of the agent"
+    for name in names:
+        assert [e["event"] for e in read_jsonl(logs / name)].count("flex_call") == 1
