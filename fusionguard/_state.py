@@ -280,7 +280,14 @@ def _after_fork_in_child() -> None:
 
 
 def _open_child_log(parent_sink: Any) -> None:
-    """Called (under the log's lock) with the forked child's first event."""
+    """Called (under the log's lock) with the forked child's first event. Never raises."""
+    try:
+        _open_child_log_now(parent_sink)
+    except Exception as exc:
+        write_stderr(f"fusionguard: forked process {os.getpid()} could not start its own log ({type(exc).__name__}: {exc}); its events are kept in memory only\n")
+
+
+def _open_child_log_now(parent_sink: Any) -> None:
     from . import crash
     from .log import FileSink, header_fields
 
