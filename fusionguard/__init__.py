@@ -15,7 +15,7 @@ import atexit
 import contextlib
 import os
 import threading
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple, Union
 
 from ._state import ALLOW_DENSE, OPTIONS, STATE, Config, internal_error, write_stderr
 from ._version import __version__
@@ -72,18 +72,19 @@ def _default_log_file() -> str:
     return DEFAULT_LOG_NAME
 
 
-def _resolve_log_path(log_path: Union[str, os.PathLike, None, bool]) -> Optional[str]:
+def _resolve_log_path(log_path: Union[str, os.PathLike, None, bool]) -> Tuple[Optional[str], Optional[str]]:
+    """(the log file, the directory when ``log_path`` names one: a file per process in it)."""
     if log_path is False:
-        return None
+        return None, None
     if log_path is None or log_path is True:
         log_path = os.environ.get("FUSIONGUARD_LOG") or _default_log_file()
-    path = os.path.abspath(os.fspath(log_path))
+    path = os.path.abspath(os.path.expanduser(os.fspath(log_path)))
     if os.path.isdir(path) or str(log_path).endswith(os.sep):
         # A directory: each rank and process writes its own file in it.
-        from .log import rank_info
+        from ._state import process_log_name
 
-        path = os.path.join(path, f"fusionguard.rank{rank_info()['rank']}.pid{os.getpid()}.jsonl")
-    return path
+        return os.path.join(path, process_log_name()), path
+    return path, None
 
 
 def _install_patches() -> None:
@@ -179,7 +180,14 @@ def _announce(path: Optional[str]) -> None:
 
 
 def _on_sink_error(exc: BaseException) -> None:
-    write_stderr(f"fusionguard: cannot write the log ({exc}); events are kept in memory only\n")
+    write_stderr(
+        f"fusionguard: cannot write the log {STATE.config.log_path} ({exc}); events go on in memory "
+        "(fusionguard.events()) and each new event tries the file again\n"
+    )
+
+
+def _on_sink_resume(unwritten: int) -> None:
+    write_stderr(f"fusionguard: writing the log {STATE.config.log_path} again; {unwritten} event(s) so far could not be written to it\n")
 
 
 def enable(
@@ -206,15 +214,28 @@ def enable(
               ``max_events`` (default 10000: events kept in memory), ``rescue`` (default False:
               run eager FlexAttention calls through a fused Inductor compile instead of the dense
               kernels; logged as ``path: "rescued"``; strict mode then raises only for calls that
-              cannot be rescued).
+              cannot be rescued), ``flush_interval`` (default 0.5 s: counted calls reach the file
+              within it, so a killed process loses at most that much of its counts; 0: only
+              every N calls and at exit), ``log_mode`` (default 0o600: new log / crash files).
+    ``FUSIONGUARD=off`` in the environment makes this a no-op (kill switch; docs/guarantees.md).
     """
     unknown = set(options) - set(OPTIONS)
     if unknown:
         raise TypeError(f"fusionguard.enable() got unknown option(s) {sorted(unknown)}; known: {list(OPTIONS)}")
+    from . import activate
+
+    if activate.switched_off():  # FUSIONGUARD=off: the kill switch wins over code
+        return
     with STATE.lock:
         config = Config(strict=strict, **options)
-        config.log_path = _resolve_log_path(log_path)
+        config.log_path, log_dir = _resolve_log_path(log_path)
         reopen = config.log_path != STATE.config.log_path or STATE.log.sink is None
+        if reopen and STATE.enabled and STATE.log.sink is not None:
+            try:  # the old file's run ends here, not "killed"
+                STATE.log.emit("info", "shutdown", reason="log_path changed", next_log=config.log_path, counts=dict(STATE.counts))
+            except Exception as exc:
+                internal_error("shutdown event (log_path changed)", exc)
+        STATE.log_dir = log_dir
         STATE.config = config
         STATE.log.set_max_events(config.max_events)
         from .log import FusedSampler
@@ -227,7 +248,10 @@ def enable(
             dense_first=config.dense_first,
             dense_every=config.dense_every,
         )
+        STATE.log.sampler.on_pending = STATE.flusher.poke
+        STATE.flusher.configure(config.flush_interval)
         STATE.log.on_sink_error = _on_sink_error
+        STATE.log.on_sink_resume = _on_sink_resume
         from .log import to_torch_trace
 
         STATE.log.mirror = to_torch_trace
@@ -238,12 +262,17 @@ def enable(
             for name, why in STATE.not_patched.items():
                 write_stderr(f"fusionguard: could not patch {name} ({why}); that part is not guarded\n")
         if reopen or first:
+            from . import crash
+
             STATE.log.close()
+            crash.release_native()
+            STATE.crash_fields = {}
             if config.log_path is not None:
                 try:
-                    STATE.log.open(config.log_path, fsync=config.fsync, max_bytes=config.log_max_bytes, backups=config.log_backups)
+                    STATE.log.open(config.log_path, fsync=config.fsync, max_bytes=config.log_max_bytes, backups=config.log_backups, mode=config.log_mode)
                     STATE.durable_keys.clear()
                     _announce(config.log_path)
+                    STATE.crash_fields = crash.capture_native(config.log_path, config.log_mode)
                 except OSError as exc:
                     write_stderr(
                         f"fusionguard: cannot open log file {config.log_path!r} ({exc}); "
@@ -253,7 +282,7 @@ def enable(
             try:
                 from .log import header_fields
 
-                STATE.log.emit("info", "header", **header_fields(STATE.patches.names(), dict(STATE.not_patched), config.public()))
+                STATE.log.emit("info", "header", **header_fields(STATE.patches.names(), dict(STATE.not_patched), config.public()), **STATE.crash_fields)
             except Exception as exc:  # the guard must be on even if the header cannot be built
                 internal_error("header", exc)
         elif STATE.log.sink is not None:
@@ -288,30 +317,36 @@ def _final_events(reason: str) -> None:
 
 def disable() -> None:
     """Remove every patch (the original objects go back), write a shutdown event, close the log."""
+    from . import crash
     from .dynamo_signals import SIGNALS
     with STATE.lock:
         if not STATE.enabled and not STATE.patches.names():
+            crash.tidy()  # a SIGTERM handler left by a disable() from another thread
             return
         STATE.enabled = False
         STATE.patches.remove_all()
         STATE.log.mirror = None
         SIGNALS.remove()
-        from . import crash
-
         crash.uninstall()
+        STATE.flusher.stop()
         try:
             _final_events("disable")
         except Exception as exc:
             internal_error("shutdown event", exc)
         STATE.log.close()
+        crash.release_native()
 
 
 def _at_exit() -> None:
     try:
         with STATE.lock:
-            if STATE.enabled:
+            if STATE.enabled and STATE.log.open_pending is None:  # (set: a forked child that never logged)
+                STATE.flusher.stop()
                 _final_events("exit")
                 STATE.log.close()
+                from . import crash
+
+                crash.release_native()
     except Exception:
         pass
 

@@ -1,15 +1,17 @@
-"""Global state department: one private object, one lock, a reset for tests."""
+"""Global state department: one private object, one lock, a reset for tests; the periodic
+counter flusher; what a forked child does to start clean (``os.register_at_fork``)."""
 
 from __future__ import annotations
 
 import contextvars
+import os
 import sys
 import threading
 import traceback
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, Optional, Set, Tuple, Union
 
-from .log import EventLog
+from .log import DEFAULT_LOG_MODE, EventLog
 from .patches import PatchRegistry
 
 
@@ -29,6 +31,10 @@ class Config:
     keep_all: bool = False  # keep every per-call event, fused and dense
     log_max_bytes: Optional[int] = None  # size-based rotation of the log file
     log_backups: int = 3
+    log_mode: int = DEFAULT_LOG_MODE  # permissions of new log / crash files (existing keep theirs)
+    # pending dense_calls / fused_calls counters are written this often (seconds; 0: only every
+    # N calls and at exit): a killed process loses at most the counts of its last interval
+    flush_interval: float = 0.5
 
     def __post_init__(self) -> None:
         if self.fsync != "always" and not isinstance(self.fsync, bool):
@@ -42,6 +48,10 @@ class Config:
                 raise ValueError(f"fusionguard.enable(): {name} must be an integer >= {low}, not {value!r}")
         if self.log_max_bytes is not None and (not isinstance(self.log_max_bytes, int) or self.log_max_bytes < 1024):
             raise ValueError(f"fusionguard.enable(): log_max_bytes must be None or an integer >= 1024, not {self.log_max_bytes!r}")
+        if isinstance(self.log_mode, bool) or not isinstance(self.log_mode, int) or not 0o400 <= self.log_mode <= 0o777 or not self.log_mode & 0o200:
+            raise ValueError(f"fusionguard.enable(): log_mode must be a file mode the owner can read and write (0o600 ... 0o777), not {self.log_mode!r}")
+        if isinstance(self.flush_interval, bool) or not isinstance(self.flush_interval, (int, float)) or not 0 <= self.flush_interval <= 3600:
+            raise ValueError(f"fusionguard.enable(): flush_interval must be a number of seconds between 0 and 3600, not {self.flush_interval!r}")
 
     def public(self) -> Dict[str, Any]:
         return asdict(self)
@@ -49,7 +59,71 @@ class Config:
 
 OPTIONS = (
     "fsync", "max_events", "rescue", "fused_first", "fused_every", "dense_first", "dense_every", "keep_all", "log_max_bytes", "log_backups",
+    "log_mode", "flush_interval",
 )
+
+
+# -- bounded loss of counts: the flusher ---------------------------------------------------------
+
+
+class Flusher:
+    """Writes the sampler's pending counters ``interval`` seconds after a call was counted and
+    not written, so a process that is killed (SIGKILL, ``os._exit``, the OOM killer) loses at
+    most the counts of its last interval. A daemon thread, started on the first pending count,
+    asleep while nothing is pending; it writes through the log like any event (no fsync: the
+    line is in the kernel, which is what survives a killed process). Nothing per fused call:
+    the sampler calls ``poke()`` only when "nothing pending" turns into "something pending"."""
+
+    def __init__(self) -> None:
+        self.interval = 0.0
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._lock = threading.Lock()
+
+    def configure(self, interval: float) -> None:
+        self.interval = float(interval)
+        if not self.interval:
+            self.stop()
+
+    def poke(self) -> None:
+        if not self.interval:
+            return
+        self._wake.set()
+        thread = self._thread
+        if thread is None or not thread.is_alive():
+            with self._lock:
+                if self._thread is None or not self._thread.is_alive():
+                    self._stop.clear()
+                    self._thread = threading.Thread(target=self._run, name="fusionguard-flusher", daemon=True)
+                    self._thread.start()
+
+    def stop(self, timeout: float = 2.0) -> None:
+        thread = self._thread
+        self._stop.set()
+        self._wake.set()
+        if thread is not None and thread.is_alive() and thread is not threading.current_thread():
+            thread.join(timeout)
+        self._thread = None
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait()
+            if self._stop.wait(self.interval) or self._stop.is_set():
+                return
+            self._wake.clear()
+            try:
+                if STATE.enabled:
+                    STATE.log.flush_sampler(durable=False)
+            except Exception as exc:
+                internal_error("counter flusher", exc)
+
+    def after_fork_in_child(self) -> None:
+        """Threads do not survive fork: forget the parent's, start ours on the next poke."""
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = None
 
 
 class State:
@@ -70,6 +144,9 @@ class State:
         # threads currently inside allow_dense(): lets a backward that PyTorch runs on its own
         # autograd device thread (CUDA) see a block opened by the thread that called backward().
         self.allow_threads: Dict[int, int] = {}
+        self.log_dir: Optional[str] = None  # log_path was a directory: one file per process in it
+        self.crash_fields: Dict[str, Any] = {}  # crash_capture / crash_file, for the header
+        self.flusher = Flusher()
 
 
 STATE = State()
@@ -112,11 +189,153 @@ def internal_error(where: str, exc: BaseException) -> None:
         pass
 
 
+def process_log_name() -> str:
+    """This process's file in a log directory."""
+    from .log import rank_info
+
+    return f"fusionguard.rank{rank_info()['rank']}.pid{os.getpid()}.jsonl"
+
+
 def reset_for_tests() -> None:
     """Forget everything (patches must already be removed)."""
+    STATE.flusher.stop()
     STATE.log.close()
     new = State()
     STATE.__dict__.update(new.__dict__)
     from .layers import STATS
 
     STATS.__init__()
+
+
+# -- fork safety ------------------------------------------------------------------------------------
+
+
+def _reinit(lock: Any) -> Any:
+    """A lock as the child must see it: free (the thread holding it in the parent does not exist
+    here). ``_at_fork_reinit`` is what CPython's logging uses; a fresh lock where it is missing."""
+    fresh = getattr(lock, "_at_fork_reinit", None)
+    if fresh is not None:
+        fresh()
+        return lock
+    return type(lock)()
+
+
+def _locks_after_fork() -> None:
+    global _COUNT_LOCK
+    STATE.lock = _reinit(STATE.lock)
+    _COUNT_LOCK = _reinit(_COUNT_LOCK)
+    log = STATE.log
+    log._lock = _reinit(log._lock)
+    log._emit_lock = _reinit(log._emit_lock)
+    if log.sink is not None:
+        log.sink._lock = _reinit(log.sink._lock)
+    if log.sampler is not None:
+        log.sampler._lock = _reinit(log.sampler._lock)
+    STATE.patches._lock = _reinit(STATE.patches._lock)
+    crash: Any = sys.modules.get("fusionguard.crash")
+    if crash is not None:
+        crash._lock = _reinit(crash._lock)
+        crash._sigterm_state = "idle"
+    layers: Any = sys.modules.get("fusionguard.layers")
+    if layers is not None:
+        layers._MODULES_LOCK = _reinit(layers._MODULES_LOCK)
+        layers.STATS.lock = _reinit(layers.STATS.lock)
+        layers.STATS.rows = {}  # the parent's per-layer counts are the parent's
+    signals: Any = sys.modules.get("fusionguard.dynamo_signals")
+    if signals is not None:
+        signals.SIGNALS.lock = _reinit(signals.SIGNALS.lock)
+
+
+def _after_fork_in_child() -> None:
+    """The child starts clean: free locks, no parent counts (they are the parent's to write),
+    its own events in memory, its own file (directory mode) and crash file, opened when it logs
+    its first event (a DataLoader worker that never calls FlexAttention leaves nothing behind)."""
+    try:
+        _locks_after_fork()
+        STATE.flusher.after_fork_in_child()
+        STATE.counts = {}
+        STATE.durable_keys = set()
+        STATE.allow_threads = {}
+        STATE.reported = set()
+        log = STATE.log
+        log.memory.clear()
+        log._seq = 0
+        if log.sampler is not None:
+            log.sampler = log.sampler.fresh()
+        parent_sink, log.sink = log.sink, None
+        log.open_pending = None
+        capture: Any = sys.modules.get("fusionguard.crash")
+        if capture is not None:
+            capture.release_native(after_fork=True)
+        if parent_sink is not None and STATE.enabled:
+            log.open_pending = lambda: _open_child_log(parent_sink)
+        if parent_sink is not None:
+            try:
+                os.close(parent_sink._fd) if parent_sink._fd is not None else None
+            except OSError:
+                pass
+            parent_sink._fd = None
+    except Exception as exc:  # never break the child
+        internal_error("after fork (child)", exc)
+
+
+def _open_child_log(parent_sink: Any) -> None:
+    """Called (under the log's lock) with the forked child's first event. Never raises."""
+    try:
+        _open_child_log_now(parent_sink)
+    except Exception as exc:
+        write_stderr(f"fusionguard: forked process {os.getpid()} could not start its own log ({type(exc).__name__}: {exc}); its events are kept in memory only\n")
+
+
+def _open_child_log_now(parent_sink: Any) -> None:
+    from . import crash
+    from .log import FileSink, header_fields
+
+    config = STATE.config
+    path = parent_sink.path
+    if STATE.log_dir is not None:
+        path = os.path.join(STATE.log_dir, process_log_name())
+        config.log_path = path
+    try:
+        STATE.log.attach(FileSink(path, fsync=parent_sink.fsync, max_bytes=parent_sink.max_bytes, backups=parent_sink.backups,
+                                  preamble=STATE.log._header_copy, mode=config.log_mode))
+    except OSError as exc:
+        write_stderr(f"fusionguard: forked process {os.getpid()} cannot open its log {path!r} ({exc}); its events are kept in memory only\n")
+        return
+    STATE.crash_fields = crash.capture_native(path, config.log_mode)
+    fields = header_fields(STATE.patches.names(), dict(STATE.not_patched), config.public())
+    fields.update(STATE.crash_fields, forked_from=os.getppid())
+    STATE.log.emit("info", "header", **fields)
+
+
+_FORK_HELD = False  # the forking thread took STATE.lock in _before_fork
+
+
+def _before_fork() -> None:
+    """Wait (bounded) for an enable() / disable() of another thread to finish, so the child never
+    starts with half-applied patches or a half-built config."""
+    global _FORK_HELD
+    try:
+        _FORK_HELD = STATE.lock.acquire(timeout=5.0)
+    except Exception:
+        _FORK_HELD = False
+
+
+def _after_fork_in_parent() -> None:
+    global _FORK_HELD
+    if _FORK_HELD:
+        _FORK_HELD = False
+        try:
+            STATE.lock.release()
+        except Exception:
+            pass
+
+
+def _after_fork_in_child_hook() -> None:
+    global _FORK_HELD
+    _FORK_HELD = False  # the lock is re-initialised (free) in the child
+    _after_fork_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child_hook)

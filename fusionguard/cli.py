@@ -1,4 +1,5 @@
-"""Command line: ``fusionguard report PATH...`` and ``fusionguard doctor`` (also ``python -m fusionguard``).
+"""Command line: ``fusionguard report PATH...``, ``fusionguard doctor`` and ``fusionguard run -- CMD``
+(also ``python -m fusionguard``).
 
 Exit status, the same contract for every command (``docs/cli.md``):
 
@@ -51,12 +52,33 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--shape", metavar="B,HQ,HKV,Q,KV,D", help="default: the reference shape 1,32,8,2048,10240,128 on a GPU with room, smaller otherwise")
     d.add_argument("--device", help="cuda, cuda:1, cpu (default: cuda if available)")
     d.add_argument("--backend", default="inductor", help="torch.compile backend for the compiled cases (default inductor; aot_eager shows a failing stack)")
+    u = sub.add_parser(
+        "run",
+        help="run a command with fusionguard enabled in every Python process it starts",
+        description="Run CMD with FUSIONGUARD set and fusionguard's start-up hook first on PYTHONPATH: "
+        "every Python process of the command (torchrun workers, spawn/forkserver children) enables "
+        "fusionguard when it imports torch. Example: fusionguard run --strict -- torchrun --nproc-per-node 8 train.py",
+    )
+    mode = u.add_mutually_exclusive_group()
+    mode.add_argument("--strict", dest="mode", action="store_const", const="strict", help="raise before a dense call (FUSIONGUARD=strict)")
+    mode.add_argument("--warn", dest="mode", action="store_const", const="warn", help="warn and log (the default, unless FUSIONGUARD is set)")
+    u.add_argument("--log", metavar="PATH", help="FUSIONGUARD_LOG: a file, or a directory (end it with /) for one file per process")
+    u.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ...", help="the command and its arguments")
     return p
 
 
 def _fail(command: str, message: str) -> int:
     sys.stderr.write(f"fusionguard {command}: {message}\n")
     return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    from . import activate
+
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    return activate.run(cmd, mode=args.mode, log=args.log)
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -154,6 +176,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return _report(args)
     if args.command == "doctor":
         return _doctor(args)
+    if args.command == "run":
+        return _run(args)
     parser.print_help(sys.stderr)
     return 2
 

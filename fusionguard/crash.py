@@ -21,20 +21,29 @@ torch only if the program already did. ``uninstall()`` puts back the exact previ
 ours are still the ones installed; if somebody replaced ours meanwhile, theirs stay and ours turn
 into plain pass-throughs. ``record(exc)`` writes a crash event for an exception the program
 caught itself.
+
+Native crashes (a segfault or abort inside PyTorch, where no Python hook runs):
+``capture_native(log_path)`` points CPython's ``faulthandler`` at a file beside the log (the
+fatal signal and every thread's Python stack), unless the host already enabled ``faulthandler``
+(pytest does): then it is left alone and the header says ``crash_capture: "host-owned"``.
+``release_native()`` disables it again (and removes the file if nothing was written).
+``native_crash(...)`` turns such a file into a ``crash`` record for ``fusionguard report``.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import re
 import signal
 import sys
 import threading
 import traceback
-from typing import Any, Callable, Dict, Iterable, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 Emit = Callable[..., Any]
 
-FLEX_EVENTS = frozenset({"flex_call", "flex_compile", "flex_inlined", "layer_memory", "fused_calls"})
+FLEX_EVENTS = frozenset({"flex_call", "flex_compile", "flex_inlined", "layer_memory", "fused_calls", "dense_calls", "flex_run"})
 # Frames that mean "inside a FlexAttention kernel" (PyTorch's dense implementation, our wrapper).
 _DENSE_FUNCTIONS = frozenset({"sdpa_dense", "sdpa_dense_backward", "math_attention", "_math_attention_inner", "fusionguard_dense_kernel"})
 _BACKWARD_FUNCTIONS = frozenset({"_engine_run_backward", "backward"})
@@ -51,6 +60,7 @@ _prev_threading: Any = None
 _prev_sigterm: Any = None
 _sigterm_installed = False
 _in_hook = threading.local()
+_native: Optional[Tuple[int, str]] = None  # (fd, path) of the faulthandler file we own
 
 
 # -- public -------------------------------------------------------------------------------------
@@ -100,6 +110,140 @@ def uninstall() -> None:
 
 def is_installed() -> bool:
     return _active
+
+
+def tidy() -> None:
+    """After a ``disable()`` from another thread left our SIGTERM handler in place (as a
+    pass-through: signals cannot be touched there), remove it now if this is the main thread."""
+    with _lock:
+        if not _active:
+            _uninstall_sigterm()
+
+
+# -- native crashes: faulthandler ------------------------------------------------------------------
+
+
+def crash_file_for(log_path: str) -> str:
+    """``run.jsonl`` -> ``run.pid{P}.crash`` (one per process: faulthandler's text has no pid)."""
+    base = log_path[: -len(".jsonl")] if log_path.endswith(".jsonl") else log_path
+    tag = f".pid{os.getpid()}"
+    return (base if base.endswith(tag) else base + tag) + ".crash"
+
+
+def capture_native(log_path: str, mode: int = 0o600) -> Dict[str, Any]:
+    """Send fatal-signal reports to a file beside ``log_path``; the header fields that say so."""
+    global _native
+    from .log import open_regular
+
+    with _lock:
+        path = crash_file_for(log_path)
+        if _native is not None:
+            if _native[1] == path or _native[1].startswith(path[: -len(".crash")] + "-"):
+                return {"crash_capture": "faulthandler", "crash_file": _native[1]}
+            release_native()
+        if faulthandler.is_enabled():
+            return {"crash_capture": "host-owned", "crash_file": None}
+        fd = -1
+        try:
+            for n in range(1, 100):  # a crash file of an earlier process with our pid (containers
+                fd = open_regular(path, mode)  # reuse pids) is kept: take the next free name
+                if os.fstat(fd).st_size == 0:
+                    break
+                os.close(fd)
+                fd = -1
+                path = f"{crash_file_for(log_path)[: -len('.crash')]}-{n}.crash"
+            else:
+                raise OSError("no free crash file name")
+            faulthandler.enable(file=fd, all_threads=True)
+        except Exception as exc:
+            if fd >= 0:
+                os.close(fd)
+            return {"crash_capture": "off", "crash_capture_error": f"{type(exc).__name__}: {exc}", "crash_file": None}
+        _native = (fd, path)
+        return {"crash_capture": "faulthandler", "crash_file": path}
+
+
+def release_native(after_fork: bool = False) -> None:
+    """Give ``faulthandler`` back as it was (off) if we turned it on; remove an empty crash file.
+    ``after_fork``: in a forked child, where the file is the parent's (closed, never removed)."""
+    global _native
+    with _lock:
+        if _native is None:
+            return
+        fd, path = _native
+        _native = None
+        try:
+            faulthandler.disable()
+        except Exception:
+            pass
+        try:
+            empty = os.fstat(fd).st_size == 0
+            os.close(fd)
+            if empty and not after_fork:
+                os.unlink(path)
+        except OSError:
+            pass
+
+
+_SIGNALS = {
+    "segmentation fault": "SIGSEGV", "aborted": "SIGABRT", "floating point exception": "SIGFPE",
+    "bus error": "SIGBUS", "illegal instruction": "SIGILL",
+}
+_FH_FRAME = re.compile(r'^\s*File "(?P<file>.*)", line (?P<line>\d+|\?\?\?) in (?P<name>.*)$')
+
+
+def native_crash(crash_file: Any, log_files: Iterable[str] = (), recent: Iterable[dict] = ()) -> Optional[Dict[str, Any]]:
+    """A ``crash`` record (the fields of a Python crash event) from a faulthandler file, or None
+    when there is none or it is empty. ``crash_file``: from the process's header (looked up
+    beside ``log_files`` too, for logs copied elsewhere); ``recent``: the process's last events,
+    oldest first, for the last FlexAttention event before the crash."""
+    if not isinstance(crash_file, str) or not crash_file:
+        return None
+    candidates = [crash_file] + [os.path.join(os.path.dirname(f), os.path.basename(crash_file)) for f in log_files]
+    for path in candidates:
+        try:
+            with open(path, "rb") as fh:
+                text = fh.read(256 * 1024).decode("utf-8", "replace")
+            mtime: Optional[float] = os.path.getmtime(path)
+            break
+        except OSError:
+            continue
+    else:
+        return None
+    lines = text.splitlines()
+    message = next((ln.strip() for ln in lines if "Fatal Python error" in ln), "")
+    if not text.strip() or not message:
+        return None
+    lowered = message.lower()
+    sig = next((name for words, name in _SIGNALS.items() if words in lowered), "fatal signal")
+    start = next((i for i, ln in enumerate(lines) if ln.startswith("Current thread")), None)
+    if start is None:
+        start = next((i for i, ln in enumerate(lines) if ln.startswith("Thread ")), len(lines))
+    frames: List[str] = []
+    for ln in lines[start + 1 :]:
+        m = _FH_FRAME.match(ln)
+        if m is None:
+            if ln.strip():
+                break
+            continue
+        frames.append(f"{m.group('file')}:{m.group('line')} in {m.group('name')}")
+    frames.reverse()  # faulthandler prints the innermost call first
+    flex = last_flex(recent)
+    in_dense = any(f.rsplit(" in ", 1)[-1] in _DENSE_FUNCTIONS for f in frames)
+    where = " inside FlexAttention's dense implementation" if in_dense else ""
+    tail = f"; last FlexAttention event: {_flex_text(flex)}" if flex else "; no FlexAttention event was recorded before it"
+    return {
+        "event": "crash",
+        "ts": mtime,
+        "exc_type": f"native crash ({sig})",
+        "message": message[:_MAX_MESSAGE],
+        "where": "faulthandler",
+        "thread": None,
+        "last_flex": _compact_flex(flex),
+        "diagnosis": f"the process died of {sig}{where}{tail}",
+        "frames": frames[-8:],
+        "crash_file": path,
+    }
 
 
 def record(exc: BaseException, where: str = "record", thread: Optional[str] = None) -> Optional[dict]:

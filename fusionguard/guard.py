@@ -370,17 +370,21 @@ def make_dense_wrapper(phase: str, original: Callable[..., Any]) -> Callable[...
             return original(*args, **kwargs)
         if _is_compiling() or not STATE.enabled:
             return original(*args, **kwargs)
-        event = site = None
-        try:
+        blocked = warning = site = None
+        try:  # the messages are built in here too: a bug in them must not reach the user's call
             event, site = _check_dense(phase, args, kwargs, sys._getframe(1))
+            if event is not None:
+                action = event.get("action")
+                if action == "raise":
+                    blocked = DenseFallbackError(format_message(event), event)
+                elif action == "warn":
+                    warning = message(event)
         except Exception as exc:
             internal_error(f"dense {phase} check", exc)
-        if event is not None:
-            action = event.get("action")
-            if action == "raise":
-                raise DenseFallbackError(format_message(event), event)
-            if action == "warn":
-                _warn(message(event), site)
+        if blocked is not None:
+            raise blocked
+        if warning is not None:
+            _warn(warning, site)  # outside: a warnings filter set to "error" raises on purpose
         return original(*args, **kwargs)
 
     fusionguard_dense_kernel.__wrapped__ = original  # type: ignore[attr-defined]

@@ -27,7 +27,9 @@ from __future__ import annotations
 import collections
 import json
 import os
+import re
 import socket
+import stat
 import sys
 import threading
 import time
@@ -95,6 +97,36 @@ class _EventRank:
         return self.env
 
 
+#: New log and crash files: readable by their owner only (``enable(log_mode=0o640)`` widens).
+DEFAULT_LOG_MODE = 0o600
+
+
+def open_regular(path: str, mode: int = DEFAULT_LOG_MODE, flags: int = os.O_WRONLY | os.O_APPEND) -> int:
+    """Open (creating with ``mode``) a regular file for appending, never through a symlink and
+    never blocking: a planted symlink fails with ELOOP, a FIFO without a reader with ENXIO, and
+    any other non-regular file (FIFO with a reader, device, socket) is closed again and refused
+    with an ``OSError``. Existing files keep their mode. The descriptor is close-on-exec."""
+    extra = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
+    fd = os.open(path, flags | os.O_CREAT | extra, mode)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(f"{path!r} is not a regular file (refused: a log is only appended to a regular file)")
+        if getattr(os, "O_NONBLOCK", 0):
+            os.set_blocking(fd, True)  # a regular file: O_NONBLOCK was only for the open itself
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _read_at(fd: int, offset: int) -> bytes:
+    if hasattr(os, "pread"):
+        return os.pread(fd, 1, offset)
+    os.lseek(fd, offset, os.SEEK_SET)  # pragma: no cover - Windows
+    return os.read(fd, 1)
+
+
 class FileSink:
     """Append-only JSON-lines file. Thread-safe; safe to share between processes."""
 
@@ -105,20 +137,25 @@ class FileSink:
         max_bytes: Optional[int] = None,
         backups: int = 3,
         preamble: Optional[Callable[[], Optional[str]]] = None,
+        mode: int = DEFAULT_LOG_MODE,
     ) -> None:
         """``max_bytes``: rotate when the file would grow past it (None or 0: never);
         ``backups``: rotated files kept (``path.1`` newest ... ``path.N``; 0: the full file is
-        removed); ``preamble``: returns the line (a header copy) that starts each new file."""
+        removed); ``preamble``: returns the line (a header copy) that starts each new file;
+        ``mode``: permissions of a file this sink creates (an existing file keeps its own)."""
         self.path = path
         self.fsync = fsync
         self.max_bytes = int(max_bytes) if max_bytes else None
         self.backups = max(0, int(backups))
         self.preamble = preamble
+        self.mode = mode
         self.rotations = 0
+        self.unwritten = 0  # events whose write failed (disk full, ...): in memory only
+        self._torn = False  # a failed write may have left part of a line: close it before the next
         self._lock = threading.Lock()
         parent = os.path.dirname(os.path.abspath(path))
         os.makedirs(parent, exist_ok=True)
-        self._fd: Optional[int] = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._fd: Optional[int] = open_regular(path, mode)
         self._close_torn_line()
         self._size = self._file_size()
 
@@ -130,22 +167,30 @@ class FileSink:
 
     def _close_torn_line(self) -> None:
         try:
-            size = os.path.getsize(self.path)
-            if size:
-                with open(self.path, "rb") as fh:
-                    fh.seek(size - 1)
-                    if fh.read(1) != b"\n":
-                        self._write_bytes(b"\n")
+            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0))
+        except OSError:
+            return
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode) and st.st_size and _read_at(fd, st.st_size - 1) != b"\n":
+                self._write_bytes(b"\n")
         except OSError:
             pass
+        finally:
+            os.close(fd)
 
     def _write_bytes(self, data: bytes) -> None:
         fd = self._fd
         if fd is None:
-            return
+            raise OSError("the log file is closed (it could not be reopened after a rotation)")
         view = memoryview(data)
         while view:
-            n = os.write(fd, view)
+            try:
+                n = os.write(fd, view)
+            except OSError:
+                if len(view) < len(data):
+                    self._torn = True  # part of this line is in the file
+                raise
             view = view[n:]
 
     def write(self, line: str, durable: bool) -> None:
@@ -153,6 +198,12 @@ class FileSink:
         with self._lock:
             if self.max_bytes is not None and self._size + len(data) > self.max_bytes:
                 self._rotate_if_needed(len(data))
+            if self._torn:
+                # A short write (disk full) left a fragment: end it with its own newline first,
+                # or this event would be glued onto it and both lines lost. If that fails, the
+                # fragment is still open and this event is not written either.
+                self._write_bytes(b"\n")
+                self._torn = False
             self._write_bytes(data)
             self._size += len(data)
             if durable and self.fsync and self._fd is not None:
@@ -197,7 +248,8 @@ class FileSink:
             except OSError:
                 pass
             os.close(old)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._fd = open_regular(self.path, self.mode)
+        self._torn = False  # a fragment stays in the file it was written to
         self._size = self._file_size()
         if self._size == 0 and self.preamble is not None:
             try:
@@ -294,6 +346,16 @@ class FusedSampler:
         self.kept = 0
         self.dropped = 0
         self.counters = 0
+        # True while some call is counted but not yet written; ``on_pending`` is called (outside
+        # the lock) when that becomes true, so a flusher can sleep until there is work.
+        self.pending = False
+        self.on_pending: Optional[Callable[[], None]] = None
+
+    def fresh(self) -> "FusedSampler":
+        """The same settings, no calls counted (a forked child: the parent's are the parent's)."""
+        new = FusedSampler(self.first, self.every, self.keep_all, self.aggregate, self.max_keys, self.dense_first, self.dense_every)
+        new.on_pending = self.on_pending
+        return new
 
     @staticmethod
     def applies(level: str, event: str, fields: dict) -> bool:
@@ -349,7 +411,11 @@ class FusedSampler:
                 self.counters += 1
                 return self._counter(key, w)
             self.dropped += 1
-            return None
+            wake = not self.pending
+            self.pending = True
+        if wake and self.on_pending is not None:
+            self.on_pending()
+        return None
 
     def _counter(self, key: tuple, w: _Window) -> Tuple[str, Dict[str, Any]]:
         dense = w.same is not None
@@ -370,6 +436,7 @@ class FusedSampler:
     def flush(self) -> List[Tuple[str, Dict[str, Any]]]:
         """Counter events for every key with calls not yet written."""
         with self._lock:
+            self.pending = False
             out = [self._counter(k, w) for k, w in self._keys.items() if w.window]
             self.counters += len(out)
             return out
@@ -384,6 +451,7 @@ class EventLog:
         self.memory: Deque[dict] = collections.deque(maxlen=max_events)
         self.sink: Optional[FileSink] = None
         self._sink_failed = False
+        self._sink_reports = 0  # failure / recovery messages printed for this sink (at most 6)
         # Optional volume control for fused per-call events (None: every event is written).
         self.sampler: Optional[FusedSampler] = None
         self._header: Optional[dict] = None  # the last header, copied at the top of rotated files
@@ -392,6 +460,10 @@ class EventLog:
         self._stored: Optional[dict] = None  # set by _remember, read under _emit_lock
         self.mirror: Optional[Callable[[dict], None]] = None  # e.g. to PyTorch's structured trace
         self.on_sink_error: Optional[Callable[[BaseException], None]] = None
+        self.on_sink_resume: Optional[Callable[[int], None]] = None  # with the events not written
+        # Set in a forked child (see _state.after_fork_in_child): opens the child's own file on
+        # its first event, so a worker that never logs leaves no file behind.
+        self.open_pending: Optional[Callable[[], None]] = None
         # structlog's processor protocol, run by _log itself: our own chain only (no
         # merge_contextvars: the host's bound context, secrets included, has no business in
         # this log; never structlog.configure()). No BoundLogger in between: its per-event
@@ -429,6 +501,12 @@ class EventLog:
             self._header = dict(event_dict)
         return event_dict
 
+    def _open_pending(self) -> None:
+        with self._emit_lock:
+            opener, self.open_pending = self.open_pending, None
+            if opener is not None:
+                opener()
+
     def _header_copy(self) -> Optional[str]:
         header = self._header
         if header is None:
@@ -442,32 +520,48 @@ class EventLog:
             return
         try:
             sink.write(line, durable)
-        except OSError as exc:  # disk full, file removed, ...: keep going in memory
+        except OSError as exc:  # disk full, file removed, ...: keep going in memory, retry next time
+            sink.unwritten += 1
             if not self._sink_failed:
                 self._sink_failed = True
-                if self.on_sink_error is not None:
+                self._sink_reports += 1
+                if self.on_sink_error is not None and self._sink_reports <= 6:
                     self.on_sink_error(exc)
+            return
+        if self._sink_failed:
+            self._sink_failed = False
+            self._sink_reports += 1
+            if self.on_sink_resume is not None and self._sink_reports <= 6:
+                self.on_sink_resume(sink.unwritten)
 
-    def open(self, path: str, fsync: bool, max_bytes: Optional[int] = None, backups: int = 3) -> None:
+    def open(self, path: str, fsync: bool, max_bytes: Optional[int] = None, backups: int = 3, mode: int = DEFAULT_LOG_MODE) -> None:
         self.close()
         self._rank.reset()  # enable() again: torchrun / a spawn may have set RANK since
-        self.sink = FileSink(path, fsync=fsync, max_bytes=max_bytes, backups=backups, preamble=self._header_copy)
+        self.attach(FileSink(path, fsync=fsync, max_bytes=max_bytes, backups=backups, preamble=self._header_copy, mode=mode))
+
+    def attach(self, sink: Optional[FileSink]) -> None:
+        """Write to ``sink`` from now on (the previous one is left as it is)."""
+        self.open_pending = None
+        self.sink = sink
         self._sink_failed = False
+        self._sink_reports = 0
 
     def close(self) -> None:
+        self.open_pending = None
         if self.sink is not None:
             self.flush_sampler()
         sink, self.sink = self.sink, None
         if sink is not None:
             sink.close()
 
-    def flush_sampler(self) -> None:
-        """Write the pending ``fused_calls`` counters (calls not yet covered by a record)."""
+    def flush_sampler(self, durable: bool = True) -> None:
+        """Write the pending ``fused_calls`` / ``dense_calls`` counters (calls not yet covered
+        by a record). ``durable=False`` (the periodic flusher): written, never fsync-ed."""
         sampler = self.sampler
         if sampler is None:
             return
         for event, fields in sampler.flush():
-            self._log(_COUNTER_LEVEL[event], event, fields)
+            self._log(_COUNTER_LEVEL[event], event, fields, durable)
 
     def set_max_events(self, n: int) -> None:
         if n != self.memory.maxlen:
@@ -492,6 +586,8 @@ class EventLog:
         return self._log(level, event, fields, durable)
 
     def _log(self, level: str, event: str, fields: dict, durable: bool = True) -> dict:
+        if self.open_pending is not None:
+            self._open_pending()
         event_dict: Any = dict(fields)
         event_dict["event"] = event
         # One lock around stamp, memory and write: seq numbers reach the file in order.
@@ -540,6 +636,52 @@ def to_torch_trace(event: dict) -> None:
         pass
 
 
+# -- secrets in argv ----------------------------------------------------------------------------
+
+REDACTED = "<redacted>"
+#: An option (``--name`` / ``name=``) whose name contains one of these has its value redacted.
+SECRET_WORDS = ("token", "key", "secret", "password", "passwd", "auth", "credential")
+#: Well-known token shapes, redacted wherever they appear (Hugging Face, OpenAI / Anthropic,
+#: GitHub, GitLab, Slack, AWS access key ids, JWTs) and passwords inside URLs.
+_TOKEN_RE = re.compile(
+    r"\b(?:hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_\-]{16,}|gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,}"
+    r"|glpat-[A-Za-z0-9_\-]{16,}|xox[abprs]-[A-Za-z0-9\-]{10,}|(?:AKIA|ASIA)[0-9A-Z]{16}"
+    r"|eyJ[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,})"
+)
+_URL_PASSWORD_RE = re.compile(r"(?<=://)([^/@:\s]+):[^/@\s]+@")
+_OPTION_RE = re.compile(r"^(-{0,2}[A-Za-z0-9_.\-]+)=(.*)$", re.S)
+
+
+def _secret_name(name: str) -> bool:
+    lowered = name.lower()
+    return any(word in lowered for word in SECRET_WORDS)
+
+
+def redact_argv(argv: List[Any]) -> List[str]:
+    """``argv`` with secret-looking values replaced by ``<redacted>``: the value of an option
+    whose name contains token / key / secret / password / passwd / auth / credential (``--x=v``,
+    ``x=v`` (Hydra) and ``--x v``), any well-known token shape, the password of a URL. Harmless
+    arguments (``--lr 3e-4``) stay readable."""
+    out: List[str] = []
+    hide_next = False
+    for raw in argv:
+        arg = str(raw)
+        if hide_next and not (arg.startswith("-") and len(arg) > 1 and not arg[1:2].isdigit()):
+            out.append(REDACTED)
+            hide_next = False
+            continue
+        hide_next = False
+        m = _OPTION_RE.match(arg)
+        if m and _secret_name(m.group(1)):
+            out.append(f"{m.group(1)}={REDACTED}")
+            continue
+        if arg.startswith("-") and _secret_name(arg):
+            hide_next = True  # --api-key VALUE
+        arg = _TOKEN_RE.sub(REDACTED, arg)
+        out.append(_URL_PASSWORD_RE.sub(lambda mm: f"{mm.group(1)}:{REDACTED}@", arg))
+    return out
+
+
 def header_fields(patched: list, not_patched: dict, config: dict) -> dict:
     """Versions and environment, written first in every log file."""
     import torch
@@ -570,7 +712,7 @@ def header_fields(patched: list, not_patched: dict, config: dict) -> dict:
         "triton": triton_version,
         "python": sys.version.split()[0],
         "hostname": socket.gethostname(),
-        "argv": list(sys.argv),
+        "argv": redact_argv(sys.argv),
         "cuda": cuda,
         "local_rank": info["local_rank"],
         "world_size": info["world_size"],

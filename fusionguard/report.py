@@ -37,6 +37,8 @@ from ._format import escape, human_bytes
 from ._format import mem_text as _mem
 from ._format import table as _table
 
+from . import crash
+
 SUPPORTED_SCHEMA = 1
 REPORT_VERSION = 2  # 2: rows' fused = calls (never compile records), allowed apart from dense
 MAX_LINE = 16 * 1024 * 1024
@@ -715,7 +717,7 @@ class Aggregator:
         elif kind == "shutdown":
             s.last_shutdown = str(e.get("reason"))
         elif kind == "header":
-            s.header = {k: e.get(k) for k in ("schema", "fusionguard", "torch", "triton", "python", "hostname", "cuda", "world_size", "local_rank")}
+            s.header = {k: e.get(k) for k in ("schema", "fusionguard", "torch", "triton", "python", "hostname", "cuda", "world_size", "local_rank", "crash_file")}
 
     def _runs(self, s: Stream, e: dict, n: int) -> None:
         """Fused calls of graph runs, to their layer. A graph holding several layers' calls names
@@ -974,6 +976,10 @@ def build_report(agg: Aggregator) -> Dict[str, Any]:
     endings = []
     crashes = []
     for s in sorted(streams, key=lambda s: (str(s.rank), str(s.host), str(s.pid))):
+        native = crash.native_crash(s.header.get("crash_file"), s.files, s.recent)  # a segfault/abort
+        if native is not None:
+            s.crashes.append({"event": native, "before": [compact(x) for x in s.recent]})
+            s.crash_count += 1
         ending = _ending(s)
         endings.append(
             {

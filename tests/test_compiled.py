@@ -135,7 +135,7 @@ def test_fused_record_survives_inductor_caches_across_processes(tmp_path):
 @pytest.mark.slow
 def test_every_fused_execution_is_counted(guard, dynamo_reset):
     """Per-call evidence without Python in the kernels: each compiled-graph execution counts."""
-    guard(fused_first=2, fused_every=5)
+    guard(fused_first=2, fused_every=5, flush_interval=0)  # exact counter cadence: no timed flush
     q, k, v = qkv(L=64, HQ=4, HKV=2)
     fn = torch.compile(lambda q, k, v: flex_attention(q, k, v, enable_gqa=True))
     for _ in range(12):

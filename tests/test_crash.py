@@ -70,6 +70,20 @@ for i in range(100000):
     if i == 5:
         print("ready", flush=True)
 """,
+    # a native crash: a real SIGSEGV (faulthandler's own test helper) right after a dense call
+    "segv": PRELUDE + """
+flex_attention(q, q, q)
+import faulthandler
+faulthandler._sigsegv()
+""",
+    # faulthandler is ours while enabled, given back (off) by disable(); the unused file goes
+    "native_off": PRELUDE + """
+import faulthandler, json
+on = faulthandler.is_enabled()
+flex_attention(q, q, q)
+fusionguard.disable()
+print(json.dumps({"on": on, "after": faulthandler.is_enabled()}))
+""",
 }
 
 
@@ -418,14 +432,15 @@ def test_sigkill_leaves_a_readable_log_that_report_calls_stopped(runs, capsys):
     raw = Path(r["log"]).read_bytes()
     events = read_jsonl(r["log"])  # one os.write per line: every line parses
     n_calls = sum(e["event"] == "flex_call" for e in events)
+    counted = n_calls + sum(e["count"] for e in events if e["event"] == "dense_calls")  # by the flusher
     assert n_calls >= 6 and not any(e["event"] == "shutdown" for e in events)
     assert raw.endswith(b"\n")
     rc, out, _ = run_cli(capsys, r["log"], "--last", "4")
     assert rc == 0
     assert "STOPPED rank 0" in out and "without a shutdown event" in out
     tail = out.split("last events", 1)[1].strip().splitlines()[1:]
-    assert len(tail) == 4 and all("flex_call" in line for line in tail)
-    assert f"eager_call×{n_calls}" in out
+    assert len(tail) == 4 and all("flex_call" in line or "dense_calls" in line for line in tail)
+    assert f"eager_call×{counted}" in out
 
 
 def test_sigterm_while_the_main_thread_holds_the_log_lock(tmp_path):
@@ -454,3 +469,126 @@ print("not reached", flush=True)
     assert "lock released" in p.stdout and "not reached" not in p.stdout
     (event,) = events
     assert event["event"] == "shutdown" and event["reason"] == "sigterm"
+
+
+# -- native crashes -----------------------------------------------------------------------------------
+
+
+def test_a_segfault_is_reported_as_a_crash_with_the_last_flex_event(runs, capsys):
+    r = runs.get("segv")
+    assert r["rc"] == -signal.SIGSEGV, r["err"][-2000:]
+    events = read_jsonl(r["log"])
+    header = events[0]
+    assert header["crash_capture"] == "faulthandler"
+    crash_file = Path(header["crash_file"])
+    assert crash_file.parent == Path(r["log"]).parent and f"pid{header['pid']}" in crash_file.name
+    assert "Segmentation fault" in crash_file.read_text()
+    assert stat_mode(crash_file) == 0o600
+    rc, out, _ = run_cli(capsys, r["log"], "--format", "json")
+    rep = json.loads(out)
+    assert [e["ending"] for e in rep["endings"]] == ["crash"]
+    (c,) = rep["crashes"]
+    ev = c["crash"]
+    assert ev["exc_type"] == "native crash (SIGSEGV)" and ev["where"] == "faulthandler"
+    assert ev["last_flex"]["event"] == "flex_call" and ev["last_flex"]["path"] == "dense"
+    assert ev["diagnosis"].startswith("the process died of SIGSEGV; last FlexAttention event: dense forward at ")
+    assert ev["frames"] and ev["frames"][-1].endswith("in <module>")
+    rc, out, _ = run_cli(capsys, r["log"])
+    assert "ended:    crash (rank 0)" in out
+    assert "native crash (SIGSEGV): Fatal Python error: Segmentation fault" in out
+    assert "last FlexAttention event: flex_call dense forward" in out
+
+
+def test_a_crash_file_found_beside_a_moved_log(runs, capsys, tmp_path):
+    r = runs.get("segv")
+    moved = tmp_path / "copied"
+    moved.mkdir()
+    header = read_jsonl(r["log"])[0]
+    (moved / "run.jsonl").write_bytes(Path(r["log"]).read_bytes())
+    (moved / Path(header["crash_file"]).name).write_bytes(Path(header["crash_file"]).read_bytes())
+    Path(header["crash_file"]).rename(tmp_path / "gone.crash")
+    try:
+        rc, out, _ = run_cli(capsys, moved / "run.jsonl", "--format", "json")
+    finally:
+        (tmp_path / "gone.crash").rename(header["crash_file"])
+    assert [c["crash"]["exc_type"] for c in json.loads(out)["crashes"]] == ["native crash (SIGSEGV)"]
+
+
+def test_faulthandler_is_given_back_and_an_empty_crash_file_removed(runs):
+    r = runs.get("native_off")
+    assert r["rc"] == 0, r["err"][-2000:]
+    assert json.loads(r["out"].strip().splitlines()[-1]) == {"on": True, "after": False}
+    header = read_jsonl(r["log"])[0]
+    assert header["crash_capture"] == "faulthandler" and not Path(header["crash_file"]).exists()
+
+
+def test_a_host_owned_faulthandler_is_left_alone(tmp_path):
+    import faulthandler
+
+    import fusionguard
+    from fusionguard import _state
+
+    was = faulthandler.is_enabled()  # pytest enables it by default (then it stays pytest's)
+    if not was:
+        faulthandler.enable()
+    try:
+        fusionguard.enable(log_path=str(tmp_path / "fg.jsonl"))
+        fusionguard.disable()
+        header = read_jsonl(tmp_path / "fg.jsonl")[0]
+        assert header["crash_capture"] == "host-owned" and header["crash_file"] is None
+        assert faulthandler.is_enabled(), "still the host's"
+        assert not list(tmp_path.glob("*.crash"))
+    finally:
+        _state.reset_for_tests()
+        if not was:
+            faulthandler.disable()
+
+
+def test_native_crash_parser_reads_faulthandler_text(tmp_path):
+    f = tmp_path / "x.crash"
+    f.write_text(
+        "Fatal Python error: Aborted\n\nThread 0x00007f01 (most recent call first):\n  File \"/a/worker.py\", line 3 in loop\n\n"
+        "Current thread 0x00007f00 (most recent call first):\n  File \"/t/torch/_higher_order_ops/flex_attention.py\", line 80 in sdpa_dense\n"
+        "  File \"/u/train.py\", line 12 in step\n  File \"/u/train.py\", line 20 in <module>\n\nExtension modules: x (total: 1)\n"
+    )
+    recent = [{"event": "flex_call", "path": "dense", "phase": "forward", "layer": "layers.3.attn", "seq": 7}]
+    ev = crash.native_crash(str(f), (), recent)
+    assert ev["exc_type"] == "native crash (SIGABRT)" and ev["message"] == "Fatal Python error: Aborted"
+    assert ev["frames"] == ["/u/train.py:20 in <module>", "/u/train.py:12 in step", "/t/torch/_higher_order_ops/flex_attention.py:80 in sdpa_dense"]
+    assert ev["diagnosis"] == (
+        "the process died of SIGABRT inside FlexAttention's dense implementation; last FlexAttention event: dense forward of layers.3.attn"
+    )
+    f.write_text("")
+    assert crash.native_crash(str(f), (), recent) is None
+    assert crash.native_crash(None) is None and crash.native_crash(str(tmp_path / "missing")) is None
+
+
+def stat_mode(path):
+    import stat as _stat
+
+    return _stat.S_IMODE(os.stat(path).st_mode)
+
+
+def test_a_crash_file_of_an_earlier_process_with_our_pid_is_kept(tmp_path):
+    """Containers reuse pids (the main process is often pid 1): never overwrite a crash record.
+    In a subprocess: faulthandler there is not pytest's."""
+    code = """
+import json, sys
+from pathlib import Path
+from fusionguard import crash
+log = sys.argv[1]
+old = Path(crash.crash_file_for(log))
+old.write_text("Fatal Python error: Segmentation fault\\n")
+fields = crash.capture_native(log)
+again = crash.capture_native(log)
+crash.release_native()
+print(json.dumps({"fields": fields, "again": again, "old": str(old), "old_text": old.read_text(),
+                  "new_exists": Path(fields["crash_file"]).exists(), "torch": "torch" in sys.modules}))
+"""
+    p = subprocess.run([PY, "-c", code, str(tmp_path / "fg.jsonl")], capture_output=True, text=True, env=_env(), timeout=60)
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    assert r["fields"]["crash_capture"] == "faulthandler" and r["fields"]["crash_file"].endswith("-1.crash")
+    assert r["again"] == r["fields"], "enable() again: the same file"
+    assert r["old_text"] == "Fatal Python error: Segmentation fault\n" and not r["new_exists"]
+    assert not r["torch"]

@@ -495,7 +495,7 @@ def test_repeated_dense_calls_are_sampled_and_counted_exactly(guard, capsys):
     dense_calls counters; summary(), the report and the counters agree on every call."""
     import fusionguard
 
-    log = guard(dense_first=3, dense_every=10)
+    log = guard(dense_first=3, dense_every=10, flush_interval=0)  # exact counter cadence: no timed flush
     q, k, v = qkv()
     for _ in range(25):
         flex_attention(q, k, v)  # one call site, layer, phase, cause and action
