@@ -182,6 +182,17 @@ def _on_sink_error(exc: BaseException) -> None:
     write_stderr(f"fusionguard: cannot write the log ({exc}); events are kept in memory only\n")
 
 
+def _live_graphs() -> Any:
+    """Compiled graphs holding FlexAttention made before this enable() (see inductor)."""
+    try:
+        from .inductor import live_flex_graphs
+
+        return live_flex_graphs()
+    except Exception as exc:
+        internal_error("search for graphs compiled before enable()", exc)
+        return [], 0.0
+
+
 def enable(
     strict: bool = False,
     log_path: Union[str, os.PathLike, None, bool] = None,
@@ -232,9 +243,11 @@ def enable(
 
         STATE.log.mirror = to_torch_trace
         first = not STATE.enabled
+        live: Any = ([], 0.0)
         if first:
             STATE.not_patched = {}
             _install_patches()
+            live = _live_graphs()
             for name, why in STATE.not_patched.items():
                 write_stderr(f"fusionguard: could not patch {name} ({why}); that part is not guarded\n")
         if reopen or first:
@@ -253,9 +266,22 @@ def enable(
             try:
                 from .log import header_fields
 
-                STATE.log.emit("info", "header", **header_fields(STATE.patches.names(), dict(STATE.not_patched), config.public()))
+                header = header_fields(STATE.patches.names(), dict(STATE.not_patched), config.public())
+                if first:  # graphs compiled before enable() that fusionguard cannot see, and the fix
+                    from .inductor import UNSEEN_FIX, unseen_graphs
+
+                    unseen = unseen_graphs(live[0])
+                    header.update(unseen_graphs=unseen, unseen_graphs_fix=UNSEEN_FIX if unseen else None)
+                STATE.log.emit("info", "header", **header)
             except Exception as exc:  # the guard must be on even if the header cannot be built
                 internal_error("header", exc)
+        if first and live[0]:
+            try:
+                from .inductor import adopt_live_graphs
+
+                adopt_live_graphs(*live)
+            except Exception as exc:
+                internal_error("graphs compiled before enable()", exc)
         elif STATE.log.sink is not None:
             if STATE.log.sink.fsync != config.fsync:
                 STATE.durable_keys.clear()  # sites seen with fsync off were never made durable

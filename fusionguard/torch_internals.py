@@ -185,3 +185,33 @@ def is_concrete(t: Any) -> bool:
     if t.is_meta:
         return False
     return True
+
+
+def dynamo_frame_graph() -> Optional[tuple]:
+    """During a Dynamo compile: ``(frame locals, code, FX graph)`` of the frame being compiled (real
+    objects; the graph's nodes carry ``nn_module_stack``). None outside one (a backward compiled
+    lazily at its first run, a graph loaded before ``enable()``) or where this torch keeps them
+    elsewhere."""
+    mod = sys.modules.get("torch._dynamo.symbolic_convert")
+    cls = getattr(mod, "InstructionTranslator", None) if mod is not None else None
+    current = getattr(cls, "current_tx", None)
+    if current is None:
+        return None
+    try:
+        tx = current()
+        return tx.f_locals, tx.f_code, tx.output.graph
+    except Exception:  # no frame being compiled on this thread
+        return None
+
+
+AOT_RUNTIME_DIR = "_aot_autograd"  # in the path of the file where AOTAutograd's autograd.Function runs
+
+
+def found_compiled_graphs() -> list:
+    """Every live ``CompiledFxGraph`` of this process (the Inductor output of each compiled
+    graph), by a scan of the garbage collector's objects: the graphs Dynamo keeps for code that
+    was compiled before fusionguard was enabled."""
+    import gc
+
+    cls = compiled_fx_graph()
+    return [o for o in gc.get_objects() if type(o) is cls]
