@@ -342,9 +342,8 @@ def record_compiled_graph(compiled: Any, source: Optional[str] = None) -> Tuple[
     for r in records:
         by_phase.setdefault(r["phase"], []).append(r)
     graph = getattr(compiled, "cache_key", None) or getattr(compiled, "_fx_graph_cache_key", None)
-    # The watched layer compiling this graph, if any. Learned as an attention layer only for a
-    # graph with a single FlexAttention call: several layers' calls mean a container compiled.
-    around = (note_flex_call() if len(calls) <= 1 else flex_layer()) if calls and source != "before_enable" else None
+    # The watched layer around the compile (hooks), if any: names a call nothing else names.
+    around = flex_layer() if calls and source != "before_enable" else None
     from .causes import user_call_site
 
     live_site = user_call_site(sys._getframe(1)) if calls and source != "before_enable" else None
@@ -370,16 +369,14 @@ def record_compiled_graph(compiled: Any, source: Optional[str] = None) -> Tuple[
             size = scores_bytes(q_shape, kv_shape) if q_shape and all(isinstance(d, int) for d in q_shape + (kv_shape or [])) else None
         except Exception:
             size = None
-        count(f"fused_compile_{call['phase']}")
         layer, how = (names[i], named_from) if names is not None else (None, None)
         if layer is None and (lowering or {}).get("layer"):
             layer, how = resolve_watched_name(lowering["layer"]), "lowering"
         elif layer is None and around:
             layer, how = resolve_watched_name(around), "hooks"
-        emitted.append({"phase": call["phase"], "layer": layer, "template": template, "graph": graph})
-        STATE.log.emit(
-            "info",
-            "flex_compile",
+        if len(calls) == 1 and around and layer == resolve_watched_name(around):
+            note_flex_call()  # the hooked layer around made the call: an attention layer (measured)
+        fields = dict(
             phase=call["phase"],
             path="fused",
             traced=True,
@@ -396,7 +393,15 @@ def record_compiled_graph(compiled: Any, source: Optional[str] = None) -> Tuple[
             scores_bytes=size,
             call_site=site,
         )
+        emitted.append({"phase": call["phase"], "layer": layer, "template": template, "graph": graph, "record": fields})
+        if source != "before_enable":  # (those are logged at their first run: a graph found may be garbage)
+            log_compile_record(fields)
     return emitted, namer
+
+
+def log_compile_record(fields: Dict[str, Any]) -> None:
+    count(f"fused_compile_{fields['phase']}")
+    STATE.log.emit("info", "flex_compile", **fields)
 
 
 def _compile_names(calls: List[Dict[str, Any]], source: Optional[str], around: Optional[str]) -> Tuple[Optional[List[Optional[str]]], Optional[str], Optional["_Namer"]]:
@@ -437,22 +442,21 @@ class _Namer:
     ``ctx``. A graph with one call and nothing better: the layer running now (hooks, backward
     span; ``_at_runtime``)."""
 
-    __slots__ = ("phase", "n", "rels", "root", "outer", "ctx", "built")
+    __slots__ = ("phase", "n", "rels", "root", "outer", "ctx", "built", "records")
 
     def __init__(self, phase: str, n: int, rels: Optional[List[str]], root: Optional[_FrameLocal], outer: str) -> None:
         self.phase, self.n, self.rels, self.root, self.outer = phase, n, rels, root, outer
         self.ctx = _aot_ctx()
         self.built: Dict[Any, Any] = {}
+        self.records: List[Dict[str, Any]] = []  # the compile-time records (set by count_runs)
 
     def names(self) -> Optional[Tuple[Optional[str], ...]]:
         if self.phase == "backward":
             return _ctx_names(self.ctx.get(), self.n, True)
-        if self.rels is None:
-            return None
-        prefix = None
-        if self.root is not None:
-            module = self.root.get()
-            prefix = watched_name(module) if module is not None else None
+        if self.rels is None or self.root is None:
+            return None  # (a frame of no module: a function compiled, called from the layers)
+        module = self.root.get()
+        prefix = watched_name(module) if module is not None else None
         names = self.built.get(prefix)
         if names is None:
             names = self.built[prefix] = tuple(join_names(prefix, self.rels, self.outer))
@@ -462,17 +466,14 @@ class _Namer:
         names = self.names()
         if names is None or not any(names):
             if self.n != 1:
+                names = tuple(r.get("layer") for r in self.records)
+                self._to_backward(names)
                 return fields, per_layer
             fields, per_layer = _at_runtime(fields, per_layer, cache)
             names = (fields.get("layer"),)
-        if self.phase == "forward" and any(names):
-            ctx = self.ctx.get()
-            if ctx is not None:
-                try:
-                    setattr(ctx, _CTX_FIELD, names)
-                except Exception:
-                    pass
+        self._to_backward(names)
         hit = cache.get(names)
+
         if hit is None:
             if len(cache) > 10_000:
                 cache.clear()
@@ -483,6 +484,16 @@ class _Namer:
                     counts[x] = counts.get(x, 0) + 1
             hit = cache[names] = ({**fields, "layer": layers[0] if len(layers) == 1 and all(names) else None, "layers": layers or None}, tuple(counts.items()))
         return hit
+
+    def _to_backward(self, names: Tuple[Optional[str], ...]) -> None:
+        """A forward run leaves its names on AOTAutograd's ctx (none in an inference graph)."""
+        if self.phase == "forward" and any(names):
+            ctx = self.ctx.get()
+            if ctx is not None:
+                try:
+                    setattr(ctx, _CTX_FIELD, names)
+                except Exception:
+                    pass
 
 
 def _sidecar_path(graph: Optional[str]) -> Optional[str]:
@@ -600,6 +611,9 @@ def count_runs(compiled: Any, records: List[Dict[str, Any]], namer: Optional[_Na
     runs = [(f"fused_runs_{s['phase']}", s["flex_calls"], s, _per_layer(per_phase[s["phase"]]), {}) for s in summaries]
     if len(runs) != 1:
         namer = None
+    elif namer is not None:
+        namer.records = records
+    unlogged = [r["record"] for r in records if r.get("record", {}).get("source") == "before_enable"]
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         out = fn(*args, **kwargs)
@@ -612,6 +626,12 @@ def count_runs(compiled: Any, records: List[Dict[str, Any]], namer: Optional[_Na
                             fields, per_layer = namer.run(fields, per_layer, cache)
                     elif n == 1:
                         fields, per_layer = _at_runtime(fields, per_layer, cache)
+                    if unlogged:  # a graph compiled before enable(): its records at its first run
+                        for rec in unlogged:
+                            if n == 1 and rec.get("layer") is None and fields.get("layer"):
+                                rec = {**rec, "layer": fields["layer"], "named_from": "hooks"}
+                            log_compile_record(rec)
+                        unlogged.clear()
                     # a forward re-run by checkpointing inside the backward is not a new call
                     # (a watched layer's hooks count it as a recompute)
                     if per_layer and not (fields["phase"] == "forward" and in_backward()):
