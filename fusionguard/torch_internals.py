@@ -212,6 +212,12 @@ def found_compiled_graphs() -> list:
     graph), by a scan of the garbage collector's objects: the graphs Dynamo keeps for code that
     was compiled before fusionguard was enabled."""
     import gc
+    import itertools
+    import operator
 
     cls = compiled_fx_graph()
-    return [o for o in gc.get_objects() if type(o) is cls]
+    objects = gc.get_objects()
+    try:  # (all in C: about half the time of a Python loop over ~500k objects)
+        return list(itertools.compress(objects, map(operator.is_, map(type, objects), itertools.repeat(cls))))
+    finally:
+        del objects
