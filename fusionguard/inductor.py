@@ -440,15 +440,14 @@ class _Namer:
     the module the frame runs for now (read from the running frame, ``_FrameLocal``); the names
     go on AOTAutograd's ``ctx`` for the backward. Backward: the names its forward left on the
     ``ctx``. A graph with one call and nothing better: the layer running now (hooks, backward
-    span; ``_at_runtime``)."""
+    span; ``_hook_names``)."""
 
-    __slots__ = ("phase", "n", "rels", "root", "outer", "ctx", "built", "records")
+    __slots__ = ("phase", "n", "rels", "root", "outer", "ctx", "built")
 
     def __init__(self, phase: str, n: int, rels: Optional[List[str]], root: Optional[_FrameLocal], outer: str) -> None:
         self.phase, self.n, self.rels, self.root, self.outer = phase, n, rels, root, outer
         self.ctx = _aot_ctx()
         self.built: Dict[Any, Any] = {}
-        self.records: List[Dict[str, Any]] = []  # the compile-time records (set by count_runs)
 
     def names(self) -> Optional[Tuple[Optional[str], ...]]:
         if self.phase == "backward":
@@ -462,28 +461,13 @@ class _Namer:
             names = self.built[prefix] = tuple(join_names(prefix, self.rels, self.outer))
         return names
 
-    def run(self, fields: Dict[str, Any], per_layer: Tuple[Tuple[str, int], ...], cache: Dict[Any, Any]) -> Any:
+    def run(self, fixed: Tuple[Optional[str], ...]) -> Tuple[Optional[str], ...]:
+        """This run's names (``fixed``: the compile-time ones), left on the ctx for a backward."""
         names = self.names()
         if names is None or not any(names):
-            if self.n != 1:
-                names = tuple(r.get("layer") for r in self.records)
-                self._to_backward(names)
-                return fields, per_layer
-            fields, per_layer = _at_runtime(fields, per_layer, cache)
-            names = (fields.get("layer"),)
+            names = _hook_names(fixed)
         self._to_backward(names)
-        hit = cache.get(names)
-
-        if hit is None:
-            if len(cache) > 10_000:
-                cache.clear()
-            layers = sorted({x for x in names if x})
-            counts: Dict[str, int] = {}
-            for x in names:
-                if x:
-                    counts[x] = counts.get(x, 0) + 1
-            hit = cache[names] = ({**fields, "layer": layers[0] if len(layers) == 1 and all(names) else None, "layers": layers or None}, tuple(counts.items()))
-        return hit
+        return names
 
     def _to_backward(self, names: Tuple[Optional[str], ...]) -> None:
         """A forward run leaves its names on AOTAutograd's ctx (none in an inference graph)."""
@@ -544,33 +528,34 @@ def _template_from_source(compiled: Any, device: Optional[str]) -> str:
     return "triton"
 
 
-def _at_runtime(fields: Dict[str, Any], per_layer: Tuple[Tuple[str, int], ...], cache: Dict[str, Any]) -> Any:
+def _hook_names(fixed: Tuple[Optional[str], ...]) -> Tuple[Optional[str], ...]:
     """One compiled flex_attention often serves every layer (``torch.compile(flex_attention)``
     called from eager modules): its compile-time layer is the first caller's. For a graph with one
-    FlexAttention call, name the layer running it now (forward hooks, or the open backward span),
-    unless the compile-time name is a more specific module inside it. Returns (fields, per-layer
-    counts), built once per layer name (``cache``): a run only looks them up."""
+    FlexAttention call, the layer running it now (forward hooks, or the open backward span),
+    unless the compile-time name is a more specific module inside it."""
+    if len(fixed) != 1:
+        return fixed
     now = flex_layer()
-    if not now:
-        return fields, per_layer
-    known = fields.get("layer")
-    if known and known.startswith(now + "."):
-        return fields, per_layer
-    hit = cache.get(now)
-    if hit is None:
-        if len(cache) > 10_000:
-            cache.clear()
-        hit = cache[now] = ({**fields, "layer": now, "layers": [now]}, ((now, 1),))
-    return hit
+    known = fixed[0]
+    if not now or known and known.startswith(now + "."):
+        return fixed
+    return (now,)
 
 
-def _per_layer(records: List[Dict[str, Any]]) -> Tuple[Tuple[str, int], ...]:
-    """``(layer, fused calls)`` of one graph run, for ``summary()``."""
-    out: Dict[str, int] = {}
-    for r in records:
-        if r.get("layer"):
-            out[r["layer"]] = out.get(r["layer"], 0) + 1
-    return tuple(out.items())
+def _run_events(fields: Dict[str, Any], names: Tuple[Optional[str], ...]) -> Tuple[List[Dict[str, Any]], Tuple[Tuple[str, int], ...]]:
+    """The ``flex_run`` events of a graph run whose calls have ``names``, and its per-layer counts
+    (for ``summary()``): one event per layer, so that the log's per-(layer, phase) counters stay
+    exact when one graph holds several layers' calls (``flex_calls`` of the layer, ``graph_calls``
+    of the run); unnamed calls share one event with ``layer: null``."""
+    counts: Dict[Optional[str], int] = {}
+    for x in names:
+        counts[x] = counts.get(x, 0) + 1
+    if len(counts) == 1:
+        ((x, k),) = counts.items()
+        events = [{**fields, "layer": x, "layers": [x] if x else None}]
+    else:
+        events = [{**fields, "layer": x, "layers": [x] if x else None, "flex_calls": k, "graph_calls": len(names)} for x, k in counts.items()]
+    return events, tuple((x, k) for x, k in counts.items() if x)
 
 
 def count_runs(compiled: Any, records: List[Dict[str, Any]], namer: Optional[_Namer] = None) -> None:
@@ -597,8 +582,6 @@ def count_runs(compiled: Any, records: List[Dict[str, Any]], namer: Optional[_Na
             "cause": None,
             "phase": phase,
             "flex_calls": len(rs),
-            "layer": rs[0].get("layer") if len({r.get("layer") for r in rs}) == 1 else None,
-            "layers": sorted({r.get("layer") for r in rs if r.get("layer")}) or None,
             "template": rs[0].get("template"),
             "graph": rs[0].get("graph"),
             "cudagraphs": bool(getattr(compiled, "cudagraph_info", None)) or None,
@@ -606,37 +589,42 @@ def count_runs(compiled: Any, records: List[Dict[str, Any]], namer: Optional[_Na
         for phase, rs in per_phase.items()
     ]
 
-    # Built once: per run, only a counter, the naming of the run (under watch()) and the
-    # (sampled) event remain on the fused path.
-    runs = [(f"fused_runs_{s['phase']}", s["flex_calls"], s, _per_layer(per_phase[s["phase"]]), {}) for s in summaries]
+    # Built once: per run, only a counter, the naming of the run (under watch(); its events are
+    # built once per set of names) and the (sampled) events remain on the fused path.
+    runs = [(f"fused_runs_{s['phase']}", s["flex_calls"], s, tuple(r.get("layer") for r in per_phase[s["phase"]]), {}) for s in summaries]
     if len(runs) != 1:
         namer = None
-    elif namer is not None:
-        namer.records = records
     unlogged = [r["record"] for r in records if r.get("record", {}).get("source") == "before_enable"]
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         out = fn(*args, **kwargs)
         if STATE.enabled:
             try:
-                for key, n, fields, per_layer, cache in runs:
+                for key, n, fields, names, cache in runs:
                     count(key, n)
                     if namer is not None:
                         if watching():
-                            fields, per_layer = namer.run(fields, per_layer, cache)
+                            names = namer.run(names)
                     elif n == 1:
-                        fields, per_layer = _at_runtime(fields, per_layer, cache)
+                        names = _hook_names(names)
+                    hit = cache.get(names)
+                    if hit is None:
+                        if len(cache) > 10_000:
+                            cache.clear()
+                        hit = cache[names] = _run_events(fields, names)
+                    events, per_layer = hit
                     if unlogged:  # a graph compiled before enable(): its records at its first run
                         for rec in unlogged:
-                            if n == 1 and rec.get("layer") is None and fields.get("layer"):
-                                rec = {**rec, "layer": fields["layer"], "named_from": "hooks"}
+                            if n == 1 and rec.get("layer") is None and names[0]:
+                                rec = {**rec, "layer": names[0], "named_from": "hooks"}
                             log_compile_record(rec)
                         unlogged.clear()
                     # a forward re-run by checkpointing inside the backward is not a new call
                     # (a watched layer's hooks count it as a recompute)
                     if per_layer and not (fields["phase"] == "forward" and in_backward()):
                         STATS.on_fused(per_layer, fields["phase"])
-                    STATE.log.emit_fields("info", "flex_run", fields)
+                    for event in events:
+                        STATE.log.emit_fields("info", "flex_run", event)
             except Exception as exc:
                 internal_error("fused run count", exc)
         return out
