@@ -160,7 +160,7 @@ def dynamo_names() -> Optional[Tuple[List[str], Optional["_FrameLocal"], Any]]:
         rels.append(clean_name(_fqn_from_source(_stack_source(stack[-1]))) if stack else "")
     local = roots.pop() if len(roots) == 1 else None
     root = f_locals.get(local) if local else None
-    if not isinstance(root, torch.nn.Module):
+    if local is None or not isinstance(root, torch.nn.Module):
         return rels, None, None
     return rels, _FrameLocal((code.co_name,), code.co_filename, local), root
 
@@ -191,6 +191,7 @@ class _FrameLocal:
         self.depth, self.code, self.misses = 0, None, 0
 
     def get(self) -> Any:
+        f: Any
         if self.code is not None:
             try:
                 f = sys._getframe(self.depth)
@@ -200,7 +201,7 @@ class _FrameLocal:
                 pass
         if self.misses >= 8:
             return None
-        f: Any = sys._getframe(1)
+        f = sys._getframe(1)
         d = 1
         while f is not None and d < 80:
             c = f.f_code
@@ -370,7 +371,7 @@ def record_compiled_graph(compiled: Any, source: Optional[str] = None) -> Tuple[
         except Exception:
             size = None
         layer, how = (names[i], named_from) if names is not None else (None, None)
-        if layer is None and (lowering or {}).get("layer"):
+        if layer is None and lowering is not None and lowering.get("layer"):
             layer, how = resolve_watched_name(lowering["layer"]), "lowering"
         elif layer is None and around:
             layer, how = resolve_watched_name(around), "hooks"
@@ -699,7 +700,7 @@ def adopt_live_graphs(graphs: List[Any], search_ms: float) -> Dict[str, Any]:
         if getattr(getattr(g, "current_callable", None), "_fusionguard_records", None) is not None:
             counted += 1
     unseen = unseen_graphs(graphs)
-    info = {"graphs": len(graphs), "counted": counted, "unseen_graphs": unseen, "search_ms": round(search_ms, 2)}
+    info: Dict[str, Any] = {"graphs": len(graphs), "counted": counted, "unseen_graphs": unseen, "search_ms": round(search_ms, 2)}
     if graphs:
         STATE.log.emit("warning" if unseen else "info", "compiled_before_enable", **info, fix=UNSEEN_FIX if unseen else None)
     return info

@@ -218,6 +218,14 @@ def _name_module(module: torch.nn.Module, name: str) -> Optional[int]:
     return key
 
 
+def _decrement(table: Dict[Any, int], key: Any) -> None:
+    left = table.get(key, 1) - 1
+    if left <= 0:
+        table.pop(key, None)
+    else:
+        table[key] = left
+
+
 def _unname_modules(keys: List[int]) -> None:
     with _MODULES_LOCK:
         for key in keys:
@@ -237,12 +245,8 @@ def _unname_modules(keys: List[int]) -> None:
             del _MODULE_NAMES[key]
             code = entry[3]
             if code is not None:
-                for table, key in ((_FORWARD_CODES, id(code)), (_FORWARD_SITES, (code.co_filename, code.co_firstlineno))):
-                    left = table.get(key, 1) - 1
-                    if left <= 0:
-                        table.pop(key, None)
-                    else:
-                        table[key] = left
+                _decrement(_FORWARD_CODES, id(code))
+                _decrement(_FORWARD_SITES, (code.co_filename, code.co_firstlineno))
 
 
 def layer_from_stack(frame: Any, limit: int = 200) -> Optional[str]:
