@@ -215,9 +215,23 @@ def found_compiled_graphs() -> list:
     import itertools
     import operator
 
+    if not _inductor_code_loaded():
+        return []  # no Inductor output was ever loaded: nothing to find, no scan
     cls = compiled_fx_graph()
     objects = gc.get_objects()
     try:  # (all in C: about half the time of a Python loop over ~500k objects)
         return list(itertools.compress(objects, map(operator.is_, map(type, objects), itertools.repeat(cls))))
     finally:
         del objects
+
+
+def _inductor_code_loaded() -> bool:
+    """False when Inductor's code cache holds no module: every compiled graph's code is loaded
+    through it (only clearing it, as ``torch._inductor.utils.fresh_cache()`` does, could hide a
+    live graph); True when unsure."""
+    mod = sys.modules.get("torch._inductor.codecache")
+    cache = getattr(mod, "PyCodeCache", None) if mod is not None else None
+    if cache is None:
+        return mod is not None
+    tables = [getattr(cache, n) for n in ("modules", "cache", "modules_no_attr") if hasattr(cache, n)]
+    return not tables or any(bool(t) for t in tables)
