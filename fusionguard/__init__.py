@@ -275,13 +275,6 @@ def enable(
                 STATE.log.emit("info", "header", **header)
             except Exception as exc:  # the guard must be on even if the header cannot be built
                 internal_error("header", exc)
-        if first and live[0]:
-            try:
-                from .inductor import adopt_live_graphs
-
-                adopt_live_graphs(*live)
-            except Exception as exc:
-                internal_error("graphs compiled before enable()", exc)
         elif STATE.log.sink is not None:
             if STATE.log.sink.fsync != config.fsync:
                 STATE.durable_keys.clear()  # sites seen with fsync off were never made durable
@@ -289,6 +282,13 @@ def enable(
             STATE.log.sink.max_bytes = config.log_max_bytes or None
             STATE.log.sink.backups = config.log_backups
         STATE.enabled = True
+        if first and live[0]:  # (after the header: their records are events of this log)
+            try:
+                from .inductor import adopt_live_graphs
+
+                adopt_live_graphs(*live)
+            except Exception as exc:
+                internal_error("graphs compiled before enable()", exc)
         try:
             from . import crash
 

@@ -180,7 +180,7 @@ _ROOTS: Dict[int, Tuple[Any, int]] = {}
 
 def watched_name(module: Any) -> Optional[str]:
     """The watched name of ``module`` (``''`` for a watched model itself), None if not watched.
-    Names a compiled frame's ``self`` (``compiled_root``), whose graph names modules relative to it."""
+    Names a compiled frame's ``self`` (``inductor.dynamo_names``): its graph names modules relative to it."""
     key = id(module)
     entry = _MODULE_NAMES.get(key)
     if entry is not None and entry[0]() is module:
