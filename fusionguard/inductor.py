@@ -19,11 +19,22 @@ import os
 import re
 import sys
 import threading
-from typing import Any, Callable, Dict, List, Optional, Tuple
+import weakref
+from collections.abc import MutableMapping
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-from ._state import STATE, count, internal_error
 from . import torch_internals as ti
-from .layers import STATS, clean_name, flex_layer, in_backward, note_flex_call, resolve_watched_name, watched_name, watching
+from ._state import STATE, count, internal_error
+from .layers import (
+    STATS,
+    clean_name,
+    flex_layer,
+    in_backward,
+    note_flex_call,
+    resolve_watched_name,
+    watched_name,
+    watching,
+)
 
 _TL = threading.local()
 
@@ -632,11 +643,40 @@ def count_runs(compiled: Any, records: List[Dict[str, Any]], namer: Optional[_Na
 
     counted._fusionguard_records = summaries  # type: ignore[attr-defined]
     counted.__wrapped__ = fn  # type: ignore[attr-defined]
-    table = getattr(compiled, "__dict__", None)
-    if table is None or "current_callable" not in table:  # (a slotted class: not reversible, not wrapped)
+    if "current_callable" not in getattr(compiled, "__dict__", {}):  # (not reversible: not wrapped)
         return
-    # (keyed by the dict, which the registry keeps alive: its id is never reused meanwhile)
+    table = _GraphAttrs(compiled)
+    # (keyed by the table, which the registry keeps alive: its id is never reused meanwhile)
     STATE.patches.apply(f"graph {id(table)}.current_callable", table, "current_callable", lambda _: counted)
+
+
+class _GraphAttrs(MutableMapping):
+    """A compiled graph's attributes for the patch registry, holding the graph weakly: the
+    registry must not keep a graph Dynamo dropped (and its constants) alive until disable()."""
+
+    def __init__(self, graph: Any) -> None:
+        self.ref = weakref.ref(graph)
+
+    def _attrs(self) -> Dict[str, Any]:
+        graph = self.ref()
+        return {} if graph is None else graph.__dict__
+
+    def __getitem__(self, key: str) -> Any:
+        return self._attrs()[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        graph = self.ref()
+        if graph is not None:
+            graph.__dict__[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self._attrs()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._attrs())
+
+    def __len__(self) -> int:
+        return len(self._attrs())
 
 
 def make_post_compile_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
