@@ -215,13 +215,27 @@ class _FrameLocal:
         f = sys._getframe(1)
         d = 1
         while f is not None and d < 80:
-            c = f.f_code
-            if c.co_name in self.names and self.file in c.co_filename and self.local in c.co_varnames:
-                self.depth, self.code, self.misses = d, c, 0
+            if self._match(f):
+                self.depth, self.code, self.misses = d, f.f_code, 0
                 return f.f_locals.get(self.local)
             f, d = f.f_back, d + 1
         self.misses += 1
         return None
+
+    def _match(self, f: Any) -> bool:
+        c = f.f_code
+        return c.co_name in self.names and self.file in c.co_filename and self.local in c.co_varnames
+
+
+class _WatchedSelf(_FrameLocal):
+    """The nearest frame whose ``self`` is a watched module: for a graph compiled before
+    ``enable()``, whose frame is unknown (found once per graph, then kept like any other)."""
+
+    def __init__(self) -> None:
+        super().__init__((), "", "self")
+
+    def _match(self, f: Any) -> bool:
+        return "self" in f.f_code.co_varnames and watched_name(f.f_locals.get("self")) is not None
 
 
 def _aot_ctx() -> "_FrameLocal":
@@ -428,8 +442,8 @@ def _compile_names(calls: List[Dict[str, Any]], source: Optional[str], around: O
     if len(phases) != 1:
         return None, None, None
     phase = phases.pop()
-    if source == "before_enable":
-        return None, None, _Namer(phase, len(calls), None, None, "")
+    if source == "before_enable":  # no module paths: named by the watched module running it
+        return None, None, _Namer(phase, len(calls), [""] * len(calls), _WatchedSelf(), "")
     dyn = dynamo_names()
     outer = flex_layer() or ""
     if dyn is not None and len(dyn[0]) == len(calls):
@@ -628,7 +642,7 @@ def count_runs(compiled: Any, records: List[Dict[str, Any]], namer: Optional[_Na
                     if unlogged:  # a graph compiled before enable(): its records at its first run
                         for rec in unlogged:
                             if n == 1 and rec.get("layer") is None and names[0]:
-                                rec = {**rec, "layer": names[0], "named_from": "hooks"}
+                                rec = {**rec, "layer": names[0], "named_from": "first_run"}
                             log_compile_record(rec)
                         unlogged.clear()
                     # a forward re-run by checkpointing inside the backward is not a new call

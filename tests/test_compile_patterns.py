@@ -204,17 +204,24 @@ _BEFORE = textwrap.dedent(
         def forward(self, q):
             return flex(q, q, q)
 
+    def per_block(model):
+        for block in model.layers:
+            block.compile()
+        return model
+
     flex = torch.compile(flex_attention)
     q = torch.randn(1, 2, 32, 8)
-    with torch.no_grad():
-        torch.compile(Model())(tokens())  # an eval copy, a warm-up: compiled before enable()
+    with torch.no_grad():  # an eval copy, a warm-up: compiled before enable()
+        torch.compile(Model())(tokens())
+        per_block(Model())(tokens())
         flex(q, q, q)
     fusionguard.enable(log_path=sys.argv[1], keep_all=True)
-    model, layers = Model(), torch.nn.ModuleList([Attend(), Attend()])
-    compiled = torch.compile(model)  # Dynamo reuses the graph compiled above
-    with fusionguard.watch(model, layers), torch.no_grad():
+    model, blocks, layers = Model(), per_block(Model()), torch.nn.ModuleList([Attend(), Attend()])
+    compiled = torch.compile(model)  # Dynamo reuses the graphs compiled above
+    with fusionguard.watch(model, blocks, layers), torch.no_grad():
         for _ in range(2):
             compiled(tokens())
+            blocks(tokens())
             for layer in layers:
                 layer(q)
     json.dump({{"counts": dict(_state.STATE.counts), "rows": list(fusionguard.summary())}}, open(sys.argv[2], "w"), default=str)
@@ -225,9 +232,11 @@ _BEFORE = textwrap.dedent(
 
 def test_graphs_compiled_before_enable_are_found_and_counted(tmp_path):
     """enable() finds the compiled graphs living in the process: each is recorded at its first
-    run and counted from then on; a one-call graph is named by the layer running it, a graph of
-    several layers' calls cannot be (its module paths are gone): ``unseen_graphs`` in the
-    header, with the fix. (A process of its own: earlier tests' graphs would be found too.)"""
+    run and counted from then on. They carry no module paths: a graph is named by the watched
+    module whose frame runs it (a block of a per-block compile: the block), or by the hooked
+    layer running it (a compiled flex_attention); a graph of several layers' calls under the
+    model itself cannot be: ``unseen_graphs`` in the header, with the fix. (A process of its
+    own: earlier tests' graphs would be found too.)"""
     script, log, out = tmp_path / "before.py", tmp_path / "fg.jsonl", tmp_path / "out.json"
     script.write_text(_BEFORE.format(root=str(ROOT), tests=str(ROOT / "tests")))
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
@@ -238,12 +247,13 @@ def test_graphs_compiled_before_enable_are_found_and_counted(tmp_path):
     assert header["event"] == "header" and header["unseen_graphs"] == 1
     assert "fusionguard.enable() before the first torch.compile" in header["unseen_graphs_fix"]
     (found,) = [e for e in events if e["event"] == "compiled_before_enable"]
-    assert found["graphs"] == 2 and found["counted"] == 2 and found["unseen_graphs"] == 1
+    assert found["graphs"] == 3 and found["counted"] == 3 and found["unseen_graphs"] == 1
     assert found["search_ms"] < 1000
-    records = sorted((e["layer"] or "", e["source"]) for e in events if e["event"] == "flex_compile")
-    assert records == [("", "before_enable"), ("", "before_enable"), ("0", "before_enable")]
+    records = sorted((e["layer"] or "", e["source"], e["named_from"]) for e in events if e["event"] == "flex_compile")
+    assert records == [("", "before_enable", None)] * 2 + [("0", "before_enable", "first_run"), ("layers.0", "before_enable", "first_run")]
     runs = [(e["layer"], e["flex_calls"]) for e in events if e["event"] == "flex_run"]
-    assert sorted(runs, key=str) == sorted([(None, 2)] * 2 + [("0", 1), ("1", 1)] * 2, key=str)
+    expected_runs = [(None, 2)] * 2 + [("layers.0", 1), ("layers.1", 1)] * 2 + [("0", 1), ("1", 1)] * 2
+    assert sorted(runs, key=str) == sorted(expected_runs, key=str)
     result = json.loads(out.read_text())
-    assert result["counts"]["fused_runs_forward"] == 2 * 2 + 2 * 2
-    assert {(r["layer"], r["fused"]) for r in result["rows"]} == {("0", 2), ("1", 2)}
+    assert result["counts"]["fused_runs_forward"] == 3 * 2 * 2
+    assert {(r["layer"], r["fused"]) for r in result["rows"]} == {("0", 2), ("1", 2), ("layers.0", 2), ("layers.1", 2)}
