@@ -266,7 +266,8 @@ def enable(
             try:
                 from .log import header_fields
 
-                header = header_fields(STATE.patches.names(), dict(STATE.not_patched), config.public())
+                patched = [n for n in STATE.patches.names() if not n.startswith("graph ")]  # (not each graph's wrapper)
+                header = header_fields(patched, dict(STATE.not_patched), config.public())
                 if first:  # graphs compiled before enable() that fusionguard cannot see, and the fix
                     from .inductor import UNSEEN_FIX, unseen_graphs
 
