@@ -131,7 +131,7 @@ def test_a_cache_hit_is_named_by_the_layer_running_it_now(guard, dynamo_reset, t
     """A graph compiled (and cached) while another model's layers.0 ran it, served from the
     cache to this model's layers.1: its record names layers.1, not the stored layers.0."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    guard(keep_all=True)
+    log = guard(keep_all=True)
     MaskedAttention.flex = torch.compile(flex_attention)
     q = torch.randn(1, 2, 32, 8)
     other = Masked(local)
@@ -145,7 +145,9 @@ def test_a_cache_hit_is_named_by_the_layer_running_it_now(guard, dynamo_reset, t
     records = [(e["layer"], e["source"]) for e in flex_events("flex_compile")]
     assert records == [("layers.0", "lowering"), ("layers.0", "lowering"), ("layers.1", "cache")]
     assert [e["layer"] for e in flex_events("flex_run")] == ["layers.0"] + ["layers.0", "layers.1"] * 2
-    assert rows() == {("layers.0", "forward"): (3, 0), ("layers.1", "forward"): (2, 0)}  # (other's layers.0 too)
+    expected = {("layers.0", "forward"): (3, 0), ("layers.1", "forward"): (2, 0)}  # (other's layers.0 too)
+    assert rows() == expected
+    assert report_rows(log) == expected
 
 
 _FILL = textwrap.dedent(
