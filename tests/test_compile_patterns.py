@@ -7,7 +7,6 @@ tests/gpu/test_compile_patterns_cuda.py, per-block under FSDP2 in tests/test_dis
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -152,30 +151,19 @@ def test_a_cache_hit_is_named_by_the_layer_running_it_now(guard, dynamo_reset, t
     assert report_rows(log) == expected
 
 
-_FILL = textwrap.dedent(
-    """
-    import sys, torch
-    sys.path[:0] = [{root!r}, {tests!r}]
-    from compile_models import Model, tokens
-    torch.manual_seed(0)
-    with torch.no_grad():
-        torch.compile(Model())(tokens())
-    """
-)
-
-
 def test_a_cache_filled_without_fusionguard_is_named_from_this_compile(guard, dynamo_reset, tmp_path, monkeypatch):
     """Yesterday's job filled Inductor's caches without fusionguard (no sidecar): the names come
     from the FX graph Dynamo traces in this process (it always does; only Inductor's work is
     cached), so no cache key changes and no extra compile."""
+    import gc
+
     cache = tmp_path / "inductor"
-    script = tmp_path / "fill.py"
-    script.write_text(_FILL.format(root=str(ROOT), tests=str(ROOT / "tests")))
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache))
-    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert not (cache / "fusionguard").exists()
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
+    with torch.no_grad():  # fusionguard not enabled yet: as in a process without it
+        torch.compile(Model())(tokens())
+    assert not (cache / "fusionguard").exists()
+    torch._dynamo.reset()  # Dynamo compiles again; Inductor's and AOTAutograd's caches answer
+    gc.collect()
     log = guard(keep_all=True)
     model = Model()
     compiled = torch.compile(model)
@@ -201,8 +189,6 @@ _BEFORE = textwrap.dedent(
     from fusionguard import _state
     from compile_models import Model, tokens
     from torch.nn.attention.flex_attention import flex_attention
-    torch._inductor.config.fx_graph_cache = False
-    torch._functorch.config.enable_autograd_cache = False
 
     class Attend(torch.nn.Module):  # eager layers calling one compiled flex_attention
         def forward(self, q):
@@ -243,8 +229,7 @@ def test_graphs_compiled_before_enable_are_found_and_counted(tmp_path):
     own: earlier tests' graphs would be found too.)"""
     script, log, out = tmp_path / "before.py", tmp_path / "fg.jsonl", tmp_path / "out.json"
     script.write_text(_BEFORE.format(root=str(ROOT), tests=str(ROOT / "tests")))
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
-    proc = subprocess.run([sys.executable, str(script), str(log), str(out)], env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, str(script), str(log), str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     events = read_jsonl(log)
     header = events[0]
