@@ -525,7 +525,8 @@ def _save_sidecar(graph: Optional[str], records: List[dict]) -> None:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w") as fh:
-            json.dump([{k: r.get(k) for k in ("phase", "template", "ir", "call_site", "layer")} for r in records], fh)
+            # (no layer: a cache hit is named by this run's compile, never by the filling run)
+            json.dump([{k: r.get(k) for k in ("phase", "template", "ir", "call_site")} for r in records], fh)
         os.replace(tmp, path)
     except OSError:
         pass  # a read-only cache dir only costs us the template name on cache hits
