@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch._functorch.config
 
 import fusionguard
 from fusionguard import _state, report
