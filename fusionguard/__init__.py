@@ -190,6 +190,17 @@ def _on_sink_resume(unwritten: int) -> None:
     write_stderr(f"fusionguard: writing the log {STATE.config.log_path} again; {unwritten} event(s) so far could not be written to it\n")
 
 
+def _live_graphs() -> Any:
+    """Compiled graphs holding FlexAttention made before this enable() (see inductor)."""
+    try:
+        from .inductor import live_flex_graphs
+
+        return live_flex_graphs()
+    except Exception as exc:
+        internal_error("search for graphs compiled before enable()", exc)
+        return [], 0.0
+
+
 def enable(
     strict: bool = False,
     log_path: Union[str, os.PathLike, None, bool] = None,
@@ -256,9 +267,11 @@ def enable(
 
         STATE.log.mirror = to_torch_trace
         first = not STATE.enabled
+        live: Any = ([], 0.0)
         if first:
             STATE.not_patched = {}
             _install_patches()
+            live = _live_graphs()
             for name, why in STATE.not_patched.items():
                 write_stderr(f"fusionguard: could not patch {name} ({why}); that part is not guarded\n")
         if reopen or first:
@@ -282,7 +295,14 @@ def enable(
             try:
                 from .log import header_fields
 
-                STATE.log.emit("info", "header", **header_fields(STATE.patches.names(), dict(STATE.not_patched), config.public()), **STATE.crash_fields)
+                patched = [n for n in STATE.patches.names() if not n.startswith("graph ")]  # (not each graph's wrapper)
+                header = header_fields(patched, dict(STATE.not_patched), config.public())
+                if first:  # graphs compiled before enable() that fusionguard cannot see, and the fix
+                    from .inductor import UNSEEN_FIX, unseen_graphs
+
+                    unseen = unseen_graphs(live[0])
+                    header.update(unseen_graphs=unseen, unseen_graphs_fix=UNSEEN_FIX if unseen else None)
+                STATE.log.emit("info", "header", **header, **STATE.crash_fields)
             except Exception as exc:  # the guard must be on even if the header cannot be built
                 internal_error("header", exc)
         elif STATE.log.sink is not None:
@@ -292,6 +312,13 @@ def enable(
             STATE.log.sink.max_bytes = config.log_max_bytes or None
             STATE.log.sink.backups = config.log_backups
         STATE.enabled = True
+        if first and live[0]:  # (after the header: their records are events of this log)
+            try:
+                from .inductor import adopt_live_graphs
+
+                adopt_live_graphs(*live)
+            except Exception as exc:
+                internal_error("graphs compiled before enable()", exc)
         try:
             from . import crash
 

@@ -113,6 +113,9 @@ def note_flex_call(frame: Any = None) -> Optional[str]:
 # modules under an active watch(): names a dense call by the module whose forward frame made it.
 _MODULE_NAMES: Dict[int, Tuple[Any, str, int, Any]] = {}
 _FORWARD_CODES: Dict[Any, int] = {}  # forward code objects of those modules' classes -> count
+# (file, first line) of those codes -> count: a forward Dynamo compiled runs its own rewritten
+# code object (and its resume functions after a graph break), with the same file and first line
+_FORWARD_SITES: Dict[Tuple[str, int], int] = {}
 _MODULES_LOCK = threading.RLock()  # _MODULE_NAMES and _PAIRS
 
 
@@ -171,11 +174,36 @@ def _under(raw_name: str, prefixes: List[str]) -> bool:
     return any(not p or raw_name == p or raw_name.startswith(p + ".") for p in prefixes)
 
 
-def _name_module(module: torch.nn.Module, name: str) -> Optional[int]:
-    """Known by identity under watch() (a root, named '', is not a layer: nothing kept)."""
-    if not name:
-        return None
+# id(root module) -> (weak reference, watch() count): the watched models themselves (named '').
+_ROOTS: Dict[int, Tuple[Any, int]] = {}
+
+
+def watched_name(module: Any) -> Optional[str]:
+    """The watched name of ``module`` (``''`` for a watched model itself), None if not watched.
+    Names a compiled frame's ``self`` (``inductor.dynamo_names``): its graph names modules relative to it."""
     key = id(module)
+    entry = _MODULE_NAMES.get(key)
+    if entry is not None and entry[0]() is module:
+        return entry[1]
+    root = _ROOTS.get(key)
+    if root is not None and root[0]() is module:
+        return ""
+    return None
+
+
+def watching() -> bool:
+    return bool(_MODULE_NAMES or _ROOTS)
+
+
+def _name_module(module: torch.nn.Module, name: str) -> Optional[int]:
+    """Known by identity under watch() (a root, named '', is not a layer: kept in _ROOTS)."""
+    key = id(module)
+    if not name:
+        with _MODULES_LOCK:
+            root = _ROOTS.get(key)
+            count = root[1] + 1 if root is not None and root[0]() is module else 1
+            _ROOTS[key] = (weakref.ref(module), count)
+        return -key - 1  # (negative: a root's key, see _unname_modules)
     with _MODULES_LOCK:
         entry = _MODULE_NAMES.get(key)
         if entry is not None and entry[0]() is module:
@@ -185,12 +213,29 @@ def _name_module(module: torch.nn.Module, name: str) -> Optional[int]:
             _MODULE_NAMES[key] = (weakref.ref(module), name, 1, code)
             if code is not None:
                 _FORWARD_CODES[id(code)] = _FORWARD_CODES.get(id(code), 0) + 1
+                site = (code.co_filename, code.co_firstlineno)
+                _FORWARD_SITES[site] = _FORWARD_SITES.get(site, 0) + 1
     return key
+
+
+def _decrement(table: Dict[Any, int], key: Any) -> None:
+    left = table.get(key, 1) - 1
+    if left <= 0:
+        table.pop(key, None)
+    else:
+        table[key] = left
 
 
 def _unname_modules(keys: List[int]) -> None:
     with _MODULES_LOCK:
         for key in keys:
+            if key < 0:
+                root = _ROOTS.get(-key - 1)
+                if root is not None and root[1] > 1:
+                    _ROOTS[-key - 1] = (root[0], root[1] - 1)
+                else:
+                    _ROOTS.pop(-key - 1, None)
+                continue
             entry = _MODULE_NAMES.get(key)
             if entry is None:
                 continue
@@ -200,11 +245,8 @@ def _unname_modules(keys: List[int]) -> None:
             del _MODULE_NAMES[key]
             code = entry[3]
             if code is not None:
-                left = _FORWARD_CODES.get(id(code), 1) - 1
-                if left <= 0:
-                    _FORWARD_CODES.pop(id(code), None)
-                else:
-                    _FORWARD_CODES[id(code)] = left
+                _decrement(_FORWARD_CODES, id(code))
+                _decrement(_FORWARD_SITES, (code.co_filename, code.co_firstlineno))
 
 
 def layer_from_stack(frame: Any, limit: int = 200) -> Optional[str]:
@@ -221,7 +263,8 @@ def layer_from_stack(frame: Any, limit: int = 200) -> Optional[str]:
     f = frame
     while f is not None and limit > 0:
         limit -= 1
-        if id(f.f_code) in _FORWARD_CODES:
+        c = f.f_code
+        if id(c) in _FORWARD_CODES or (c.co_filename, c.co_firstlineno) in _FORWARD_SITES:
             obj = f.f_locals.get("self")
             entry = _MODULE_NAMES.get(id(obj))
             if entry is not None and entry[0]() is obj:
@@ -716,7 +759,7 @@ class Watch:
                 if name:
                     _WATCHED_NAMES[name] = _WATCHED_NAMES.get(name, 0) + 1
                     self._names.append(name)
-                if not compiled and not _builtin(module):
+                if not compiled and (not name or not _builtin(module)):  # (roots: see watched_name)
                     self._name(module, name)
                 asked = bool(self.layer_types and isinstance(module, self.layer_types)) or name in self.layer_names
                 if not asked and (_builtin(module) or _under(raw_name, held)):

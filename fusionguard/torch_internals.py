@@ -185,3 +185,53 @@ def is_concrete(t: Any) -> bool:
     if t.is_meta:
         return False
     return True
+
+
+def dynamo_frame_graph() -> Optional[tuple]:
+    """During a Dynamo compile: ``(frame locals, code, FX graph)`` of the frame being compiled (real
+    objects; the graph's nodes carry ``nn_module_stack``). None outside one (a backward compiled
+    lazily at its first run, a graph loaded before ``enable()``) or where this torch keeps them
+    elsewhere."""
+    mod = sys.modules.get("torch._dynamo.symbolic_convert")
+    cls = getattr(mod, "InstructionTranslator", None) if mod is not None else None
+    current = getattr(cls, "current_tx", None)
+    if current is None:
+        return None
+    try:
+        tx = current()
+        return tx.f_locals, tx.f_code, tx.output.graph
+    except Exception:  # no frame being compiled on this thread
+        return None
+
+
+AOT_RUNTIME_DIR = "_aot_autograd"  # in the path of the file where AOTAutograd's autograd.Function runs
+
+
+def found_compiled_graphs() -> list:
+    """Every live ``CompiledFxGraph`` of this process (the Inductor output of each compiled
+    graph), by a scan of the garbage collector's objects: the graphs Dynamo keeps for code that
+    was compiled before fusionguard was enabled."""
+    import gc
+    import itertools
+    import operator
+
+    if not _inductor_code_loaded():
+        return []  # no Inductor output was ever loaded: nothing to find, no scan
+    cls = compiled_fx_graph()
+    objects = gc.get_objects()
+    try:  # (all in C: about half the time of a Python loop over ~500k objects)
+        return list(itertools.compress(objects, map(operator.is_, map(type, objects), itertools.repeat(cls))))
+    finally:
+        del objects
+
+
+def _inductor_code_loaded() -> bool:
+    """False when Inductor's code cache holds no module: every compiled graph's code is loaded
+    through it (only clearing it, as ``torch._inductor.utils.fresh_cache()`` does, could hide a
+    live graph); True when unsure."""
+    mod = sys.modules.get("torch._inductor.codecache")
+    cache = getattr(mod, "PyCodeCache", None) if mod is not None else None
+    if cache is None:
+        return mod is not None
+    tables = [getattr(cache, n) for n in ("modules", "cache", "modules_no_attr") if hasattr(cache, n)]
+    return not tables or any(bool(t) for t in tables)

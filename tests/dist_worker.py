@@ -5,6 +5,9 @@
 SCENARIO:
   both   warn mode, every rank runs one eager (dense) flex_attention, Q = 16 + 8 * rank
   rank1  warn mode, only rank 1 runs flex_attention
+  fsdp2  per-block compile under FSDP2 (torchtitan's pattern): fully_shard each block, then
+         block.compile(), the whole model sharded; two inference steps inside watch(model);
+         each rank writes OUT_DIR/rows{R}.json (summary) and OUT_DIR/counts{R}.json
   strict strict mode; rank 0 runs its call inside allow_dense(), rank 1's call raises
          DenseFallbackError; rank 0 then waits in a barrier that rank 1 never reaches
 
@@ -66,6 +69,10 @@ def main() -> None:
     elif scenario == "rank1":
         if rank == 1:
             attention(16)
+    elif scenario == "fsdp2":
+        fsdp2_per_block(out, rank)
+        finish(out, rank)
+        return
     elif scenario == "strict":
         if rank == 0:
             with fusionguard.allow_dense():
@@ -94,6 +101,33 @@ def main() -> None:
     else:
         assert gathered is None, gathered
     finish(out, rank)
+
+
+def fsdp2_per_block(out: Path, rank: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch < 2.6 spelling
+        from torch.distributed._composable.fsdp import fully_shard  # type: ignore
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from compile_models import Model, tokens
+
+    torch.manual_seed(0)  # the same weights on both ranks
+    model = Model()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+        block.compile()
+    fully_shard(model, mesh=mesh)
+    with fusionguard.watch(model), torch.no_grad():
+        for _ in range(2):
+            model(tokens(seed=rank))
+    rows = [{k: r[k] for k in ("layer", "phase", "calls", "fused", "dense")} for r in fusionguard.summary()]
+    (out / f"rows{rank}.json").write_text(json.dumps(rows))
+    runs = [{k: e.get(k) for k in ("layer", "layers", "flex_calls")} for e in fusionguard.events("flex_run")]
+    (out / f"counts{rank}.json").write_text(json.dumps({"counts": dict(fusionguard._state.STATE.counts), "runs": runs}))
 
 
 def finish(out: Path, rank: int) -> None:

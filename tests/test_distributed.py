@@ -156,3 +156,31 @@ def test_strict_rank_raises_torchrun_stops_the_group(tmp_path):
     assert blocked["action"] == "raise" and blocked["allowed"] is False and blocked["cause"] == "eager_call"
     (allowed,) = flex_calls(logs[0])
     assert allowed["action"] == "allow" and allowed["allowed"] is True
+
+
+@torchrun
+@pytest.mark.slow
+def test_fsdp2_per_block_compile_names_each_block_on_every_rank(tmp_path):
+    """torchtitan's pattern under torchrun: fully_shard per block, block.compile(), two steps in
+    watch(model). One compiled graph serves both blocks; each run is named by the block running
+    it, per rank; the report sums the ranks."""
+    from fusionguard import report
+
+    proc = launch("fsdp2", tmp_path, timeout=LAUNCH_TIMEOUT * 4)  # (two ranks compile at once)
+    assert proc.returncode == 0, output(proc)
+    logs = rank_logs(tmp_path)
+    expected = [
+        {"layer": "layers.0.attn", "phase": "forward", "calls": 2, "fused": 2, "dense": 0},
+        {"layer": "layers.1.attn", "phase": "forward", "calls": 2, "fused": 2, "dense": 0},
+    ]
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"rows{rank}.json").read_text()) == expected
+        counts = json.loads((tmp_path / f"counts{rank}.json").read_text())
+        assert counts["counts"]["fused_runs_forward"] == 4
+        assert [(r["layer"], r["flex_calls"]) for r in counts["runs"]] == [("layers.0.attn", 1), ("layers.1.attn", 1)] * 2
+        assert not flex_calls(logs[rank])
+    rep = report.build([str(tmp_path / "logs")])
+    assert {(r["layer"], r["phase"]): (r["fused_calls"], r["dense"]) for r in rep["rows"]} == {
+        ("layers.0.attn", "forward"): (4, 0),
+        ("layers.1.attn", "forward"): (4, 0),
+    }
