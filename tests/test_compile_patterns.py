@@ -38,7 +38,7 @@ def rows():
 
 def report_rows(log):
     fusionguard.disable()  # (the summary and shutdown events end the log)
-    return {(r["layer"], r["phase"]): (r["fused_calls"], r["dense"]) for r in report.build([str(log)])["rows"]}
+    return {(r["layer"], r["phase"]): (r["fused"], r["dense"]) for r in report.build([str(log)])["rows"]}
 
 
 def run_names():

@@ -180,7 +180,7 @@ def test_fsdp2_per_block_compile_names_each_block_on_every_rank(tmp_path):
         assert [(r["layer"], r["flex_calls"]) for r in counts["runs"]] == [("layers.0.attn", 1), ("layers.1.attn", 1)] * 2
         assert not flex_calls(logs[rank])
     rep = report.build([str(tmp_path / "logs")])
-    assert {(r["layer"], r["phase"]): (r["fused_calls"], r["dense"]) for r in rep["rows"]} == {
+    assert {(r["layer"], r["phase"]): (r["fused"], r["dense"]) for r in rep["rows"]} == {
         ("layers.0.attn", "forward"): (4, 0),
         ("layers.1.attn", "forward"): (4, 0),
     }

@@ -60,7 +60,7 @@ def fused_by_layer(phase):
 
 def check_report(log, expected):
     fusionguard.disable()
-    got = {(r["layer"], r["phase"]): (r["fused_calls"] or 0, r["dense"]) for r in report.build([str(log)])["rows"]}
+    got = {(r["layer"], r["phase"]): (r["fused"] or 0, r["dense"]) for r in report.build([str(log)])["rows"]}
     assert got == expected
 
 

@@ -81,7 +81,7 @@ def test_every_fused_call_counted_once_per_layer_and_phase(tmp_path, how):
     finally:
         fusionguard.disable()
     rep = report.build([str(log)])
-    print(json.dumps({"how": how, "rows": rep["rows"], "summary": rows}, default=str)[:4000])
+    print(json.dumps({"how": how, "rows": rep["rows"], "summary": {f"{k[0]}|{k[1]}": v for k, v in rows.items()}}, default=str)[:4000])
     want = {(f"layers.{i}", p): STEPS for i in range(2) for p in ("forward", "backward")}
     got = {(r["layer"], r["phase"]): r["fused"] for r in rep["rows"] if r["fused"]}
     assert got == want, got
