@@ -948,7 +948,7 @@ def build_report(agg: Aggregator) -> Dict[str, Any]:
         for k in fs.schemas:
             schemas[k] = schemas.get(k, 0) + 1
     warnings = list(agg.notes)
-    numeric = [int(k) for k in schemas if k.isdigit()]
+    numeric = [int(k) for k in schemas if len(k) < 20 and _DIGITS.fullmatch(k)]  # not isdigit(): "²"
     if len([k for k in schemas if k != "none"]) > 1:
         warnings.append("mixed schema versions: " + ", ".join(f"{k} ({n} file{'s' if n > 1 else ''})" for k, n in sorted(schemas.items())))
     if numeric and max(numeric) > SUPPORTED_SCHEMA:

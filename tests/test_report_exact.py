@@ -490,3 +490,13 @@ def test_a_terminal_without_utf8_gets_escapes_not_a_traceback(tmp_path):
     p = subprocess.run([sys.executable, "-m", "fusionguard", "report", str(path)], capture_output=True, env=env, timeout=60)
     assert p.returncode == 0 and b"Traceback" not in p.stderr, p.stderr
     assert b"eager_call\\xd71" in p.stdout and b"\\xfc" in p.stdout
+
+
+@pytest.mark.parametrize("schema", ["\u00b2", "9" * 5000, "-1", " 1"])
+def test_a_header_schema_that_is_not_a_plain_number_is_reported_never_a_traceback(schema, tmp_path, capsys):
+    """``str.isdigit()`` is true for "²" (and int() of 5,000 digits raises): the schema check
+    took either for a number and raised out of build()."""
+    path = write(tmp_path / "fg.jsonl", [dict(header(), schema=schema), ev("flex_run", 1, layer="a", phase="forward", path="fused", flex_calls=1)])
+    rep = as_json(capsys, path)
+    assert rep["totals"]["fused_calls"] == 1
+    assert not any("newer than this report" in w for w in rep["warnings"])
