@@ -38,6 +38,7 @@ from ._format import mem_text as _mem
 from ._format import table as _table
 
 from . import crash
+from .crash import open_regular as _open_regular
 
 SUPPORTED_SCHEMA = 1
 REPORT_VERSION = 2  # 2: rows' fused = calls (never compile records), allowed apart from dense
@@ -368,18 +369,6 @@ def _has_surrogate(obj: Any) -> bool:
     if isinstance(obj, list):
         return any(_has_surrogate(x) for x in obj)
     return False
-
-
-def _open_regular(path: str) -> Any:
-    """Open for reading without blocking on a FIFO, and refuse what is not a regular file."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(0, "not a regular file", path)
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
 
 
 def read_events(path: str, stats: FileStats) -> Iterator[dict]:

@@ -324,6 +324,21 @@ def test_fifos_and_device_links_are_never_opened(tmp_path):
     assert stat.S_ISFIFO(os.stat(logs / "pipe.jsonl").st_mode)
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")
+def test_a_crash_file_named_by_a_header_that_is_a_fifo_is_never_opened(tmp_path):
+    """The header's ``crash_file`` is a path from the log: a FIFO there hung report (open blocks)."""
+    os.mkfifo(tmp_path / "pipe")
+    direct = write(tmp_path / "a" / "fg.jsonl", [dict(header(), crash_file=str(tmp_path / "pipe"))])
+    beside = write(tmp_path / "b" / "fg.jsonl", [dict(header(), crash_file="/nonexistent/fg.crash")])
+    os.mkfifo(tmp_path / "b" / "fg.crash")  # a crash file is also looked up beside its log
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    for log in (direct, beside):
+        p = subprocess.run([sys.executable, "-m", "fusionguard", "report", str(log), "--format", "json"],
+                           capture_output=True, text=True, env=env, timeout=60)
+        assert p.returncode == 0, p.stderr
+        assert [c["kind"] for c in json.loads(p.stdout)["crashes"]] == ["stopped"]
+
+
 # -- hostile lines -------------------------------------------------------------------------------------
 
 HOSTILE = [
