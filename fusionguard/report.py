@@ -561,6 +561,7 @@ class Aggregator:
         stats = FileStats(path)
         self.files.append(stats)
         file_hosts: Dict[Any, Any] = {}
+        file_streams: Dict[Any, Stream] = {}  # pid -> its latest stream in this file
         stream: Optional[Stream] = None
         sid: Any = None
         lineno = 0
@@ -584,7 +585,16 @@ class Aggregator:
                 sid = (host, pid, rank)
                 stream = self.streams.get(sid)
                 if stream is None:
-                    stream = self.streams[sid] = Stream(sid, self.last)
+                    prev = file_streams.get(pid)
+                    if prev is not None and kind != "header" and prev.host == host and prev.last_kind != "shutdown":
+                        # the same process, its rank known only now (a process group that came up
+                        # after enable()): one process, not a "stopped" one beside it
+                        del self.streams[(prev.host, prev.pid, prev.rank)]
+                        prev.rank = rank
+                        stream = self.streams[sid] = prev
+                    else:
+                        stream = self.streams[sid] = Stream(sid, self.last)
+                file_streams[pid] = stream
                 if not stream.files or stream.files[-1] != path:
                     stream.files.append(path)
             assert stream is not None

@@ -515,3 +515,37 @@ def test_a_header_schema_that_is_not_a_plain_number_is_reported_never_a_tracebac
     rep = as_json(capsys, path)
     assert rep["totals"]["fused_calls"] == 1
     assert not any("newer than this report" in w for w in rep["warnings"])
+
+
+def test_a_rank_known_only_after_enable_is_one_process_not_a_stopped_one(guard, monkeypatch, capsys):
+    """mp.spawn / init_process_group(rank=3) after enable(): the real writer stamps rank 0 until
+    the process group is up, rank 3 after. That is one process that exited cleanly, not a rank 0
+    that "stopped without a shutdown" beside a rank 3."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    log = guard(strict=False)
+    q, k, v = qkv()
+    with pytest.warns(fusionguard.DenseFallbackWarning):
+        flex_attention(q, k, v)
+    dist.init_process_group("fake", rank=3, world_size=4, store=FakeStore())
+    try:
+        with pytest.warns(fusionguard.DenseFallbackWarning):
+            flex_attention(q, k, v)
+        fusionguard.disable()
+    finally:
+        dist.destroy_process_group()
+    assert {json.loads(line)["rank"] for line in log.read_text().splitlines()} == {0, 3}  # what the writer does
+    rep = as_json(capsys, log)
+    assert rep["run"]["processes"] == 1 and rep["run"]["ranks"] == [3]
+    assert [(e["rank"], e["ending"]) for e in rep["endings"]] == [(3, "disable")] and rep["crashes"] == []
+    assert rep["totals"]["dense_calls"] == 2
+
+    # a new header under the same pid is a new process (containers: pid 1 in every run), kept apart
+    lines = log.read_text().splitlines()
+    again = [dict(json.loads(line), rank=5) for line in lines if json.loads(line)["event"] == "header"]
+    two = write(log.parent / "two.jsonl", [json.loads(lines[0]), json.loads(lines[1])] + again)
+    rep = as_json(capsys, two)
+    assert rep["run"]["processes"] == 2
