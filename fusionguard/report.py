@@ -1266,6 +1266,7 @@ CSV_COLUMNS = (
 
 
 def render_csv(rep: Dict[str, Any]) -> str:
+    rep = _escaped(rep)  # as in text: a log's ESC sequences never reach a terminal
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(CSV_COLUMNS)
@@ -1282,8 +1283,14 @@ def render_csv(rep: Dict[str, Any]) -> str:
     return buf.getvalue()
 
 
+_JSON_UNSAFE = re.compile("[\x7f-\x9f\u202a-\u202e\u2066-\u2069]")  # json.dumps escapes C0 itself
+
+
 def render_json(rep: Dict[str, Any]) -> str:
-    return json.dumps(rep, indent=1, ensure_ascii=False, default=str) + "\n"
+    """JSON; C1 controls, DEL and bidirectional overrides written as ``\\uXXXX`` escapes (the
+    decoded data is the same; a terminal showing it is never driven by a log's strings)."""
+    text = json.dumps(rep, indent=1, ensure_ascii=False, default=str)
+    return _JSON_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", text) + "\n"
 
 
 # -- plot ------------------------------------------------------------------------------------------

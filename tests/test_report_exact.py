@@ -549,3 +549,17 @@ def test_a_rank_known_only_after_enable_is_one_process_not_a_stopped_one(guard, 
     two = write(log.parent / "two.jsonl", [json.loads(lines[0]), json.loads(lines[1])] + again)
     rep = as_json(capsys, two)
     assert rep["run"]["processes"] == 2
+
+
+def test_csv_and_json_never_send_control_characters_to_a_terminal(tmp_path, capsys):
+    """``--format csv`` wrote a layer's ESC sequences as they were; JSON left C1 controls and
+    bidirectional overrides raw. JSON escapes them (the decoded data is unchanged), CSV shows them
+    as text reports do."""
+    evil = "layers.0\x1b[2J\x9b1m\u202e\x7f"
+    path = write(tmp_path / "fg.jsonl", [header(), dict(ev("flex_call", 1, layer=evil, phase="forward", path="dense", cause="eager_call",
+                                                             action="warn"), level="warning")])
+    for fmt in ("csv", "json"):
+        rc, out, _ = run_cli(capsys, path, "--format", fmt)
+        assert rc == 0 and not any(c in out for c in ("\x1b", "\x9b", "\u202e", "\x7f")), (fmt, repr(out))
+    assert json.loads(run_cli(capsys, path, "--format", "json")[1])["rows"][0]["layer"] == evil
+    assert "layers.0\\x1b[2J\\x9b1m\\u202e\\x7f" in run_cli(capsys, path, "--format", "csv")[1]
