@@ -196,8 +196,9 @@ def _regular(path: str) -> bool:
 def find_logs(paths: Iterable[str], notes: Optional[List[str]] = None, ignored: Optional[List[Dict[str, str]]] = None) -> List[str]:
     """Files to read, in order; directories give every ``*.jsonl`` (and rotated ``*.jsonl.N``,
     oldest first) below them that is a regular file (others go to ``ignored``). A file is read
-    alone; its rotated parts, if any, are mentioned in ``notes``. Raises ReportError for a
-    missing path, a path that is not a regular file or directory, or a directory without logs."""
+    alone; its rotated parts, if any, are mentioned in ``notes``. A directory without logs goes
+    to ``ignored`` (ReportError when ``ignored`` is None). Raises ReportError for a missing path
+    or a path that is not a regular file or directory."""
     out: List[str] = []
     seen = set()
     for raw in paths:
@@ -216,8 +217,11 @@ def find_logs(paths: Iterable[str], notes: Optional[List[str]] = None, ignored: 
                             continue
                         n = int(m.group("n")) if m.group("n") else 0
                         found.append((os.path.join(root, m.group("base")), -n, full))
-            if not found:
-                raise ReportError(f"no fusionguard logs (*.jsonl) in directory {path}")
+            if not found:  # beside other inputs (a rank that died before writing): listed, not fatal
+                if ignored is None:
+                    raise ReportError(f"no fusionguard logs (*.jsonl) in directory {path}")
+                ignored.append({"path": path, "reason": "no fusionguard logs (*.jsonl) in this directory"})
+                continue
             files_in_order = [f for _, _, f in sorted(found)]
         elif _regular(path):
             files_in_order = [path]

@@ -563,3 +563,17 @@ def test_csv_and_json_never_send_control_characters_to_a_terminal(tmp_path, caps
         assert rc == 0 and not any(c in out for c in ("\x1b", "\x9b", "\u202e", "\x7f")), (fmt, repr(out))
     assert json.loads(run_cli(capsys, path, "--format", "json")[1])["rows"][0]["layer"] == evil
     assert "layers.0\\x1b[2J\\x9b1m\\u202e\\x7f" in run_cli(capsys, path, "--format", "csv")[1]
+
+
+def test_a_directory_without_logs_beside_real_logs_is_listed_not_fatal(tmp_path, capsys):
+    """``fusionguard report runs/rank*/`` where one rank died before writing: the others are
+    reported and the empty directory is listed as ignored (exit 2 only when no input holds an event)."""
+    write(tmp_path / "rank0" / "fg.jsonl", [header(), ev("flex_run", 1, layer="a", phase="forward", path="fused", flex_calls=1)])
+    (tmp_path / "rank1").mkdir()
+    rc, out, err = run_cli(capsys, tmp_path / "rank0", tmp_path / "rank1", "--expect-fused", "--format", "json")
+    assert rc == 0, err
+    rep = json.loads(out)
+    assert rep["totals"]["fused_calls"] == 1
+    assert rep["ignored"] == [{"path": str(tmp_path / "rank1"), "reason": "no fusionguard logs (*.jsonl) in this directory"}]
+    rc, out, err = run_cli(capsys, tmp_path / "rank1")
+    assert rc == 2 and out == "" and "rank1: no fusionguard logs (*.jsonl) in this directory" in err
