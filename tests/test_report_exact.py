@@ -430,10 +430,16 @@ from hypothesis import strategies as st  # noqa: E402
 _FIELDS = ["event", "pid", "rank", "seq", "ts", "hostname", "layer", "layers", "phase", "path", "cause", "action", "allowed",
            "scores_bytes", "count", "total", "flex_calls", "of", "rows", "call_site", "cuda", "last_flex", "message",
            "frames", "counts", "causes", "alloc_delta", "peak_delta", "recompute", "reason", "schema", "template"]
+
+
+def _nested(children):  # a def, not a lambda: hypothesis could not see the lambda use its argument
+    return st.lists(children, max_size=3) | st.dictionaries(st.sampled_from(_FIELDS) | st.text(max_size=4), children, max_size=4)
+
+
 _JSON = st.recursive(
     st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70) | st.floats(allow_nan=True, allow_infinity=True)
     | st.text(max_size=8),
-    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.sampled_from(_FIELDS) | st.text(max_size=4), children, max_size=4),
+    _nested,
     max_leaves=12,
 )
 _KINDS = st.sampled_from(sorted(report.KNOWN_EVENTS) + ["odd\x1b[31m"])
