@@ -38,7 +38,7 @@ from ._format import mem_text as _mem
 from ._format import table as _table
 
 from . import crash
-from .crash import open_regular as _open_regular
+from .crash import open_for_reading as _open_regular
 
 SUPPORTED_SCHEMA = 1
 REPORT_VERSION = 2  # 2: rows' fused = calls (never compile records), allowed apart from dense
