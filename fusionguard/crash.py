@@ -36,6 +36,7 @@ import faulthandler
 import os
 import re
 import signal
+import stat
 import sys
 import threading
 import traceback
@@ -192,6 +193,19 @@ _SIGNALS = {
 _FH_FRAME = re.compile(r'^\s*File "(?P<file>.*)", line (?P<line>\d+|\?\?\?) in (?P<name>.*)$')
 
 
+def open_for_reading(path: str) -> Any:
+    """Open for reading without blocking on a FIFO, and refuse what is not a regular file: the
+    paths come from logs (``report``), and a FIFO or a device there would hang the reader."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(0, "not a regular file", path)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def native_crash(crash_file: Any, log_files: Iterable[str] = (), recent: Iterable[dict] = ()) -> Optional[Dict[str, Any]]:
     """A ``crash`` record (the fields of a Python crash event) from a faulthandler file, or None
     when there is none or it is empty. ``crash_file``: from the process's header (looked up
@@ -202,7 +216,7 @@ def native_crash(crash_file: Any, log_files: Iterable[str] = (), recent: Iterabl
     candidates = [crash_file] + [os.path.join(os.path.dirname(f), os.path.basename(crash_file)) for f in log_files]
     for path in candidates:
         try:
-            with open(path, "rb") as fh:
+            with open_for_reading(path) as fh:
                 text = fh.read(256 * 1024).decode("utf-8", "replace")
             mtime: Optional[float] = os.path.getmtime(path)
             break

@@ -38,6 +38,7 @@ from ._format import mem_text as _mem
 from ._format import table as _table
 
 from . import crash
+from .crash import open_for_reading as _open_regular
 
 SUPPORTED_SCHEMA = 1
 REPORT_VERSION = 2  # 2: rows' fused = calls (never compile records), allowed apart from dense
@@ -195,8 +196,9 @@ def _regular(path: str) -> bool:
 def find_logs(paths: Iterable[str], notes: Optional[List[str]] = None, ignored: Optional[List[Dict[str, str]]] = None) -> List[str]:
     """Files to read, in order; directories give every ``*.jsonl`` (and rotated ``*.jsonl.N``,
     oldest first) below them that is a regular file (others go to ``ignored``). A file is read
-    alone; its rotated parts, if any, are mentioned in ``notes``. Raises ReportError for a
-    missing path, a path that is not a regular file or directory, or a directory without logs."""
+    alone; its rotated parts, if any, are mentioned in ``notes``. A directory without logs goes
+    to ``ignored`` (ReportError when ``ignored`` is None). Raises ReportError for a missing path
+    or a path that is not a regular file or directory."""
     out: List[str] = []
     seen = set()
     for raw in paths:
@@ -215,8 +217,11 @@ def find_logs(paths: Iterable[str], notes: Optional[List[str]] = None, ignored: 
                             continue
                         n = int(m.group("n")) if m.group("n") else 0
                         found.append((os.path.join(root, m.group("base")), -n, full))
-            if not found:
-                raise ReportError(f"no fusionguard logs (*.jsonl) in directory {path}")
+            if not found:  # beside other inputs (a rank that died before writing): listed, not fatal
+                if ignored is None:
+                    raise ReportError(f"no fusionguard logs (*.jsonl) in directory {path}")
+                ignored.append({"path": path, "reason": "no fusionguard logs (*.jsonl) in this directory"})
+                continue
             files_in_order = [f for _, _, f in sorted(found)]
         elif _regular(path):
             files_in_order = [path]
@@ -368,18 +373,6 @@ def _has_surrogate(obj: Any) -> bool:
     if isinstance(obj, list):
         return any(_has_surrogate(x) for x in obj)
     return False
-
-
-def _open_regular(path: str) -> Any:
-    """Open for reading without blocking on a FIFO, and refuse what is not a regular file."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(0, "not a regular file", path)
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
 
 
 def read_events(path: str, stats: FileStats) -> Iterator[dict]:
@@ -572,6 +565,7 @@ class Aggregator:
         stats = FileStats(path)
         self.files.append(stats)
         file_hosts: Dict[Any, Any] = {}
+        file_streams: Dict[Any, Stream] = {}  # pid -> its latest stream in this file
         stream: Optional[Stream] = None
         sid: Any = None
         lineno = 0
@@ -595,7 +589,16 @@ class Aggregator:
                 sid = (host, pid, rank)
                 stream = self.streams.get(sid)
                 if stream is None:
-                    stream = self.streams[sid] = Stream(sid, self.last)
+                    prev = file_streams.get(pid)
+                    if prev is not None and kind != "header" and prev.host == host and prev.last_kind != "shutdown":
+                        # the same process, its rank known only now (a process group that came up
+                        # after enable()): one process, not a "stopped" one beside it
+                        del self.streams[(prev.host, prev.pid, prev.rank)]
+                        prev.rank = rank
+                        stream = self.streams[sid] = prev
+                    else:
+                        stream = self.streams[sid] = Stream(sid, self.last)
+                file_streams[pid] = stream
                 if not stream.files or stream.files[-1] != path:
                     stream.files.append(path)
             assert stream is not None
@@ -948,7 +951,7 @@ def build_report(agg: Aggregator) -> Dict[str, Any]:
         for k in fs.schemas:
             schemas[k] = schemas.get(k, 0) + 1
     warnings = list(agg.notes)
-    numeric = [int(k) for k in schemas if k.isdigit()]
+    numeric = [int(k) for k in schemas if len(k) < 20 and _DIGITS.fullmatch(k)]  # not isdigit(): "²"
     if len([k for k in schemas if k != "none"]) > 1:
         warnings.append("mixed schema versions: " + ", ".join(f"{k} ({n} file{'s' if n > 1 else ''})" for k, n in sorted(schemas.items())))
     if numeric and max(numeric) > SUPPORTED_SCHEMA:
@@ -1267,6 +1270,7 @@ CSV_COLUMNS = (
 
 
 def render_csv(rep: Dict[str, Any]) -> str:
+    rep = _escaped(rep)  # as in text: a log's ESC sequences never reach a terminal
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(CSV_COLUMNS)
@@ -1283,8 +1287,14 @@ def render_csv(rep: Dict[str, Any]) -> str:
     return buf.getvalue()
 
 
+_JSON_UNSAFE = re.compile("[\x7f-\x9f\u202a-\u202e\u2066-\u2069]")  # json.dumps escapes C0 itself
+
+
 def render_json(rep: Dict[str, Any]) -> str:
-    return json.dumps(rep, indent=1, ensure_ascii=False, default=str) + "\n"
+    """JSON; C1 controls, DEL and bidirectional overrides written as ``\\uXXXX`` escapes (the
+    decoded data is the same; a terminal showing it is never driven by a log's strings)."""
+    text = json.dumps(rep, indent=1, ensure_ascii=False, default=str)
+    return _JSON_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", text) + "\n"
 
 
 # -- plot ------------------------------------------------------------------------------------------

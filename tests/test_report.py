@@ -328,7 +328,7 @@ def test_empty_file_empty_directory_missing_path(tmp_path, capsys):
     (tmp_path / "nologs").mkdir()
     (tmp_path / "nologs" / "notes.txt").write_text("hi")
     rc, out, err = run_cli(capsys, tmp_path / "nologs")
-    assert rc == 2 and out == "" and f"no fusionguard logs (*.jsonl) in directory {tmp_path / 'nologs'}" in err
+    assert rc == 2 and out == "" and f"{tmp_path / 'nologs'}: no fusionguard logs (*.jsonl) in this directory" in err
 
     rc, out, err = run_cli(capsys, tmp_path / "missing.jsonl")
     assert rc == 2 and "no such file or directory" in err

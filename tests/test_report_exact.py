@@ -324,6 +324,21 @@ def test_fifos_and_device_links_are_never_opened(tmp_path):
     assert stat.S_ISFIFO(os.stat(logs / "pipe.jsonl").st_mode)
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")
+def test_a_crash_file_named_by_a_header_that_is_a_fifo_is_never_opened(tmp_path):
+    """The header's ``crash_file`` is a path from the log: a FIFO there hung report (open blocks)."""
+    os.mkfifo(tmp_path / "pipe")
+    direct = write(tmp_path / "a" / "fg.jsonl", [dict(header(), crash_file=str(tmp_path / "pipe"))])
+    beside = write(tmp_path / "b" / "fg.jsonl", [dict(header(), crash_file="/nonexistent/fg.crash")])
+    os.mkfifo(tmp_path / "b" / "fg.crash")  # a crash file is also looked up beside its log
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    for log in (direct, beside):
+        p = subprocess.run([sys.executable, "-m", "fusionguard", "report", str(log), "--format", "json"],
+                           capture_output=True, text=True, env=env, timeout=60)
+        assert p.returncode == 0, p.stderr
+        assert [c["kind"] for c in json.loads(p.stdout)["crashes"]] == ["stopped"]
+
+
 # -- hostile lines -------------------------------------------------------------------------------------
 
 HOSTILE = [
@@ -415,10 +430,16 @@ from hypothesis import strategies as st  # noqa: E402
 _FIELDS = ["event", "pid", "rank", "seq", "ts", "hostname", "layer", "layers", "phase", "path", "cause", "action", "allowed",
            "scores_bytes", "count", "total", "flex_calls", "of", "rows", "call_site", "cuda", "last_flex", "message",
            "frames", "counts", "causes", "alloc_delta", "peak_delta", "recompute", "reason", "schema", "template"]
+
+
+def _nested(children):  # a def, not a lambda: hypothesis could not see the lambda use its argument
+    return st.lists(children, max_size=3) | st.dictionaries(st.sampled_from(_FIELDS) | st.text(max_size=4), children, max_size=4)
+
+
 _JSON = st.recursive(
     st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70) | st.floats(allow_nan=True, allow_infinity=True)
     | st.text(max_size=8),
-    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.sampled_from(_FIELDS) | st.text(max_size=4), children, max_size=4),
+    _nested,
     max_leaves=12,
 )
 _KINDS = st.sampled_from(sorted(report.KNOWN_EVENTS) + ["odd\x1b[31m"])
@@ -490,3 +511,75 @@ def test_a_terminal_without_utf8_gets_escapes_not_a_traceback(tmp_path):
     p = subprocess.run([sys.executable, "-m", "fusionguard", "report", str(path)], capture_output=True, env=env, timeout=60)
     assert p.returncode == 0 and b"Traceback" not in p.stderr, p.stderr
     assert b"eager_call\\xd71" in p.stdout and b"\\xfc" in p.stdout
+
+
+@pytest.mark.parametrize("schema", ["\u00b2", "9" * 5000, "-1", " 1"])
+def test_a_header_schema_that_is_not_a_plain_number_is_reported_never_a_traceback(schema, tmp_path, capsys):
+    """``str.isdigit()`` is true for "²" (and int() of 5,000 digits raises): the schema check
+    took either for a number and raised out of build()."""
+    path = write(tmp_path / "fg.jsonl", [dict(header(), schema=schema), ev("flex_run", 1, layer="a", phase="forward", path="fused", flex_calls=1)])
+    rep = as_json(capsys, path)
+    assert rep["totals"]["fused_calls"] == 1
+    assert not any("newer than this report" in w for w in rep["warnings"])
+
+
+def test_a_rank_known_only_after_enable_is_one_process_not_a_stopped_one(guard, monkeypatch, capsys):
+    """mp.spawn / init_process_group(rank=3) after enable(): the real writer stamps rank 0 until
+    the process group is up, rank 3 after. That is one process that exited cleanly, not a rank 0
+    that "stopped without a shutdown" beside a rank 3."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    log = guard(strict=False)
+    q, k, v = qkv()
+    with pytest.warns(fusionguard.DenseFallbackWarning):
+        flex_attention(q, k, v)
+    dist.init_process_group("fake", rank=3, world_size=4, store=FakeStore())
+    try:
+        with pytest.warns(fusionguard.DenseFallbackWarning):
+            flex_attention(q, k, v)
+        fusionguard.disable()
+    finally:
+        dist.destroy_process_group()
+    assert {json.loads(line)["rank"] for line in log.read_text().splitlines()} == {0, 3}  # what the writer does
+    rep = as_json(capsys, log)
+    assert rep["run"]["processes"] == 1 and rep["run"]["ranks"] == [3]
+    assert [(e["rank"], e["ending"]) for e in rep["endings"]] == [(3, "disable")] and rep["crashes"] == []
+    assert rep["totals"]["dense_calls"] == 2
+
+    # a new header under the same pid is a new process (containers: pid 1 in every run), kept apart
+    lines = log.read_text().splitlines()
+    again = [dict(json.loads(line), rank=5) for line in lines if json.loads(line)["event"] == "header"]
+    two = write(log.parent / "two.jsonl", [json.loads(lines[0]), json.loads(lines[1])] + again)
+    rep = as_json(capsys, two)
+    assert rep["run"]["processes"] == 2
+
+
+def test_csv_and_json_never_send_control_characters_to_a_terminal(tmp_path, capsys):
+    """``--format csv`` wrote a layer's ESC sequences as they were; JSON left C1 controls and
+    bidirectional overrides raw. JSON escapes them (the decoded data is unchanged), CSV shows them
+    as text reports do."""
+    evil = "layers.0\x1b[2J\x9b1m\u202e\x7f"
+    path = write(tmp_path / "fg.jsonl", [header(), dict(ev("flex_call", 1, layer=evil, phase="forward", path="dense", cause="eager_call",
+                                                             action="warn"), level="warning")])
+    for fmt in ("csv", "json"):
+        rc, out, _ = run_cli(capsys, path, "--format", fmt)
+        assert rc == 0 and not any(c in out for c in ("\x1b", "\x9b", "\u202e", "\x7f")), (fmt, repr(out))
+    assert json.loads(run_cli(capsys, path, "--format", "json")[1])["rows"][0]["layer"] == evil
+    assert "layers.0\\x1b[2J\\x9b1m\\u202e\\x7f" in run_cli(capsys, path, "--format", "csv")[1]
+
+
+def test_a_directory_without_logs_beside_real_logs_is_listed_not_fatal(tmp_path, capsys):
+    """``fusionguard report runs/rank*/`` where one rank died before writing: the others are
+    reported and the empty directory is listed as ignored (exit 2 only when no input holds an event)."""
+    write(tmp_path / "rank0" / "fg.jsonl", [header(), ev("flex_run", 1, layer="a", phase="forward", path="fused", flex_calls=1)])
+    (tmp_path / "rank1").mkdir()
+    rc, out, err = run_cli(capsys, tmp_path / "rank0", tmp_path / "rank1", "--expect-fused", "--format", "json")
+    assert rc == 0, err
+    rep = json.loads(out)
+    assert rep["totals"]["fused_calls"] == 1
+    assert rep["ignored"] == [{"path": str(tmp_path / "rank1"), "reason": "no fusionguard logs (*.jsonl) in this directory"}]
+    rc, out, err = run_cli(capsys, tmp_path / "rank1")
+    assert rc == 2 and out == "" and "rank1: no fusionguard logs (*.jsonl) in this directory" in err
