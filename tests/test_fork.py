@@ -168,6 +168,8 @@ def test_forked_child_counts_are_its_own_and_survive_os_exit(tmp_path, mode, cap
     rc, out, _ = run_cli(capsys, target, "--format", "json")
     assert rc == 0
     assert json.loads(out)["totals"]["dense_calls"] == 16
+    rc, out, _ = run_cli(capsys, target)
+    assert f"forked from pid {parent}: a worker that ended with os._exit, or killed" in out
 
 
 # A real DataLoader (fork, 2 workers) whose dataset calls FlexAttention: the workers end with
