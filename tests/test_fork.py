@@ -207,3 +207,4 @@ def test_dataloader_fork_workers_end_with_a_shutdown_and_all_their_counts(tmp_pa
     assert rc == 0 and rep["totals"]["dense_calls"] == 8, "every worker call counted (flush_interval=0: only the exit writes them)"
     workers = [e for e in rep["endings"] if e["pid"] != r["parent"]]
     assert len(workers) == 2 and {e["ending"] for e in rep["endings"]} == {"exit", "disable"}, rep["endings"]
+    assert not list(target.glob("*.crash")), "no crash: each worker removed its empty crash file"
