@@ -261,3 +261,8 @@ def test_sigterm_after_a_disable_from_a_thread_passes_through_then_goes(tmp_path
     finally:
         signal.signal(signal.SIGTERM, before)
         _state.reset_for_tests()
+
+
+def test_hydra_append_and_force_overrides_are_redacted_too():
+    argv = ["train.py", "+db.password=hunter2", "++wandb.api_key=abc123", "+trainer.max_epochs=3"]
+    assert redact_argv(argv) == ["train.py", f"+db.password={REDACTED}", f"++wandb.api_key={REDACTED}", "+trainer.max_epochs=3"]
