@@ -199,10 +199,12 @@ def native_crash(crash_file: Any, log_files: Iterable[str] = (), recent: Iterabl
     oldest first, for the last FlexAttention event before the crash."""
     if not isinstance(crash_file, str) or not crash_file:
         return None
+    from .report import _open_regular  # a FIFO or device under that name: skipped, never waited on
+
     candidates = [crash_file] + [os.path.join(os.path.dirname(f), os.path.basename(crash_file)) for f in log_files]
     for path in candidates:
         try:
-            with open(path, "rb") as fh:
+            with _open_regular(path) as fh:
                 text = fh.read(256 * 1024).decode("utf-8", "replace")
             mtime: Optional[float] = os.path.getmtime(path)
             break
