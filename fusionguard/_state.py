@@ -339,3 +339,33 @@ def _after_fork_in_child_hook() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child_hook)
+
+
+# -- multiprocessing workers (DataLoader's): they end with os._exit, after util._exit_function ----
+
+
+def _worker_exit() -> None:
+    """A multiprocessing child is ending: its last counters, summary and shutdown, as atexit
+    would write them (``os._exit`` follows, so atexit never runs)."""
+    fusionguard: Any = sys.modules.get("fusionguard")
+    if fusionguard is not None:
+        fusionguard._at_exit()
+
+
+def _worker_started(_state: Any) -> None:
+    """Run in a multiprocessing child after its finalizer registry was cleared (an at-fork hook
+    is too early for that): register ``_worker_exit`` to run in ``_exit_function``."""
+    try:
+        from multiprocessing import util
+
+        util.Finalize(None, _worker_exit, exitpriority=-100)  # last: after the worker's own
+    except Exception as exc:
+        internal_error("multiprocessing worker start", exc)
+
+
+try:
+    from multiprocessing import util as _mp_util
+
+    _mp_util.register_after_fork(STATE, _worker_started)
+except Exception as _exc:  # pragma: no cover - a platform without multiprocessing
+    internal_error("multiprocessing after-fork hook", _exc)

@@ -213,6 +213,7 @@ def native_crash(crash_file: Any, log_files: Iterable[str] = (), recent: Iterabl
     oldest first, for the last FlexAttention event before the crash."""
     if not isinstance(crash_file, str) or not crash_file:
         return None
+
     candidates = [crash_file] + [os.path.join(os.path.dirname(f), os.path.basename(crash_file)) for f in log_files]
     for path in candidates:
         try:

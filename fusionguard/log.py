@@ -649,7 +649,7 @@ _TOKEN_RE = re.compile(
     r"|eyJ[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,})"
 )
 _URL_PASSWORD_RE = re.compile(r"(?<=://)([^/@:\s]+):[^/@\s]+@")
-_OPTION_RE = re.compile(r"^(-{0,2}[A-Za-z0-9_.\-]+)=(.*)$", re.S)
+_OPTION_RE = re.compile(r"^([-+]{0,2}[A-Za-z0-9_.\-]+)=(.*)$", re.S)  # --x=v, x=v, Hydra +x=v / ++x=v
 
 
 def _secret_name(name: str) -> bool:
@@ -660,7 +660,7 @@ def _secret_name(name: str) -> bool:
 def redact_argv(argv: List[Any]) -> List[str]:
     """``argv`` with secret-looking values replaced by ``<redacted>``: the value of an option
     whose name contains token / key / secret / password / passwd / auth / credential (``--x=v``,
-    ``x=v`` (Hydra) and ``--x v``), any well-known token shape, the password of a URL. Harmless
+    ``x=v`` / ``+x=v`` / ``++x=v`` (Hydra) and ``--x v``), any well-known token shape, the password of a URL. Harmless
     arguments (``--lr 3e-4``) stay readable."""
     out: List[str] = []
     hide_next = False

@@ -720,7 +720,7 @@ class Aggregator:
         elif kind == "shutdown":
             s.last_shutdown = str(e.get("reason"))
         elif kind == "header":
-            s.header = {k: e.get(k) for k in ("schema", "fusionguard", "torch", "triton", "python", "hostname", "cuda", "world_size", "local_rank", "crash_file")}
+            s.header = {k: e.get(k) for k in ("schema", "fusionguard", "torch", "triton", "python", "hostname", "cuda", "world_size", "local_rank", "crash_file", "forked_from")}
 
     def _runs(self, s: Stream, e: dict, n: int) -> None:
         """Fused calls of graph runs, to their layer. A graph holding several layers' calls names
@@ -833,6 +833,10 @@ def _crash_fields(e: dict) -> Dict[str, Any]:
 
 
 # -- the report (a plain dict: this is also --format json) ------------------------------------------
+
+
+def _int_or_none(value: Any) -> Optional[int]:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _main_thread_crash(c: Dict[str, Any]) -> bool:
@@ -1000,7 +1004,8 @@ def build_report(agg: Aggregator) -> Dict[str, Any]:
         for cr in s.crashes:
             crashes.append({"host": s.host, "pid": s.pid, "rank": s.rank, "kind": "crash", "crash": cr["event"], "last_events": cr["before"]})
         if ending.startswith("stopped"):
-            crashes.append({"host": s.host, "pid": s.pid, "rank": s.rank, "kind": "stopped", "crash": None, "last_events": [compact(x) for x in s.recent]})
+            crashes.append({"host": s.host, "pid": s.pid, "rank": s.rank, "kind": "stopped", "crash": None, "last_events": [compact(x) for x in s.recent],
+                            "forked_from": _int_or_none(s.header.get("forked_from"))})
 
     total_dense = sum(r["dense"] for r in rows)
     return {
@@ -1243,7 +1248,10 @@ def render_text(rep: Dict[str, Any]) -> str:
         else:
             last = c["last_events"][-1] if c["last_events"] else {}
             out.append(f"STOPPED {_who(c)}: the log ends at {fmt_ts(last.get('ts'))} without a shutdown event")
-            out.append("  (killed: SIGKILL, the OOM killer, a node failure, or the process is still running)")
+            if c.get("forked_from") is not None:  # a forked worker ends with os._exit: no exit handlers
+                out.append(f"  (forked from pid {c['forked_from']}: a worker that ended with os._exit, or killed: SIGKILL, the OOM killer, a node failure, or still running)")
+            else:
+                out.append("  (killed: SIGKILL, the OOM killer, a node failure, or the process is still running)")
             t0 = last.get("ts")
             label = "last events"
         if c["last_events"]:

@@ -592,3 +592,20 @@ print(json.dumps({"fields": fields, "again": again, "old": str(old), "old_text":
     assert r["again"] == r["fields"], "enable() again: the same file"
     assert r["old_text"] == "Fatal Python error: Segmentation fault\n" and not r["new_exists"]
     assert not r["torch"]
+
+
+def test_a_crash_file_that_is_a_fifo_or_device_never_blocks_report(tmp_path):
+    """A header's crash_file (or a file of that name beside the log) that is a FIFO or a device:
+    ``report`` skips it instead of waiting forever for a writer. In a subprocess, bounded."""
+    fifo = tmp_path / "run.pid7.crash"
+    os.mkfifo(fifo)
+    header = {"event": "header", "level": "info", "seq": 1, "ts": 1.0, "pid": 7, "rank": 0, "schema": 1, "crash_file": str(fifo)}
+    for name, crash_file in (("a", str(fifo)), ("b", "/elsewhere/run.pid7.crash"), ("c", "/dev/zero")):
+        (tmp_path / name).mkdir()
+        log = tmp_path / name / "run.jsonl"
+        if name == "b":  # found beside the log, by name
+            os.mkfifo(tmp_path / name / "run.pid7.crash")
+        log.write_text(json.dumps(dict(header, crash_file=crash_file)) + "\n")
+        p = subprocess.run([sys.executable, "-m", "fusionguard", "report", str(log)], capture_output=True, text=True, timeout=30,
+                           env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        assert p.returncode == 0 and "CRASH" not in p.stdout, (name, p.stderr[-2000:])

@@ -168,3 +168,43 @@ def test_forked_child_counts_are_its_own_and_survive_os_exit(tmp_path, mode, cap
     rc, out, _ = run_cli(capsys, target, "--format", "json")
     assert rc == 0
     assert json.loads(out)["totals"]["dense_calls"] == 16
+    rc, out, _ = run_cli(capsys, target)
+    assert f"forked from pid {parent}: a worker that ended with os._exit, or killed" in out
+
+
+# A real DataLoader (fork, 2 workers) whose dataset calls FlexAttention: the workers end with
+# os._exit after multiprocessing's _exit_function; their counts and a shutdown are in the log.
+DATALOADER = """
+import json, os, sys, warnings
+import torch
+torch.set_num_threads(1)
+import fusionguard
+from torch.nn.attention.flex_attention import flex_attention
+from torch.utils.data import DataLoader, Dataset
+warnings.simplefilter("ignore")
+
+class Attn(Dataset):
+    def __len__(self):
+        return 8
+    def __getitem__(self, i):
+        q = torch.randn(1, 2, 16, 8)
+        return flex_attention(q, q, q).sum()
+
+fusionguard.enable(log_path=sys.argv[1], dense_first=1, flush_interval=0)
+loader = DataLoader(Attn(), batch_size=2, num_workers=2, multiprocessing_context="fork")
+assert len(list(loader)) == 4
+del loader
+fusionguard.disable()
+print(json.dumps({"parent": os.getpid()}))
+"""
+
+
+def test_dataloader_fork_workers_end_with_a_shutdown_and_all_their_counts(tmp_path, capsys):
+    target = tmp_path / "logs"
+    r = _finish(_start(DATALOADER, tmp_path, "loader", str(target) + os.sep))
+    rc, out, _ = run_cli(capsys, target, "--format", "json")
+    rep = json.loads(out)
+    assert rc == 0 and rep["totals"]["dense_calls"] == 8, "every worker call counted (flush_interval=0: only the exit writes them)"
+    workers = [e for e in rep["endings"] if e["pid"] != r["parent"]]
+    assert len(workers) == 2 and {e["ending"] for e in rep["endings"]} == {"exit", "disable"}, rep["endings"]
+    assert not list(target.glob("*.crash")), "no crash: each worker removed its empty crash file"

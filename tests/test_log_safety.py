@@ -10,6 +10,7 @@ import signal
 import stat
 import subprocess
 import threading
+import warnings
 
 import pytest
 
@@ -261,3 +262,25 @@ def test_sigterm_after_a_disable_from_a_thread_passes_through_then_goes(tmp_path
     finally:
         signal.signal(signal.SIGTERM, before)
         _state.reset_for_tests()
+
+
+def test_hydra_append_and_force_overrides_are_redacted_too():
+    argv = ["train.py", "+db.password=hunter2", "++wandb.api_key=abc123", "+trainer.max_epochs=3"]
+    assert redact_argv(argv) == ["train.py", f"+db.password={REDACTED}", f"++wandb.api_key={REDACTED}", "+trainer.max_epochs=3"]
+
+
+def test_switching_log_path_writes_the_old_file_s_pending_counts_before_its_shutdown(tmp_path, capsys):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    fusionguard.enable(log_path=str(a), dense_first=1, flush_interval=0)
+    q, k, v = qkv()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(5):
+            flex_attention(q, k, v)
+    fusionguard.enable(log_path=str(b), dense_first=1, flush_interval=0)
+    fusionguard.disable()
+    _state.reset_for_tests()
+    assert read_jsonl(a)[-1]["event"] == "shutdown"
+    rc, out, _ = run_cli(capsys, a, "--format", "json")
+    rep = json.loads(out)
+    assert rep["totals"]["dense_calls"] == 5 and [e["ending"] for e in rep["endings"]] == ["log_path changed"]
