@@ -240,12 +240,17 @@ def enable(
     with STATE.lock:
         config = Config(strict=strict, **options)
         config.log_path, log_dir = _resolve_log_path(log_path)
-        reopen = config.log_path != STATE.config.log_path or STATE.log.sink is None
+        new_log = config.log_path != STATE.config.log_path
+        reopen = new_log or STATE.log.sink is None
         if reopen and STATE.enabled and STATE.log.sink is not None:
-            try:  # the old file's run ends here, not "killed"
-                STATE.log.emit("info", "shutdown", reason="log_path changed", next_log=config.log_path, counts=dict(STATE.counts))
+            try:  # the old file's run ends here, not "killed", with its own summary
+                _final_events("log_path changed", next_log=config.log_path)
             except Exception as exc:
                 internal_error("shutdown event (log_path changed)", exc)
+        if new_log:  # summary rows are the log's: a new file counts its own calls only
+            from .layers import STATS
+
+            STATS.new_log()
         STATE.log_dir = log_dir
         STATE.config = config
         STATE.log.set_max_events(config.max_events)
@@ -334,12 +339,12 @@ def enable(
             STATE.atexit_registered = True
 
 
-def _final_events(reason: str) -> None:
-    """The per-layer summary and the shutdown event that end a log (disable or exit)."""
+def _final_events(reason: str, **extra: Any) -> None:
+    """The per-layer summary and the shutdown event that end a log (disable, exit, a new log_path)."""
     from .layers import STATS
 
     STATE.log.emit("info", "summary", counts=dict(STATE.counts), rows=STATS.summary())
-    STATE.log.emit("info", "shutdown", reason=reason, counts=dict(STATE.counts))
+    STATE.log.emit("info", "shutdown", reason=reason, **extra, counts=dict(STATE.counts))
 
 
 def disable() -> None:

@@ -371,6 +371,14 @@ class Stats:
         self.warned_reset = False
         self.told_traced = False  # watch_traced said (once per process)
 
+    def new_log(self) -> None:
+        """A new log file starts: its rows count from zero. Why: a log's ``summary`` event (and
+        ``summary()``) must count that log's calls only; rows kept from an earlier log added its
+        hook-counted calls and memory to this log's graph runs (double counts, memory of layers
+        never measured here). Learned layer classes and the true peaks are the process's: kept."""
+        with self.lock:
+            self.rows = {}
+
     def row(self, layer: str, phase: str) -> LayerStats:
         key = (layer, phase)
         row = self.rows.get(key)

@@ -126,6 +126,71 @@ def test_a_model_compiled_whole_and_per_block_counts_each_call_once(guard, capsy
     assert all(r["fused"] or r["compiles"] for r in rep["rows"]), rep["rows"]  # no empty rows
 
 
+class Via(nn.Module):
+    """An attention layer calling ``attend`` (plain or a compiled ``flex_attention``)."""
+
+    def __init__(self, attend):
+        super().__init__()
+        self.attend = attend
+
+    def forward(self, q, k, v):
+        return self.attend(q, k, v, enable_gqa=True)
+
+
+class Pair(nn.Module):
+    def __init__(self, attend):
+        super().__init__()
+        self.layers = nn.ModuleList(Via(attend) for _ in range(2))
+
+    def forward(self, q, k, v):
+        for layer in self.layers:
+            q = layer(q, k, v)
+        return q
+
+
+@pytest.mark.slow
+def test_summary_of_a_second_log_counts_only_its_own_calls(guard, capsys, tmp_path, dynamo_reset):
+    """The H200 failure of tests/gpu/test_report_cuda.py, forward-only: watched eager layers
+    calling a compiled flex_attention (hooks count each call, graph runs too), then in the same
+    process, under a new log, the same layer names in a model compiled whole. summary() said 2x
+    the calls (the first log's rows were kept and the second's graph runs added to them), and
+    the second log's summary event carried the first log's rows, memory included."""
+    q, k, v = _gqa()
+    steps = 3
+    first = guard(fused_first=2, fused_every=2)
+    eager = Pair(torch.compile(flex_attention))
+    with fusionguard.watch(eager), torch.no_grad():
+        for _ in range(steps):
+            eager(q, k, v)
+    want = {("layers.0", "forward"): steps, ("layers.1", "forward"): steps}
+    assert {(r["layer"], r["phase"]): r["fused"] for r in fusionguard.summary()} == want
+    fusionguard.disable()
+
+    torch._dynamo.reset()
+    second = tmp_path / "whole.jsonl"
+    guard(log_path=str(second), fused_first=2, fused_every=2)
+    compiled = torch.compile(Pair(flex_attention))
+    with fusionguard.watch(compiled), torch.no_grad():
+        for _ in range(steps):
+            compiled(q, k, v)
+    rows = {(r["layer"], r["phase"]): r for r in fusionguard.summary()}
+    assert {key: r["fused"] for key, r in rows.items()} == want
+    assert all(r["calls"] == steps and r["measured"] == 0 for r in rows.values()), rows
+    # a new log while enabled: the old one ends with its summary, the new one counts from zero
+    third = tmp_path / "third.jsonl"
+    guard(log_path=str(third), fused_first=2, fused_every=2)
+    with fusionguard.watch(compiled), torch.no_grad():
+        compiled(q, k, v)
+    assert {(r["layer"], r["phase"]): r["fused"] for r in fusionguard.summary()} == {key: 1 for key in want}
+    fusionguard.disable()
+    assert {(r["layer"], r["phase"]): r["fused"] for r in report.build([str(third)])["rows"]} == {key: 1 for key in want}
+    for log in (first, second):  # each log: its own calls, in its events and in its summary event
+        assert {(r["layer"], r["phase"]): r["fused"] for r in report.build([str(log)])["rows"]} == want
+        summaries = [json.loads(line) for line in log.read_text().splitlines() if '"summary"' in line]
+        last = [e for e in summaries if e["event"] == "summary"][-1]
+        assert {(r["layer"], r["phase"]): r["fused"] for r in last["rows"]} == want
+
+
 # -- every mix of compile records, graph runs, counters, rescued calls, layer records and summaries -------
 
 

@@ -1,7 +1,9 @@
 """``fusionguard report`` on logs written on a GPU, where one call is seen from several sides:
 watched eager layers calling a compiled ``flex_attention`` write a memory record (``layer_memory``)
 *and* a graph run (``flex_run``) per call; a model compiled whole runs forward and backward graphs
-holding every layer. Each fused call must be counted once, per layer and phase."""
+holding every layer. Each fused call must be counted once, per layer and phase. The two cases
+run one after the other in one process, each with its own log: the second log's summary()
+rows must not carry the first's (they did: 2x the calls, and memory for the compiled model)."""
 
 from __future__ import annotations
 
@@ -88,3 +90,6 @@ def test_every_fused_call_counted_once_per_layer_and_phase(tmp_path, how):
     assert rep["totals"]["fused_calls"] == 4 * STEPS and rep["totals"]["dense_calls"] == 0
     assert 1 <= rep["totals"]["compiles"] < rep["totals"]["fused_calls"]  # graphs, not calls
     assert {k: r["fused"] for k, r in rows.items()} == want  # summary() agrees
+    if how == "model_compiled_whole":  # no hook runs inside the graph: no memory, in either view
+        assert all(r["measured"] == 0 for r in rows.values()), rows
+        assert all(r["memory_samples"] == 0 for r in rep["rows"]), rep["rows"]
