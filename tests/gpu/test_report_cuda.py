@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import fusionguard
-from fusionguard import report
+from fusionguard import _state, report
 
 from conftest import causal
 
@@ -25,6 +25,15 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning"),
     pytest.mark.filterwarnings("ignore::RuntimeWarning"),
 ]
+
+
+@pytest.fixture(autouse=True)
+def _forget():
+    """Each case starts from a clean process state (the counts are process-wide)."""
+    yield
+    fusionguard.disable()
+    _state.reset_for_tests()
+
 
 HQ, HKV, D, L, DIM, STEPS = 8, 2, 64, 512, 256, 5
 
