@@ -119,16 +119,15 @@ def _frame_where(frame: types.FrameType) -> str:
 
 
 def _backend_name(frame: types.FrameType, orig: types.CodeType) -> Optional[str]:
-    try:
-        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    from .torch_internals import backend_name, compiled_code_backend
 
-        for entry in _debug_get_cache_entry_list(orig):
-            if entry.code is frame.f_code:
-                backend = entry.backend
-                return getattr(backend, "compiler_name", None) or getattr(backend, "__name__", None) or repr(backend)
+    entry = frame.f_back
+    while entry is not None and _kind_entry(entry.f_code)[1] != _COMPILE_ENTRY:
+        entry = entry.f_back
+    try:
+        return backend_name(compiled_code_backend(frame.f_code, orig, entry))
     except Exception:
-        pass
-    return None
+        return None
 
 
 _EAGER_STANCES = ("force_eager", "eager_on_recompile", "eager_then_compile")

@@ -106,9 +106,11 @@ _SOURCE_PART = re.compile(r"\[(?:'([^']*)'|(\d+))\]|\.(\w+)")
 
 
 def _fqn_from_source(text: str) -> str:
-    """Dynamo spells module paths as sources (``L['self'].layers[0].attn``) or as plain names."""
+    """Dynamo spells module paths as sources (``L['self'].layers[0].attn``; on some releases, 2.9
+    among them, ``L['self']._modules['layers']._modules['0']``) or as plain names."""
     if "[" not in text and not text.startswith("L"):
         return text
+    text = text.replace("._modules[", "[")  # the same submodule, reached through the dict
     if text.startswith("L['"):  # the compiled frame's local holding the root module (self, mod, ...)
         text = text[text.index("]") + 1 :]
     elif text.startswith("G['"):

@@ -9,7 +9,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 import fusionguard
 
-from conftest import PUBLIC, flex_events, qkv, read_jsonl
+from conftest import PUBLIC, flex_events, needs, qkv, read_jsonl
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -122,6 +122,7 @@ def test_suppressed_compile_error(guard, dynamo_reset, dynamo_config):
     assert any(x["event"] == "compile_error" for x in fusionguard.events())
 
 
+@needs("debug_flag")
 def test_debug_flag(guard, monkeypatch):
     monkeypatch.setattr(PUBLIC, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", True)
     guard()
