@@ -313,7 +313,15 @@ def diagnose_forward(frame: Optional[types.FrameType]) -> Diagnosis:
         return Diagnosis(False, "eager_call", {"how": "public flex_attention called eagerly"}, site)
     if internal is None:
         return Diagnosis(False, "eager_call", {"how": "flex_attention operator called directly"}, site)
-    return Diagnosis(False, "unknown", {"internal_wrapper": internal}, site)
+    # PyTorch's wrapper ran uncompiled, and no compile of the user's is live around the call: still
+    # an eager call. (Dynamo runs that wrapper's code plainly once a compile of it failed, e.g.
+    # after a score_mod that breaks the graph, until torch._dynamo.reset(); seen on 2.6 to 2.8.)
+    return Diagnosis(
+        False,
+        "eager_call",
+        {"how": "public flex_attention called eagerly", "internal_compile": "skipped by Dynamo"},
+        site,
+    )
 
 
 def _first_user_frame(f: Optional[types.FrameType]) -> Optional[types.FrameType]:

@@ -23,6 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ._state import STATE, count, internal_error
 from .layers import STATS, clean_name, flex_layer, in_backward, note_flex_call, resolve_watched_name
+from .torch_internals import compiled_graph_text
 
 _TL = threading.local()
 
@@ -60,6 +61,23 @@ def _device_type(args: tuple) -> Optional[str]:
 
 
 _STACK_LINE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<function>\S+)')
+
+
+def _ir_tensor_fields(args: tuple) -> Dict[str, Any]:
+    """Shapes, dtype and device of the lowered call's query and key, for releases whose compiled
+    graph keeps no graph text to read them from (2.7): saved with the sidecar for cache hits."""
+    def shape(node: Any) -> Optional[list]:
+        try:
+            return [int(d) if getattr(d, "is_number", True) else str(d) for d in node.get_size()]
+        except Exception:
+            return None
+
+    try:
+        dtype = str(args[0].get_dtype()).replace("torch.", "")
+        device = str(args[0].get_device())
+    except Exception:
+        dtype = device = None
+    return {"q_shape": shape(args[0]), "kv_shape": shape(args[1]) if len(args) > 1 else None, "dtype": dtype, "device": device}
 
 
 def _node_call_site() -> Optional[Dict[str, Any]]:
@@ -140,6 +158,7 @@ def make_lowering_wrapper(phase: str, original: Callable[..., Any]) -> Callable[
                     record["template"] = "triton"
             record["ir"] = ir
             record["device_type"] = device
+            record.update(_ir_tensor_fields(args))
             record["call_site"] = _node_call_site()
             record["layer"] = _node_layer()
             _pending().append(record)
@@ -217,22 +236,14 @@ def _parse_graph(text: str) -> List[Dict[str, Any]]:
 def record_compiled_graph(compiled: Any) -> List[Dict[str, Any]]:
     from .guard import scores_bytes
 
-    text = getattr(compiled, "inductor_post_grad_graph_str", None) or getattr(compiled, "runnable_graph_str", None) or ""
+    text = compiled_graph_text(compiled)
     calls = _parse_graph(text) if "flex_attention" in text else []
     pending = _pending()
     records, pending[:] = list(pending), []
-    if not calls and records:  # no graph text kept: still report what the lowerings saw
-        calls = [{"phase": r["phase"]} for r in records]
     by_phase: Dict[str, List[dict]] = {}
     for r in records:
         by_phase.setdefault(r["phase"], []).append(r)
     graph = getattr(compiled, "cache_key", None) or getattr(compiled, "_fx_graph_cache_key", None)
-    # The watched layer compiling this graph, if any. Learned as an attention layer only for a
-    # graph with a single FlexAttention call: several layers' calls mean a container compiled.
-    around = (note_flex_call() if len(calls) <= 1 else flex_layer()) if calls else None
-    from .causes import user_call_site
-
-    live_site = user_call_site(sys._getframe(1)) if calls else None  # compiles run inside the user's call
     if records:
         _save_sidecar(graph, records)
         source = "lowering"
@@ -241,6 +252,16 @@ def record_compiled_graph(compiled: Any) -> List[Dict[str, Any]]:
         source = "cache"
         for r in records:
             by_phase.setdefault(r.get("phase"), []).append(r)
+    if not calls and records:
+        # no graph text kept (torch 2.7): what the lowerings saw, now or when the cached graph
+        # was compiled (the sidecar), names the calls
+        calls = [{k: r.get(k) for k in ("phase", "q_shape", "kv_shape", "dtype", "device")} for r in records]
+    # The watched layer compiling this graph, if any. Learned as an attention layer only for a
+    # graph with a single FlexAttention call: several layers' calls mean a container compiled.
+    around = (note_flex_call() if len(calls) <= 1 else flex_layer()) if calls else None
+    from .causes import user_call_site
+
+    live_site = user_call_site(sys._getframe(1)) if calls else None  # compiles run inside the user's call
     emitted: List[Dict[str, Any]] = []
     for call in calls:
         rec = by_phase.get(call["phase"], [])
@@ -297,7 +318,8 @@ def _save_sidecar(graph: Optional[str], records: List[dict]) -> None:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w") as fh:
-            json.dump([{k: r.get(k) for k in ("phase", "template", "ir", "call_site", "layer")} for r in records], fh)
+            keys = ("phase", "template", "ir", "call_site", "layer", "q_shape", "kv_shape", "dtype", "device")
+            json.dump([{k: r.get(k) for k in keys} for r in records], fh)
         os.replace(tmp, path)
     except OSError:
         pass  # a read-only cache dir only costs us the template name on cache hits

@@ -268,3 +268,21 @@ def compiled_code_backend(code: types.CodeType, orig: types.CodeType, entry_fram
 def compiled_graph_text(compiled: Any) -> str:
     """The post-grad FX graph Inductor keeps with a ``CompiledFxGraph`` (2.7+), or ``""``."""
     return getattr(compiled, "inductor_post_grad_graph_str", None) or getattr(compiled, "runnable_graph_str", None) or ""
+
+
+NJT_MODULE = "torch.nested._internal.ops"
+_NJT_CODES: tuple = ()
+
+
+def nested_flex_codes() -> tuple:
+    """Code objects of the jagged NestedTensor FlexAttention implementations (``flex_njt``,
+    ``flex_njt_backward``; 2.7 to 2.12), which run the dense kernel on the packed values: the
+    kernel itself sees a plain tensor. Empty where none exists or no NestedTensor was made."""
+    global _NJT_CODES
+    if not _NJT_CODES:
+        mod = sys.modules.get(NJT_MODULE)
+        if mod is not None:
+            _NJT_CODES = tuple(
+                fn.__code__ for name, fn in vars(mod).items() if name.startswith("flex_njt") and hasattr(fn, "__code__")
+            )
+    return _NJT_CODES

@@ -11,7 +11,15 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
+
+# One intra-op thread for the tests and their subprocesses: tiny shapes gain nothing from more,
+# and torch 2.7's C++ FlexAttention template emits unbalanced braces (CppCompileError) for any
+# score_mod when Inductor generates it for more than one thread.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 import fusionguard
 from fusionguard import _state, torch_internals
