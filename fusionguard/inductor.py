@@ -72,11 +72,13 @@ def _ir_tensor_fields(args: tuple) -> Dict[str, Any]:
         except Exception:
             return None
 
+    dtype: Optional[str] = None
+    device: Optional[str] = None
     try:
         dtype = str(args[0].get_dtype()).replace("torch.", "")
         device = str(args[0].get_device())
     except Exception:
-        dtype = device = None
+        pass
     return {"q_shape": shape(args[0]), "kv_shape": shape(args[1]) if len(args) > 1 else None, "dtype": dtype, "device": device}
 
 
