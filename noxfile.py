@@ -54,12 +54,15 @@ nox.options.default_venv_backend = "venv"
 def _install(session: nox.Session, torch: str) -> None:
     # Some pip configurations cap torch through a constraints file (PIP_CONSTRAINT / pip.conf);
     # an empty file of our own replaces it for this session only.
-    constraints = os.path.join(session.create_tmp(), "constraints.txt")
+    # (absolute paths: tests change the working directory)
+    tmp = os.path.abspath(session.create_tmp())
+    constraints = os.path.join(tmp, "constraints.txt")
     open(constraints, "w").close()
     session.env["PIP_CONSTRAINT"] = constraints
     session.install(f"torch=={torch}")
     session.install("-e", ".[test]")
-    session.env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(session.create_tmp(), "inductor")
+    session.env["TMPDIR"] = tmp
+    session.env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tmp, "inductor")
 
 
 def _pytest(session: nox.Session, files: list) -> None:
