@@ -226,8 +226,9 @@ def _from_nested(frame: Any, depth: int = 12) -> bool:
     codes = nested_flex_codes()
     while codes and frame is not None and depth:
         code = frame.f_code
-        if any(code is c for c in codes):  # by identity: hashing a code object walks its bytecode
-            return True
+        for c in codes:  # by identity: hashing a code object walks its bytecode; and no generator
+            if code is c:  # (Dynamo traces this check when it inlines the dense kernel, 2.7)
+                return True
         frame, depth = frame.f_back, depth - 1
     return False
 
