@@ -87,15 +87,21 @@ def _resolve_log_path(log_path: Union[str, os.PathLike, None, bool]) -> Tuple[Op
     return path, None
 
 
-def _install_patches() -> None:
+def _install_patches() -> List[str]:
+    """Install every patch; returns the names of features this torch release lacks (recorded in
+    ``not_patched`` too, with the sentence that says what is unavailable)."""
     from . import guard, inductor, torch_internals as ti
     from .dynamo_signals import SIGNALS
 
     reg, missing = STATE.patches, STATE.not_patched
+    unavailable: List[str] = []
 
     def attempt(name: str, fn: Any) -> None:
         try:
             fn()
+        except ti.Unavailable as exc:  # the release lacks it: nothing to guard there
+            missing[name] = str(exc)
+            unavailable.append(name)
         except Exception as exc:  # version drift: say what could not be patched
             missing[name] = f"{type(exc).__name__}: {exc}"
 
@@ -146,13 +152,8 @@ def _install_patches() -> None:
     def rescue() -> None:
         from . import rescue as rescue_mod
 
-        mod = ti.public_module()
-        if mod is None or not callable(mod.__dict__.get("setup_compilation_env")):
-            raise LookupError(
-                "torch.nn.attention.flex_attention.setup_compilation_env not found: this torch "
-                "version compiles eager flex_attention differently; rescue=True is unavailable"
-            )
-        reg.apply("flex_attention.setup_compilation_env", mod.__dict__, "setup_compilation_env", rescue_mod.make_setup_env_wrapper)
+        home = ti.setup_compilation_env_home()
+        reg.apply("flex_attention.setup_compilation_env", home, "setup_compilation_env", rescue_mod.make_setup_env_wrapper)
 
     def signals() -> None:
         SIGNALS.emit = lambda level, event, **fields: STATE.log.emit(level, event, **fields)
@@ -167,6 +168,7 @@ def _install_patches() -> None:
     attempt("dynamo signals", signals)
     attempt("torch.compile module wrapper (watch)", compile_wrappers)
     attempt("rescue (setup_compilation_env)", rescue)
+    return unavailable
 
 
 def _announce(path: Optional[str]) -> None:
@@ -275,10 +277,13 @@ def enable(
         live: Any = ([], 0.0)
         if first:
             STATE.not_patched = {}
-            _install_patches()
+            unavailable = _install_patches()
             live = _live_graphs()
             for name, why in STATE.not_patched.items():
-                write_stderr(f"fusionguard: could not patch {name} ({why}); that part is not guarded\n")
+                if name in unavailable:
+                    write_stderr(f"fusionguard: {why}\n")
+                else:
+                    write_stderr(f"fusionguard: could not patch {name} ({why}); that part is not guarded\n")
         if reopen or first:
             from . import crash
 

@@ -119,16 +119,15 @@ def _frame_where(frame: types.FrameType) -> str:
 
 
 def _backend_name(frame: types.FrameType, orig: types.CodeType) -> Optional[str]:
-    try:
-        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    from .torch_internals import backend_name, compiled_code_backend
 
-        for entry in _debug_get_cache_entry_list(orig):
-            if entry.code is frame.f_code:
-                backend = entry.backend
-                return getattr(backend, "compiler_name", None) or getattr(backend, "__name__", None) or repr(backend)
+    entry = frame.f_back
+    while entry is not None and _kind_entry(entry.f_code)[1] != _COMPILE_ENTRY:
+        entry = entry.f_back
+    try:
+        return backend_name(compiled_code_backend(frame.f_code, orig, entry))
     except Exception:
-        pass
-    return None
+        return None
 
 
 _EAGER_STANCES = ("force_eager", "eager_on_recompile", "eager_then_compile")
@@ -314,7 +313,15 @@ def diagnose_forward(frame: Optional[types.FrameType]) -> Diagnosis:
         return Diagnosis(False, "eager_call", {"how": "public flex_attention called eagerly"}, site)
     if internal is None:
         return Diagnosis(False, "eager_call", {"how": "flex_attention operator called directly"}, site)
-    return Diagnosis(False, "unknown", {"internal_wrapper": internal}, site)
+    # PyTorch's wrapper ran uncompiled, and no compile of the user's is live around the call: still
+    # an eager call. (Dynamo runs that wrapper's code plainly once a compile of it failed, e.g.
+    # after a score_mod that breaks the graph, until torch._dynamo.reset(); seen on 2.6 to 2.8.)
+    return Diagnosis(
+        False,
+        "eager_call",
+        {"how": "public flex_attention called eagerly", "internal_compile": "skipped by Dynamo"},
+        site,
+    )
 
 
 def _first_user_frame(f: Optional[types.FrameType]) -> Optional[types.FrameType]:

@@ -25,7 +25,7 @@ import torch
 from . import causes, layers
 from ._state import ALLOW_DENSE, STATE, count, internal_error
 from .errors import DenseFallbackError, DenseFallbackWarning
-from .torch_internals import is_concrete
+from .torch_internals import is_concrete, nested_flex_codes
 
 # Set by FlexAttentionAutogradOp.forward's wrapper: the dense forward drops its record here so
 # that ctx (and so the backward, possibly on another thread) can carry it.
@@ -220,6 +220,19 @@ def _make_tensor_fields(q: Any, k: Any) -> Dict[str, Any]:
     return fields
 
 
+def _from_nested(frame: Any, depth: int = 12) -> bool:
+    """A jagged NestedTensor call: torch's NJT implementation (2.7 to 2.12) called the dense
+    kernel on the packed values a few frames up."""
+    codes = nested_flex_codes()
+    while codes and frame is not None and depth:
+        code = frame.f_code
+        for c in codes:  # by identity: hashing a code object walks its bytecode; and no generator
+            if code is c:  # (Dynamo traces this check when it inlines the dense kernel, 2.7)
+                return True
+        frame, depth = frame.f_back, depth - 1
+    return False
+
+
 def _site_text(site: Optional[dict]) -> str:
     if not site:
         return "unknown call site"
@@ -309,6 +322,8 @@ def _check_dense(phase: str, args: tuple, kwargs: dict, frame: Any) -> Tuple[Opt
         "autograd": origin is not None or _FORWARD_SLOT.get() is not None,
     }
     fields.update(_tensor_fields(q, k))
+    if "layout" not in fields and _from_nested(frame):
+        fields["layout"] = "nested"
     if origin is not None:
         fields["forward_seq"] = origin.get("seq")
     if q.is_cuda and torch.cuda.is_initialized():

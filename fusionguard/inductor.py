@@ -35,6 +35,7 @@ from .layers import (
     watched_name,
     watching,
 )
+from .torch_internals import compiled_graph_text
 
 _TL = threading.local()
 
@@ -72,6 +73,25 @@ def _device_type(args: tuple) -> Optional[str]:
 
 
 _STACK_LINE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<function>\S+)')
+
+
+def _ir_tensor_fields(args: tuple) -> Dict[str, Any]:
+    """Shapes, dtype and device of the lowered call's query and key, for releases whose compiled
+    graph keeps no graph text to read them from (2.7): saved with the sidecar for cache hits."""
+    def shape(node: Any) -> Optional[list]:
+        try:
+            return [int(d) if getattr(d, "is_number", True) else str(d) for d in node.get_size()]
+        except Exception:
+            return None
+
+    dtype: Optional[str] = None
+    device: Optional[str] = None
+    try:
+        dtype = str(args[0].get_dtype()).replace("torch.", "")
+        device = str(args[0].get_device())
+    except Exception:
+        pass
+    return {"q_shape": shape(args[0]), "kv_shape": shape(args[1]) if len(args) > 1 else None, "dtype": dtype, "device": device}
 
 
 def _node_call_site() -> Optional[Dict[str, Any]]:
@@ -118,9 +138,11 @@ _SOURCE_PART = re.compile(r"\[(?:'([^']*)'|(\d+))\]|\.(\w+)")
 
 
 def _fqn_from_source(text: str) -> str:
-    """Dynamo spells module paths as sources (``L['self'].layers[0].attn``) or as plain names."""
+    """Dynamo spells module paths as sources (``L['self'].layers[0].attn``; on some releases, 2.9
+    among them, ``L['self']._modules['layers']._modules['0']``) or as plain names."""
     if "[" not in text and not text.startswith("L"):
         return text
+    text = text.replace("._modules[", "[")  # the same submodule, reached through the dict
     if text.startswith("L['"):  # the compiled frame's local holding the root module (self, mod, ...)
         text = text[text.index("]") + 1 :]
     elif text.startswith("G['"):
@@ -276,6 +298,7 @@ def make_lowering_wrapper(phase: str, original: Callable[..., Any]) -> Callable[
                     record["template"] = "triton"
             record["ir"] = ir
             record["device_type"] = device
+            record.update(_ir_tensor_fields(args))
             record["call_site"] = _node_call_site()
             record["layer"] = _node_layer()
             _pending().append(record)
@@ -356,23 +379,15 @@ def record_compiled_graph(compiled: Any, source: Optional[str] = None) -> Tuple[
     "before_enable" (a graph found living in the process at ``enable()``)."""
     from .guard import scores_bytes
 
-    text = getattr(compiled, "inductor_post_grad_graph_str", None) or getattr(compiled, "runnable_graph_str", None) or ""
+    found = source == "before_enable"
+    text = compiled_graph_text(compiled)
     calls = _parse_graph(text) if "flex_attention" in text else []
     pending = _pending()
     records, pending[:] = list(pending), []
-    if not calls and records:  # no graph text kept: still report what the lowerings saw
-        calls = [{"phase": r["phase"]} for r in records]
-    if not calls and source == "before_enable" and "flex_attention" in (getattr(compiled, "source_code", "") or ""):
-        calls = [{"phase": "forward"}]  # (torch 2.6 keeps no graph text: a count unknown, one at least)
     by_phase: Dict[str, List[dict]] = {}
     for r in records:
         by_phase.setdefault(r["phase"], []).append(r)
     graph = getattr(compiled, "cache_key", None) or getattr(compiled, "_fx_graph_cache_key", None)
-    # The watched layer around the compile (hooks), if any: names a call nothing else names.
-    around = flex_layer() if calls and source != "before_enable" else None
-    from .causes import user_call_site
-
-    live_site = user_call_site(sys._getframe(1)) if calls and source != "before_enable" else None
     if records:
         _save_sidecar(graph, records)
         source = "lowering"
@@ -383,6 +398,17 @@ def record_compiled_graph(compiled: Any, source: Optional[str] = None) -> Tuple[
         source = source or "cache"
         for r in records:
             by_phase.setdefault(r.get("phase"), []).append(r)
+    if not calls and records:
+        # no graph text kept (torch 2.7): what the lowerings saw, now or when the cached graph
+        # was compiled (the sidecar), names the calls
+        calls = [{k: r.get(k) for k in ("phase", "q_shape", "kv_shape", "dtype", "device")} for r in records]
+    if not calls and found and "flex_attention" in (getattr(compiled, "source_code", "") or ""):
+        calls = [{"phase": "forward"}]  # (no graph text, no lowering seen: a count unknown, one at least)
+    # The watched layer around the compile (hooks), if any: names a call nothing else names.
+    around = flex_layer() if calls and not found else None
+    from .causes import user_call_site
+
+    live_site = user_call_site(sys._getframe(1)) if calls and not found else None  # compiles run inside the user's call
     names, named_from, namer = _compile_names(calls, source, around)
     emitted: List[Dict[str, Any]] = []
     for i, call in enumerate(calls):
@@ -526,7 +552,8 @@ def _save_sidecar(graph: Optional[str], records: List[dict]) -> None:
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w") as fh:
             # (no layer: a cache hit is named by this run's compile, never by the filling run)
-            json.dump([{k: r.get(k) for k in ("phase", "template", "ir", "call_site")} for r in records], fh)
+            keys = ("phase", "template", "ir", "call_site", "q_shape", "kv_shape", "dtype", "device")
+            json.dump([{k: r.get(k) for k in keys} for r in records], fh)
         os.replace(tmp, path)
     except OSError:
         pass  # a read-only cache dir only costs us the template name on cache hits

@@ -235,3 +235,104 @@ def _inductor_code_loaded() -> bool:
         return mod is not None
     tables = [getattr(cache, n) for n in ("modules", "cache", "modules_no_attr") if hasattr(cache, n)]
     return not tables or any(bool(t) for t in tables)
+
+
+# --- Version differences, each behind one lookup (torch 2.6 ... 2.15) -------------------------
+
+
+class Unavailable(LookupError):
+    """This torch release lacks the feature (nothing failed): ``enable()`` names it in one line,
+    ``not_patched`` records it and the tests skip by it."""
+
+
+def torch_version() -> str:
+    import torch
+
+    return str(torch.__version__).split("+")[0]
+
+
+def setup_compilation_env_home() -> Dict[str, Any]:
+    """The namespace holding ``setup_compilation_env`` (from 2.12), the context manager that
+    yields the backend of PyTorch's eager flex_attention compile: rescue's seam."""
+    mod = public_module()
+    if mod is None or not callable(mod.__dict__.get("setup_compilation_env")):
+        raise Unavailable(
+            f"rescue=True is unavailable on torch {torch_version()} "
+            f"({PUBLIC_MODULE}.setup_compilation_env, added in 2.12, is missing)"
+        )
+    return mod.__dict__
+
+
+def has_debug_flag() -> bool:
+    """``_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG`` exists (from 2.9)."""
+    mod = public_module()
+    return mod is not None and "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG" in mod.__dict__
+
+
+def recompile_limit_option() -> str:
+    """Dynamo's per-frame recompile limit: ``recompile_limit`` from 2.7, ``cache_size_limit`` on 2.6
+    (2.7+ keeps that name as an alias)."""
+    import torch._dynamo
+
+    return "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+
+
+def backend_name(backend: Any) -> Optional[str]:
+    """A Dynamo backend's name: ``inductor``, ``aot_eager``, or the function's own name."""
+    if backend is None:
+        return None
+    if isinstance(backend, str):
+        return backend
+    return getattr(backend, "compiler_name", None) or getattr(backend, "__name__", None) or repr(backend)
+
+
+def _unwrap_backend(callback: Any) -> Any:
+    """Dynamo's frame callback wraps the backend in converters that keep it as
+    ``_torchdynamo_orig_backend`` (2.8+) or ``_torchdynamo_orig_callable`` (2.6, 2.7)."""
+    for _ in range(10):
+        inner = getattr(callback, "_torchdynamo_orig_backend", None) or getattr(callback, "_torchdynamo_orig_callable", None)
+        if inner is None or inner is callback:
+            break
+        callback = inner
+    return callback
+
+
+def compiled_code_backend(code: types.CodeType, orig: types.CodeType, entry_frame: Optional[types.FrameType]) -> Any:
+    """The backend that compiled ``code`` (Dynamo's transformed version of ``orig``).
+
+    From 2.12 its cache entry says (``CacheEntry.backend``); before, the ``torch.compile``
+    wrapper frame that was running it (``entry_frame``, the innermost one outside the compiled
+    frame) holds the Dynamo callback around the backend."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    for entry in _debug_get_cache_entry_list(orig):
+        if entry.code is code and hasattr(entry, "backend"):
+            return entry.backend
+    if entry_frame is not None:
+        callback = entry_frame.f_locals.get("callback")
+        if callback is not None:
+            return _unwrap_backend(callback)
+    return None
+
+
+def compiled_graph_text(compiled: Any) -> str:
+    """The post-grad FX graph Inductor keeps with a ``CompiledFxGraph`` (2.7+), or ``""``."""
+    return getattr(compiled, "inductor_post_grad_graph_str", None) or getattr(compiled, "runnable_graph_str", None) or ""
+
+
+NJT_MODULE = "torch.nested._internal.ops"
+_NJT_CODES: tuple = ()
+
+
+def nested_flex_codes() -> tuple:
+    """Code objects of the jagged NestedTensor FlexAttention implementations (``flex_njt``,
+    ``flex_njt_backward``; 2.7 to 2.12), which run the dense kernel on the packed values: the
+    kernel itself sees a plain tensor. Empty where none exists or no NestedTensor was made."""
+    global _NJT_CODES
+    if not _NJT_CODES:
+        mod = sys.modules.get(NJT_MODULE)
+        if mod is not None:
+            _NJT_CODES = tuple(
+                fn.__code__ for name, fn in vars(mod).items() if name.startswith("flex_njt") and hasattr(fn, "__code__")
+            )
+    return _NJT_CODES

@@ -11,10 +11,18 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
+
+# One intra-op thread for the tests and their subprocesses: tiny shapes gain nothing from more,
+# and torch 2.7's C++ FlexAttention template emits unbalanced braces (CppCompileError) for any
+# score_mod when Inductor generates it for more than one thread.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 import fusionguard
-from fusionguard import _state
+from fusionguard import _state, torch_internals
 
 HOP_MODULE = importlib.import_module("torch._higher_order_ops.flex_attention")
 PUBLIC = importlib.import_module("torch.nn.attention.flex_attention")
@@ -93,12 +101,51 @@ def guard(tmp_path, monkeypatch):
     _state.reset_for_tests()
 
 
+# --- What this torch release lacks: tests skip by feature, never by version number ---------------
+
+
+def _lacks_rescue():
+    try:
+        torch_internals.setup_compilation_env_home()
+    except torch_internals.Unavailable as exc:
+        return str(exc)
+    return None
+
+
+def _lacks_debug_flag():
+    if torch_internals.has_debug_flag():
+        return None
+    return f"torch {torch_internals.torch_version()} has no {PUBLIC.__name__}._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG flag (added in 2.9)"
+
+
+FEATURES = {"rescue": _lacks_rescue, "debug_flag": _lacks_debug_flag}
+
+
+def lacks(feature):
+    """Why this torch release cannot run ``feature`` (a sentence naming it), or None."""
+    return FEATURES[feature]()
+
+
+def needs(*features):
+    """``@needs("rescue")``: skip, naming the missing feature, where this release lacks it."""
+    missing = [why for why in (lacks(f) for f in features) if why]
+    return pytest.mark.skipif(bool(missing), reason="; ".join(missing) or "-")
+
+
+def recompile_limit(n):
+    """``{option: n}`` for Dynamo's per-frame recompile limit, under this release's name."""
+    return {torch_internals.recompile_limit_option(): n}
+
+
 @pytest.fixture
 def dynamo_config():
-    """``dynamo_config(recompile_limit=1)``: torch._dynamo.config.patch, undone after the test."""
+    """``dynamo_config(recompile_limit=1)``: torch._dynamo.config.patch, undone after the test
+    (``recompile_limit`` is ``cache_size_limit`` on releases before 2.7)."""
     stack = contextlib.ExitStack()
 
     def patch(**values):
+        if "recompile_limit" in values:
+            values.update(recompile_limit(values.pop("recompile_limit")))
         stack.enter_context(torch._dynamo.config.patch(**values))
 
     yield patch

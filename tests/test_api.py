@@ -13,7 +13,7 @@ import torch
 import fusionguard
 from fusionguard import _state, torch_internals as ti
 
-from conftest import HOP_MODULE, ROOT, flex_events, qkv, read_jsonl
+from conftest import HOP_MODULE, ROOT, flex_events, lacks, qkv, read_jsonl
 
 
 def _patch_points():
@@ -56,7 +56,8 @@ def test_enable_patches_everything_and_disable_restores_identical_objects(guard)
     during = _patch_points()
     changed = {k for k in before if during[k] is not before[k]}
     assert changed == set(before), f"not patched: {set(before) - changed}"
-    assert not _state.STATE.not_patched
+    # all patched, except a feature this torch release lacks (named, and tested in test_rescue)
+    assert set(_state.STATE.not_patched) <= ({"rescue (setup_compilation_env)"} if lacks("rescue") else set())
     fusionguard.disable()
     assert not fusionguard.is_enabled()
     after = _patch_points()

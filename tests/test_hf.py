@@ -15,7 +15,7 @@ import torch
 
 import fusionguard
 from fusionguard import _state
-from conftest import fresh_hf_wrapper, read_jsonl
+from conftest import fresh_hf_wrapper, read_jsonl, recompile_limit
 
 transformers = pytest.importorskip("transformers")  # the `test` extra pins it; see setup.cfg
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
@@ -111,7 +111,7 @@ def recompile_limit_run(tmp_path_factory):
     model = tiny_llama()
     fusionguard.enable(strict=False, log_path=str(log))
     try:
-        with torch._dynamo.config.patch(recompile_limit=1), fusionguard.watch(model), torch.no_grad():
+        with torch._dynamo.config.patch(**recompile_limit(1)), fusionguard.watch(model), torch.no_grad():
             model(ids(32))
             with pytest.warns(fusionguard.DenseFallbackWarning):
                 model(ids(48))
