@@ -157,7 +157,7 @@ def _install_patches() -> None:
     def signals() -> None:
         SIGNALS.emit = lambda level, event, **fields: STATE.log.emit(level, event, **fields)
         SIGNALS.on_error = internal_error
-        STATE.signal_hooks = SIGNALS.install()
+        SIGNALS.install(reg)
 
     attempt("flex_attention (dense forward)", lambda: dense("flex_attention", "forward"))
     attempt("flex_attention_backward (dense backward)", lambda: dense("flex_attention_backward", "backward"))
@@ -326,11 +326,12 @@ def enable(
                 lambda level, event, **f: STATE.log.emit(level, event, **f),
                 last_flex_event=lambda: crash.last_flex(STATE.log.memory),
                 summary=lambda: {"counts": dict(STATE.counts)},
+                registry=STATE.patches,
             )
         except Exception as exc:
             internal_error("crash hooks", exc)
-        if not STATE.atexit_registered:
-            atexit.register(_at_exit)
+        if not STATE.atexit_registered:  # atexit has no undo we may use (unregister drops every
+            atexit.register(_at_exit)  # registration of the function): once, a no-op while disabled
             STATE.atexit_registered = True
 
 
@@ -347,13 +348,13 @@ def disable() -> None:
     from . import crash
     from .dynamo_signals import SIGNALS
     with STATE.lock:
-        if not STATE.enabled and not STATE.patches.names():
+        if not STATE.enabled and not STATE.patches.entries():
             crash.tidy()  # a SIGTERM handler left by a disable() from another thread
             return
         STATE.enabled = False
-        STATE.patches.remove_all()
+        STATE.patches.remove_all()  # every patch, hook, handler and callback, newest first
         STATE.log.mirror = None
-        SIGNALS.remove()
+        SIGNALS.remove()  # (its handler and callback are gone already: forgets what Dynamo said)
         crash.uninstall()
         STATE.flusher.stop()
         try:

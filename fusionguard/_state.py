@@ -140,7 +140,6 @@ class State:
         self.counts: Dict[str, int] = {}
         # dense-event keys already fsync-ed to the current log file (see guard._check_dense)
         self.durable_keys: Set[tuple] = set()
-        self.signal_hooks: list = []
         # threads currently inside allow_dense(): lets a backward that PyTorch runs on its own
         # autograd device thread (CUDA) see a block opened by the thread that called backward().
         self.allow_threads: Dict[int, int] = {}
@@ -337,6 +336,7 @@ def _after_fork_in_child_hook() -> None:
     _after_fork_in_child()
 
 
+# os.register_at_fork has no undo: registered once at import, the hooks do nothing while disabled.
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child_hook)
 

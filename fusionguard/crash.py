@@ -40,7 +40,10 @@ import stat
 import sys
 import threading
 import traceback
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Tuple
+
+if TYPE_CHECKING:  # (only for types: this module is also loaded standalone, without the package)
+    from .patches import PatchRegistry
 
 Emit = Callable[..., Any]
 
@@ -62,6 +65,7 @@ _prev_sigterm: Any = None
 _sigterm_installed = False
 _in_hook = threading.local()
 _native: Optional[Tuple[int, str]] = None  # (fd, path) of the faulthandler file we own
+_registry: Optional[PatchRegistry] = None  # where the hooks' undo is recorded (the package's)
 
 
 # -- public -------------------------------------------------------------------------------------
@@ -72,6 +76,7 @@ def install(
     last_flex_event: Optional[Callable[[], Optional[dict]]] = None,
     summary: Optional[Callable[[], Dict[str, Any]]] = None,
     sigterm: bool = True,
+    registry: Optional[PatchRegistry] = None,
 ) -> None:
     """Install the hooks (a second call only updates the callables: never chains twice).
 
@@ -79,34 +84,61 @@ def install(
     last_flex_event: returns the most recent FlexAttention event (a dict) or None.
     summary:         returns extra fields for the SIGTERM ``shutdown`` event (e.g. ``counts``).
     sigterm:         also handle SIGTERM (only possible from the main thread; skipped otherwise).
+    registry:        where each hook's undo is recorded (``disable()`` removes it); None: only ``uninstall()``.
     """
-    global _active, _emit, _last_flex, _summary, _prev_sys, _prev_threading
+    global _active, _emit, _last_flex, _summary, _prev_sys, _prev_threading, _registry
     with _lock:
+        reg = _registry = registry
         _emit, _last_flex, _summary = emit, last_flex_event, summary
         if sys.excepthook is not _sys_hook:
-            _prev_sys = sys.excepthook
+            _prev_sys = prev_sys = sys.excepthook
             sys.excepthook = _sys_hook
+            _record(reg, "sys.excepthook", _restore_sys, lambda: sys.excepthook is prev_sys)
         if threading.excepthook is not _thread_hook:
-            _prev_threading = threading.excepthook
+            _prev_threading = prev_thread = threading.excepthook
             threading.excepthook = _thread_hook
+            _record(reg, "threading.excepthook", _restore_threading, lambda: threading.excepthook is prev_thread)
         if sigterm:
-            _install_sigterm()
+            _install_sigterm(reg)
         _active = True
 
 
 def uninstall() -> None:
     """Stop recording; put back the previous hooks where ours are still installed."""
-    global _active, _emit, _last_flex, _summary, _prev_sys, _prev_threading
+    global _active, _emit, _last_flex, _summary
     with _lock:
         _active = False
+        for name in ("sys.excepthook", "threading.excepthook", "signal.SIGTERM"):
+            if _registry is not None:
+                _registry.remove(name)
+        _restore_sys()  # (no-ops when the registry's entries did it)
+        _restore_threading()
+        _uninstall_sigterm()
+        _emit = _last_flex = _summary = None
+
+
+def _record(reg: Optional[PatchRegistry], name: str, undo: Callable[[], None], restored: Callable[[], bool]) -> None:
+    """Put a hook's undo in the registry (an entry left from before, whose hook was replaced by
+    somebody else, is dropped first: its undo is a no-op now)."""
+    if reg is not None:
+        reg.remove(name)
+        reg.add_hook(name, undo, restored)
+
+
+def _restore_sys() -> None:
+    global _prev_sys
+    with _lock:
         if sys.excepthook is _sys_hook and _prev_sys is not None:
             sys.excepthook = _prev_sys
             _prev_sys = None
+
+
+def _restore_threading() -> None:
+    global _prev_threading
+    with _lock:
         if threading.excepthook is _thread_hook and _prev_threading is not None:
             threading.excepthook = _prev_threading
             _prev_threading = None
-        _uninstall_sigterm()
-        _emit = _last_flex = _summary = None
 
 
 def is_installed() -> bool:
@@ -458,9 +490,11 @@ def _thread_hook(args: Any) -> None:
     prev(args)
 
 
-def _install_sigterm() -> None:
+def _install_sigterm(reg: Optional[PatchRegistry]) -> None:
     global _prev_sigterm, _sigterm_installed
     if _sigterm_installed or not hasattr(signal, "SIGTERM"):
+        if _sigterm_installed and reg is not None and "signal.SIGTERM" not in {e.name for e in reg.entries()}:
+            _record_sigterm(reg)  # a handler left by a disable() from another thread: undo it next time
         return
     if threading.current_thread() is not threading.main_thread():
         return
@@ -470,6 +504,7 @@ def _install_sigterm() -> None:
         return
     if current is _on_sigterm:  # still ours from an earlier install whose restore was impossible
         _sigterm_installed = True
+        _record_sigterm(reg)
         return
     if current is None or current == signal.SIG_IGN:
         return  # set outside Python (cannot hand it on) or ignored (the process would not stop)
@@ -479,6 +514,13 @@ def _install_sigterm() -> None:
         return
     _prev_sigterm = current
     _sigterm_installed = True
+    _record_sigterm(reg)
+
+
+def _record_sigterm(reg: Optional[PatchRegistry]) -> None:
+    prev = _prev_sigterm
+    if reg is not None:
+        reg.add_hook("signal.SIGTERM", _uninstall_sigterm, lambda: signal.getsignal(signal.SIGTERM) is prev)
 
 
 def _uninstall_sigterm() -> None:
