@@ -157,6 +157,12 @@ ALLOW_DENSE: contextvars.ContextVar[bool] = contextvars.ContextVar("fusionguard_
 _COUNT_LOCK = threading.Lock()
 
 
+def set_guarding(on: bool) -> None:
+    """Switch every installed wrapper to a pass-through (False) and back, patches left in place:
+    the benchmarks' paired on/off timing of one and the same installed graph."""
+    STATE.enabled = on
+
+
 def count(key: str, n: int = 1) -> None:
     with _COUNT_LOCK:
         STATE.counts[key] = STATE.counts.get(key, 0) + n

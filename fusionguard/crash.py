@@ -42,12 +42,14 @@ import threading
 import traceback
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Tuple
 
+from ._format import human_bytes
+from .events import FLEX_EVENTS
+
 if TYPE_CHECKING:  # (only for types: this module is also loaded standalone, without the package)
     from .patches import PatchRegistry
 
 Emit = Callable[..., Any]
 
-FLEX_EVENTS = frozenset({"flex_call", "flex_compile", "flex_inlined", "layer_memory", "fused_calls", "dense_calls", "flex_run"})
 # Frames that mean "inside a FlexAttention kernel" (PyTorch's dense implementation, our wrapper).
 _DENSE_FUNCTIONS = frozenset({"sdpa_dense", "sdpa_dense_backward", "math_attention", "_math_attention_inner", "fusionguard_dense_kernel"})
 _BACKWARD_FUNCTIONS = frozenset({"_engine_run_backward", "backward"})
@@ -316,17 +318,6 @@ def last_flex(events: Iterable[dict]) -> Optional[dict]:
 # -- what goes into the crash event ----------------------------------------------------------------
 
 
-def human_bytes(n: Optional[float]) -> str:
-    if n is None:
-        return "of unknown size"
-    value = float(n)
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(value) < 1000 or unit == "TB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1000
-    return f"{n} B"
-
-
 def exception_name(exc_type: type) -> str:
     module = getattr(exc_type, "__module__", "") or ""
     name = getattr(exc_type, "__qualname__", None) or getattr(exc_type, "__name__", str(exc_type))
@@ -380,7 +371,7 @@ def diagnose(exc_type: Optional[type], message: str, flex: Optional[dict], frame
     dense = bool(flex) and flex.get("path") == "dense"
     size = ""
     if dense and flex.get("scores_bytes") is not None:
-        size = f"; the dense score matrix is {human_bytes(flex.get('scores_bytes'))} in fp32"
+        size = f"; the dense score matrix is {human_bytes(flex.get('scores_bytes'), unknown='of unknown size')} in fp32"
     phase = (flex or {}).get("phase") or "?"
     oom = is_oom(exc_type, message)
     what = "OOM" if oom else name

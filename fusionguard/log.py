@@ -38,6 +38,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 import structlog
 
 from .distributed import process_group_ready
+from .events import TRACE_EVENTS
 
 SCHEMA_VERSION = 1
 
@@ -601,11 +602,6 @@ class EventLog:
         if mirror is not None and stored:
             mirror(stored)
         return stored if stored is not None else {}
-
-
-TRACE_EVENTS = frozenset(
-    {"flex_call", "flex_compile", "flex_inlined", "recompile_limit", "compile_error", "graph_break", "rescue_failed"}
-)
 
 
 _TRACE: Optional[Tuple[Any, Any]] = None  # (trace_log, trace_structured), imported on first use

@@ -34,6 +34,7 @@ from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, Optiona
 
 from ._format import causes_text as _causes_text
 from ._format import escape, human_bytes
+from .events import KNOWN_EVENTS
 from ._format import mem_text as _mem
 from ._format import table as _table
 
@@ -48,13 +49,6 @@ MAX_CRASHES_SHOWN = 4  # crash/stop sections in the text report (all in --format
 MAX_KEYS = 10_000
 NO_LAYER = "(no layer)"
 OTHER_LAYERS = "(other layers)"
-KNOWN_EVENTS = frozenset(
-    {
-        "header", "flex_call", "flex_compile", "flex_inlined", "recompile_limit", "compile_error",
-        "graph_break", "internal_error", "shutdown", "layer_memory", "fused_calls", "summary", "crash",
-        "flex_run", "rescue_failed", "dense_calls", "watch_traced", "compiled_before_enable",
-    }
-)
 _DECODER = json.JSONDecoder()
 _ROTATED = re.compile(r"^(?P<base>.+\.jsonl)(?:\.(?P<n>\d+))?$")
 _PHASE_ORDER = {"forward": 0, "backward": 1}
