@@ -16,7 +16,6 @@ The stack tells the story because Dynamo leaves a mark on every frame it runs co
 from __future__ import annotations
 
 import os
-import sys
 import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional, Tuple

@@ -126,7 +126,10 @@ def run_case(name: str, compiled: bool, masked: bool, shape: Sequence[int], devi
     train = cuda
     dtype = torch.bfloat16 if cuda else torch.float32
     g = torch.Generator(device=device).manual_seed(0)
-    mk = lambda h, n: torch.randn(b, h, n, d, device=device, dtype=dtype, generator=g).requires_grad_(train)
+
+    def mk(h: int, n: int) -> torch.Tensor:
+        return torch.randn(b, h, n, d, device=device, dtype=dtype, generator=g).requires_grad_(train)
+
     q, k, v = mk(hq, q_len), mk(hkv, kv_len), mk(hkv, kv_len)
     mask = create_block_mask(_causal, None, None, q_len, kv_len, device=device) if masked else None
     if compiled:

@@ -1305,7 +1305,7 @@ def render_json(rep: Dict[str, Any]) -> str:
 def short_labels(layers: List[str]) -> Tuple[List[str], Optional[str]]:
     """``model.layers.7.self_attn`` ... -> ``7`` ... and the pattern ``model.layers.<N>.self_attn``,
     when the names share a dotted prefix and suffix and differ in one part."""
-    names = [l for l in layers if l not in (NO_LAYER, OTHER_LAYERS)]
+    names = [name for name in layers if name not in (NO_LAYER, OTHER_LAYERS)]
     if len(names) < 2:
         return list(layers), None
     split = [n.split(".") for n in names]
@@ -1323,7 +1323,7 @@ def short_labels(layers: List[str]) -> Tuple[List[str], Optional[str]]:
     short = dict(zip(names, middles))
     first = split[0]
     pattern = ".".join(first[:pre] + ["<N>"] + (first[len(first) - suf :] if suf else []))
-    return [short.get(l, l) for l in layers], pattern
+    return [short.get(name, name) for name in layers], pattern
 
 
 def plot(rep: Dict[str, Any], path: str) -> str:
@@ -1374,7 +1374,7 @@ def _plot_counts(rep: Dict[str, Any], path: str) -> None:
     bars = [("forward", "fused", "#7fa7d6"), ("forward", "dense", "#f08a7e"), ("backward", "fused", "#2c5d94"), ("backward", "dense", "#b3261e")]
     for j, (phase, kind, color) in enumerate(bars):
         xs = [i + (j - 1.5) * width for i in range(len(layers))]
-        ys = [(by.get((l, phase)) or {}).get(kind) or 0 for l in layers]
+        ys = [(by.get((name, phase)) or {}).get(kind) or 0 for name in layers]
         ax.bar(xs, ys, width=width, color=color, label=f"{phase}, {kind}")
     ax.set_xticks(range(len(layers)))
     ax.set_xticklabels(labels, rotation=35 if len(layers) > 8 else 0, ha="right" if len(layers) > 8 else "center", fontsize=8)
