@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import os
 import threading
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple, Union
@@ -122,7 +123,7 @@ def _install_patches() -> None:
         for op, phase in ((torch.ops.higher_order.flex_attention, "forward"), (torch.ops.higher_order.flex_attention_backward, "backward")):
             if op not in table:
                 raise LookupError(f"no Inductor lowering registered for {op}")
-            reg.apply(f"inductor.lowerings[{op}]", table, op, lambda orig, p=phase: inductor.make_lowering_wrapper(p, orig))
+            reg.apply(f"inductor.lowerings[{op}]", table, op, functools.partial(inductor.make_lowering_wrapper, phase))
         mod = ti.flex_lowering_module()
         for fn_name, template in ti.TEMPLATE_SELECTORS.items():
             if callable(mod.__dict__.get(fn_name)):
@@ -130,7 +131,7 @@ def _install_patches() -> None:
                     f"inductor.{mod.__name__}.{fn_name}",
                     mod.__dict__,
                     fn_name,
-                    lambda orig, t=template: inductor.make_selector_wrapper(t, orig),
+                    functools.partial(inductor.make_selector_wrapper, template),
                 )
 
     def post_compile() -> None:

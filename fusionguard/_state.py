@@ -209,7 +209,7 @@ def reset_for_tests() -> None:
     STATE.__dict__.update(new.__dict__)
     from .layers import STATS
 
-    STATS.__init__()
+    STATS.__init__()  # type: ignore[misc]  # (reset in place: other modules hold this object)
 
 
 # -- fork safety ------------------------------------------------------------------------------------

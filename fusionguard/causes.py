@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import types
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple, cast
 
 from .dynamo_signals import SIGNALS, is_public_flex, is_torch_file
 
@@ -239,7 +239,7 @@ def diagnose_forward(frame: Optional[types.FrameType]) -> Diagnosis:
         if site is None and entry[3]:
             site = f
         if kind == _COMPILED:
-            orig = entry[2]
+            orig = cast(types.CodeType, entry[2])  # (the original code of a _COMPILED frame: always set)
             if orig.co_name == _WRAPPER_NAME:
                 internal = "compiled"
             elif disabled_fn is not None:

@@ -320,7 +320,7 @@ def last_flex(events: Iterable[dict]) -> Optional[dict]:
 
 def exception_name(exc_type: type) -> str:
     module = getattr(exc_type, "__module__", "") or ""
-    name = getattr(exc_type, "__qualname__", None) or getattr(exc_type, "__name__", str(exc_type))
+    name = str(getattr(exc_type, "__qualname__", None) or getattr(exc_type, "__name__", exc_type))
     return name if module in ("builtins", "") else f"{module}.{name}"
 
 
@@ -368,16 +368,17 @@ def diagnose(exc_type: Optional[type], message: str, flex: Optional[dict], frame
         getattr(f, "name", None) in _BACKWARD_FUNCTIONS and "torch" in str(getattr(f, "filename", "")).replace("\\", "/").split("/")
         for f in frames
     )
-    dense = bool(flex) and flex.get("path") == "dense"
+    last = flex or {}
+    dense = last.get("path") == "dense"
     size = ""
-    if dense and flex.get("scores_bytes") is not None:
-        size = f"; the dense score matrix is {human_bytes(flex.get('scores_bytes'), unknown='of unknown size')} in fp32"
-    phase = (flex or {}).get("phase") or "?"
+    if dense and last.get("scores_bytes") is not None:
+        size = f"; the dense score matrix is {human_bytes(last.get('scores_bytes'), unknown='of unknown size')} in fp32"
+    phase = last.get("phase") or "?"
     oom = is_oom(exc_type, message)
     what = "OOM" if oom else name
     if name.endswith("DenseFallbackError"):
-        cause = f" (cause {flex.get('cause')})" if flex and flex.get("cause") else ""
-        would = f" its {human_bytes(flex.get('scores_bytes'))} fp32 score matrix" if dense and flex.get("scores_bytes") is not None else " anything"
+        cause = f" (cause {last.get('cause')})" if last.get("cause") else ""
+        would = f" its {human_bytes(last.get('scores_bytes'))} fp32 score matrix" if dense and last.get("scores_bytes") is not None else " anything"
         return f"strict mode blocked a dense {phase}{_where(flex)}{cause} before it allocated{would}"
     if in_dense and dense:
         return f"{what} inside dense {phase}{_where(flex)}{size}"

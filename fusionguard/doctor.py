@@ -142,7 +142,7 @@ def run_case(name: str, compiled: bool, masked: bool, shape: Sequence[int], devi
         grad = torch.ones_like(out)
         bwd_peak, _, bwd_err = _peak(lambda: out.backward(grad), cuda)
     events = [e for e in fusionguard.events()[before:] if e.get("event") in ("flex_call", "flex_compile")]
-    paths = {}
+    paths: Dict[str, set] = {}
     for e in events:
         paths.setdefault(e["phase"], set()).add((e["path"], e.get("cause") or e.get("template")))
     return {

@@ -175,7 +175,7 @@ class Signals:
             if reason is None:
                 rm = re.search(r"last reason: (.*)", text)
                 reason = rm.group(1) if rm else None
-            info = {
+            info: Dict[str, Any] = {
                 "function": m.group("name"),
                 "file": m.group("file"),
                 "line": int(m.group("line")),

@@ -160,7 +160,7 @@ def _allowed(origin: Optional[dict]) -> bool:
 # The last few shapes' fields and the last dense call's message per phase: a training loop
 # repeats the same dense call, and these strings are rebuilt on the dense path otherwise.
 _TENSOR_FIELDS: Dict[tuple, Dict[str, Any]] = {}
-_MESSAGES: Dict[str, tuple] = {}
+_MESSAGES: Dict[Optional[str], tuple] = {}
 
 
 def tensor_fields(q: Any, k: Any) -> Dict[str, Any]:
@@ -220,7 +220,7 @@ def format_message(event: Dict[str, Any]) -> str:
     phase = event["phase"]
     layer = f" in {event['layer']}" if event.get("layer") else ""
     size = human_bytes(event.get("scores_bytes"), unknown="unknown size")
-    action = event.get("action")
+    action: str = event.get("action") or ""
     head = {
         "raise": f"dense FlexAttention {phase}{layer} blocked before it allocated a {size} score matrix (strict mode)",
         "warn": f"dense FlexAttention {phase}{layer} is materialising a {size} score matrix",

@@ -33,7 +33,7 @@ import stat
 import sys
 import threading
 import time
-from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple, Union
 
 import structlog
 
@@ -134,7 +134,7 @@ class FileSink:
     def __init__(
         self,
         path: str,
-        fsync: bool = True,
+        fsync: Union[bool, str] = True,  # (True or "always": fsync durable events)
         max_bytes: Optional[int] = None,
         backups: int = 3,
         preamble: Optional[Callable[[], Optional[str]]] = None,
@@ -421,7 +421,7 @@ class FusedSampler:
     def _counter(self, key: tuple, w: _Window) -> Tuple[str, Dict[str, Any]]:
         dense = w.same is not None
         out: Dict[str, Any] = {"layer": key[0], "phase": key[1], "path": "dense" if dense else "fused", "of": key[2]}
-        if dense:
+        if w.same is not None:
             out.update(w.same)
         out["count"], out["total"] = w.window, w.total
         if w.flex_calls:
@@ -535,7 +535,7 @@ class EventLog:
             if self.on_sink_resume is not None and self._sink_reports <= 6:
                 self.on_sink_resume(sink.unwritten)
 
-    def open(self, path: str, fsync: bool, max_bytes: Optional[int] = None, backups: int = 3, mode: int = DEFAULT_LOG_MODE) -> None:
+    def open(self, path: str, fsync: Union[bool, str], max_bytes: Optional[int] = None, backups: int = 3, mode: int = DEFAULT_LOG_MODE) -> None:
         self.close()
         self._rank.reset()  # enable() again: torchrun / a spawn may have set RANK since
         self.attach(FileSink(path, fsync=fsync, max_bytes=max_bytes, backups=backups, preamble=self._header_copy, mode=mode))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, MutableMapping, Optional, Union
+from typing import Any, Callable, Dict, List, Mapping, MutableMapping, Optional, Union, cast
 
 _MISSING = object()
 
@@ -22,7 +22,7 @@ _MISSING = object()
 @dataclass
 class Patch:
     name: str
-    table: MutableMapping  # the dict that holds the original (vars(cls) proxy is set via setattr)
+    table: Mapping[Any, Any]  # the dict that holds the original (a read-only vars(cls) is set via owner)
     key: Any
     original: Any
     replacement: Any
@@ -33,7 +33,7 @@ class Patch:
         if self.owner is not None:
             setattr(self.owner, self.key, value)
         else:
-            self.table[self.key] = value
+            cast(MutableMapping[Any, Any], self.table)[self.key] = value
         if self.after is not None:
             self.after()
 
@@ -76,7 +76,7 @@ class PatchRegistry:
     def apply(
         self,
         name: str,
-        table: MutableMapping,
+        table: Mapping[Any, Any],
         key: Any,
         make: Callable[[Any], Any],
         owner: Any = None,

@@ -618,7 +618,7 @@ class Aggregator:
         if ts is not None:  # a finite number (read_events checked it)
             if s.first_ts is None:
                 s.first_ts = s.last_ts = ts
-            elif ts > s.last_ts:  # type: ignore[operator]
+            elif ts > s.last_ts:
                 s.last_ts = ts
             elif ts < s.first_ts:
                 s.first_ts = ts
@@ -749,10 +749,11 @@ class Aggregator:
                 elif row_rank in real_ranks:
                     continue  # that rank's own log is here
                 else:  # gathered on this rank from a rank whose log we do not have
-                    target = synthetic.get(row_rank)
-                    if target is None:
-                        target = synthetic[row_rank] = Stream((s.host, None, row_rank), self.last)
-                        target.synthetic = True
+                    found = synthetic.get(row_rank)
+                    if found is None:
+                        found = synthetic[row_rank] = Stream((s.host, None, row_rank), self.last)
+                        found.synthetic = True
+                    target = found
                 key = self._key(row)
                 c = target.count(key)
                 ks = self.keys[key]
@@ -818,7 +819,7 @@ class Aggregator:
 
 def _crash_fields(e: dict) -> Dict[str, Any]:
     keys = ("seq", "ts", "thread", "exc_type", "message", "where", "diagnosis", "last_flex", "cuda", "frames")
-    out = {k: e.get(k) for k in keys if k in e}
+    out: Dict[str, Any] = {k: e.get(k) for k in keys if k in e}
     if isinstance(out.get("message"), str):
         out["message"] = _short(out["message"], 1000)
     if isinstance(out.get("frames"), list):
@@ -915,7 +916,7 @@ def build_report(agg: Aggregator) -> Dict[str, Any]:
     disagreements = []
     if multi_rank:
         for r in ranks:
-            dense = [
+            dense: List[Dict[str, Any]] = [
                 {"layer": k[0], "phase": k[1], "dense": v[0]}
                 for k, v in sorted(per_rank.get(r, {}).items(), key=lambda kv: (natural_key(kv[0][0]), _PHASE_ORDER.get(kv[0][1], 9)))
                 if v[0]
@@ -934,7 +935,8 @@ def build_report(agg: Aggregator) -> Dict[str, Any]:
         if h:
             vkey = (h.get("fusionguard"), h.get("torch"), h.get("triton"), h.get("python"))
             versions[vkey] = versions.get(vkey, 0) + 1
-            cuda = h.get("cuda") if isinstance(h.get("cuda"), dict) else {}
+            cuda_field = h.get("cuda")
+            cuda: Dict[str, Any] = cuda_field if isinstance(cuda_field, dict) else {}
             host = str(h.get("hostname") or s.host or "?")
             names = cuda.get("devices") if isinstance(cuda.get("devices"), list) else None
             if names is None:
