@@ -93,10 +93,12 @@ def install(
         reg = _registry = registry
         _emit, _last_flex, _summary = emit, last_flex_event, summary
         if sys.excepthook is not _sys_hook:
+            _forget(reg, "sys.excepthook")
             _prev_sys = prev_sys = sys.excepthook
             sys.excepthook = _sys_hook
             _record(reg, "sys.excepthook", _restore_sys, lambda: sys.excepthook is prev_sys)
         if threading.excepthook is not _thread_hook:
+            _forget(reg, "threading.excepthook")
             _prev_threading = prev_thread = threading.excepthook
             threading.excepthook = _thread_hook
             _record(reg, "threading.excepthook", _restore_threading, lambda: threading.excepthook is prev_thread)
@@ -119,11 +121,15 @@ def uninstall() -> None:
         _emit = _last_flex = _summary = None
 
 
-def _record(reg: Optional[PatchRegistry], name: str, undo: Callable[[], None], restored: Callable[[], bool]) -> None:
-    """Put a hook's undo in the registry (an entry left from before, whose hook was replaced by
-    somebody else, is dropped first: its undo is a no-op now)."""
+def _forget(reg: Optional[PatchRegistry], name: str) -> None:
+    """Drop an entry whose hook somebody replaced (its undo is a no-op now), before ours goes
+    back in: then the entry recorded next is the one that undoes it."""
     if reg is not None:
         reg.remove(name)
+
+
+def _record(reg: Optional[PatchRegistry], name: str, undo: Callable[[], None], restored: Callable[[], bool]) -> None:
+    if reg is not None:
         reg.add_hook(name, undo, restored)
 
 

@@ -84,3 +84,22 @@ def test_hook_entries_undo_once():
     reg.remove_all()
     reg.remove_all()
     assert calls == [1] and table == {"x": 1} and reg.entries() == []
+
+
+def test_reenable_after_a_host_replaced_our_excepthook(guard):
+    from fusionguard import crash
+
+    original = sys.excepthook
+    guard()
+
+    def theirs(*args):
+        pass
+
+    sys.excepthook = theirs  # the host installs its own on top of ours
+    try:
+        guard()  # ours goes back on top of theirs, and its undo is the registry's entry
+        assert sys.excepthook is crash._sys_hook and crash._prev_sys is theirs
+        fusionguard.disable()
+        assert sys.excepthook is theirs
+    finally:
+        sys.excepthook = original
