@@ -200,7 +200,7 @@ def interleaved(args, shape):
     ``watch(model)`` entered around each step (outside the timed region, as around a loop), and
     ``torch.profiler(profile_memory=True)`` with fusionguard off. Median of the per-step ratios
     to ``off``."""
-    from fusionguard._state import STATE
+    from fusionguard._state import STATE, set_guarding
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
@@ -225,14 +225,14 @@ def interleaved(args, shape):
         # compile with fusionguard on (its per-graph-run counting is installed at compile time),
         # then warm every variant
         for name in ["enabled"] + names * 2 + names[:1] * args.warmup:
-            STATE.enabled = name in on
+            set_guarding(name in on)
             with ctxs[name]():
                 step()
         times = {name: [] for name in names}
         runs = {name: 0 for name in names}  # fused graph runs fusionguard counted, per variant
         for i in range(args.steps * 2):
             for name in names[i % len(names):] + names[: i % len(names)]:
-                STATE.enabled = name in on
+                set_guarding(name in on)
                 before = STATE.counts.get(runs_key, 0)
                 with ctxs[name]():
                     sync(args.device)
@@ -241,10 +241,10 @@ def interleaved(args, shape):
                     sync(args.device)
                     times[name].append(time.perf_counter() - t)
                 runs[name] += STATE.counts.get(runs_key, 0) - before
-        STATE.enabled = True
+        set_guarding(True)
         graphs = counts()
     finally:
-        STATE.enabled = True
+        set_guarding(True)
         fusionguard.disable()
     if not all(runs[name] for name in on):  # the variants must time fusionguard's fused-path work
         raise SystemExit(f"interleaved: fusionguard counted no fused runs in some variants: {runs}")

@@ -8,7 +8,7 @@ import statistics
 import time
 from typing import Callable, Tuple
 
-from fusionguard._state import STATE
+from fusionguard._state import set_guarding
 
 
 def paired(call: Callable[[], object], pairs: int, sync: Callable[[], object] = lambda: None, per: int = 1) -> Tuple[float, float]:
@@ -19,7 +19,7 @@ def paired(call: Callable[[], object], pairs: int, sync: Callable[[], object] = 
         for i in range(pairs):
             t = {}
             for on in (False, True) if i % 2 == 0 else (True, False):
-                STATE.enabled = on
+                set_guarding(on)
                 sync()
                 t0 = time.perf_counter()
                 for _ in range(per):
@@ -29,5 +29,5 @@ def paired(call: Callable[[], object], pairs: int, sync: Callable[[], object] = 
             diffs.append(t[True] - t[False])
             plains.append(t[False])
     finally:
-        STATE.enabled = True
+        set_guarding(True)
     return statistics.median(diffs), statistics.median(plains)

@@ -28,7 +28,10 @@ def causal(b, h, q_idx, kv_idx):
 
 def make(q_len, kv_len, hq, hkv, d, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    mk = lambda h, n: torch.randn(1, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+
+    def mk(h, n):
+        return torch.randn(1, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+
     q, k, v = mk(hq, q_len), mk(hkv, kv_len), mk(hkv, kv_len)
     mask = create_block_mask(causal, None, None, q_len, kv_len, device="cuda")
     return q, k, v, mask
@@ -85,7 +88,7 @@ def main() -> None:
     # 2. eager call with rescue (strict: anything dense would raise)
     torch._dynamo.reset()
     fusionguard.enable(strict=True, rescue=True, log_path=False)
-    for i in range(2):  # first step compiles
+    for _ in range(2):  # first step compiles
         q, k, v, mask = make(q_len, kv_len, hq, hkv, d)
         rfp, rbp, rout, rgrads = step(flex_attention, q, k, v, mask)
     rows.append(("eager + rescue (step 2)", rfp, rbp, rel(rout, dout), max(rel(a, b) for a, b in zip(rgrads, dgrads)), STATE.counts.get("rescue_compiles", 0)))
@@ -121,8 +124,10 @@ def slide(rows, meta, q_len, kv_len, hq, hkv, d, args) -> None:
 
     print(json.dumps(meta))
     print(f"{'mode':<64} {'fwd GB':>8} {'bwd GB':>8} {'out rel':>9} {'grad rel':>9} {'compiles':>8}")
+    def fmt(x):
+        return "-" if x is None else f"{x:.2e}"
+
     for name, fp, bp, orl, grl, n in rows:
-        fmt = lambda x: "-" if x is None else f"{x:.2e}"
         print(f"{name:<64} {fp / GB:>8.3f} {bp / GB:>8.3f} {fmt(orl):>9} {fmt(grl):>9} {n if n is not None else '-':>8}")
     print(f"dense executions while rescue was on: {len(dense)}")
     if args.json:

@@ -45,7 +45,10 @@ def peak_of(fn):
 def inputs(shape, requires_grad=True):
     b, hq, hkv, q_len, kv_len, d = shape
     g = torch.Generator(device="cuda").manual_seed(0)
-    mk = lambda h, n: torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
+
+    def mk(h, n):
+        return torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
+
     q, k, v = mk(hq, q_len), mk(hkv, kv_len), mk(hkv, kv_len)
     for t in (q, k, v):
         t.requires_grad_(requires_grad)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import os
 import threading
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple, Union
@@ -128,7 +129,7 @@ def _install_patches() -> List[str]:
         for op, phase in ((torch.ops.higher_order.flex_attention, "forward"), (torch.ops.higher_order.flex_attention_backward, "backward")):
             if op not in table:
                 raise LookupError(f"no Inductor lowering registered for {op}")
-            reg.apply(f"inductor.lowerings[{op}]", table, op, lambda orig, p=phase: inductor.make_lowering_wrapper(p, orig))
+            reg.apply(f"inductor.lowerings[{op}]", table, op, functools.partial(inductor.make_lowering_wrapper, phase))
         mod = ti.flex_lowering_module()
         for fn_name, template in ti.TEMPLATE_SELECTORS.items():
             if callable(mod.__dict__.get(fn_name)):
@@ -136,7 +137,7 @@ def _install_patches() -> List[str]:
                     f"inductor.{mod.__name__}.{fn_name}",
                     mod.__dict__,
                     fn_name,
-                    lambda orig, t=template: inductor.make_selector_wrapper(t, orig),
+                    functools.partial(inductor.make_selector_wrapper, template),
                 )
 
     def post_compile() -> None:
@@ -158,7 +159,7 @@ def _install_patches() -> List[str]:
     def signals() -> None:
         SIGNALS.emit = lambda level, event, **fields: STATE.log.emit(level, event, **fields)
         SIGNALS.on_error = internal_error
-        STATE.signal_hooks = SIGNALS.install()
+        SIGNALS.install(reg)
 
     attempt("flex_attention (dense forward)", lambda: dense("flex_attention", "forward"))
     attempt("flex_attention_backward (dense backward)", lambda: dense("flex_attention_backward", "backward"))
@@ -336,11 +337,12 @@ def enable(
                 lambda level, event, **f: STATE.log.emit(level, event, **f),
                 last_flex_event=lambda: crash.last_flex(STATE.log.memory),
                 summary=lambda: {"counts": dict(STATE.counts)},
+                registry=STATE.patches,
             )
         except Exception as exc:
             internal_error("crash hooks", exc)
-        if not STATE.atexit_registered:
-            atexit.register(_at_exit)
+        if not STATE.atexit_registered:  # atexit has no undo we may use (unregister drops every
+            atexit.register(_at_exit)  # registration of the function): once, a no-op while disabled
             STATE.atexit_registered = True
 
 
@@ -357,13 +359,13 @@ def disable() -> None:
     from . import crash
     from .dynamo_signals import SIGNALS
     with STATE.lock:
-        if not STATE.enabled and not STATE.patches.names():
+        if not STATE.enabled and not STATE.patches.entries():
             crash.tidy()  # a SIGTERM handler left by a disable() from another thread
             return
         STATE.enabled = False
-        STATE.patches.remove_all()
+        STATE.patches.remove_all()  # every patch, hook, handler and callback, newest first
         STATE.log.mirror = None
-        SIGNALS.remove()
+        SIGNALS.remove()  # (its handler and callback are gone already: forgets what Dynamo said)
         crash.uninstall()
         STATE.flusher.stop()
         try:

@@ -22,10 +22,10 @@ def escape(text: str) -> str:
     return _CONTROL.sub(sub, text)
 
 
-def human_bytes(n: Optional[float], signed: bool = False) -> str:
-    """``123 B``, ``1.23 KB`` ... ``TB`` (decimal units, as the README's figures)."""
+def human_bytes(n: Optional[float], signed: bool = False, unknown: str = "-") -> str:
+    """``123 B``, ``1.23 KB`` ... ``TB`` (decimal units, as the README's figures); ``unknown`` for None."""
     if n is None:
-        return "-"
+        return unknown
     sign = "-" if n < 0 else ("+" if signed and n > 0 else "")
     value = abs(float(n))
     for unit in ("B", "KB", "MB", "GB", "TB"):

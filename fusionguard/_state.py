@@ -140,7 +140,6 @@ class State:
         self.counts: Dict[str, int] = {}
         # dense-event keys already fsync-ed to the current log file (see guard._check_dense)
         self.durable_keys: Set[tuple] = set()
-        self.signal_hooks: list = []
         # threads currently inside allow_dense(): lets a backward that PyTorch runs on its own
         # autograd device thread (CUDA) see a block opened by the thread that called backward().
         self.allow_threads: Dict[int, int] = {}
@@ -156,6 +155,12 @@ ALLOW_DENSE: contextvars.ContextVar[bool] = contextvars.ContextVar("fusionguard_
 
 
 _COUNT_LOCK = threading.Lock()
+
+
+def set_guarding(on: bool) -> None:
+    """Switch every installed wrapper to a pass-through (False) and back, patches left in place:
+    the benchmarks' paired on/off timing of one and the same installed graph."""
+    STATE.enabled = on
 
 
 def count(key: str, n: int = 1) -> None:
@@ -204,7 +209,7 @@ def reset_for_tests() -> None:
     STATE.__dict__.update(new.__dict__)
     from .layers import STATS
 
-    STATS.__init__()
+    STATS.__init__()  # type: ignore[misc]  # (reset in place: other modules hold this object)
 
 
 # -- fork safety ------------------------------------------------------------------------------------
@@ -337,6 +342,7 @@ def _after_fork_in_child_hook() -> None:
     _after_fork_in_child()
 
 
+# os.register_at_fork has no undo: registered once at import, the hooks do nothing while disabled.
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child_hook)
 

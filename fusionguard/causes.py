@@ -16,10 +16,9 @@ The stack tells the story because Dynamo leaves a mark on every frame it runs co
 from __future__ import annotations
 
 import os
-import sys
 import types
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple, cast
 
 from .dynamo_signals import SIGNALS, is_public_flex, is_torch_file
 
@@ -67,7 +66,7 @@ class Diagnosis:
 
 
 _WRAPPER_NAME = "_flex_attention_hop_wrapper"
-_FG_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+FG_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 def _orig_code_lookup() -> Callable[[types.CodeType], Optional[types.CodeType]]:
@@ -85,7 +84,7 @@ def _orig_code_lookup() -> Callable[[types.CodeType], Optional[types.CodeType]]:
     return orig_code_map.get
 
 
-def _is_disable_wrapper(code: types.CodeType) -> bool:
+def is_disable_wrapper(code: types.CodeType) -> bool:
     qual = getattr(code, "co_qualname", code.co_name)
     return code.co_name == "_fn" and "DisableContext" in qual and code.co_filename.endswith("eval_frame.py")
 
@@ -180,7 +179,7 @@ _KINDS: Dict[int, Tuple[types.CodeType, int, Optional[types.CodeType], bool]] = 
 
 
 def _is_user_file(filename: str) -> bool:
-    return not is_torch_file(filename) and not filename.startswith(_FG_DIR) and not filename.startswith("<")
+    return not is_torch_file(filename) and not filename.startswith(FG_DIR) and not filename.startswith("<")
 
 
 def _code_kind(code: types.CodeType) -> Tuple[types.CodeType, int, Optional[types.CodeType], bool]:
@@ -193,7 +192,7 @@ def _code_kind(code: types.CodeType) -> Tuple[types.CodeType, int, Optional[type
         kind = _TORCH_WRAPPER
     elif _is_compile_entry(code):
         kind = _COMPILE_ENTRY
-    elif _is_disable_wrapper(code):
+    elif is_disable_wrapper(code):
         kind = _DISABLE_WRAPPER
     elif user or (is_public_flex(code.co_name, code.co_filename) and not code.co_filename.startswith("<")):
         # PyTorch's public flex_attention is a candidate too: torch.compile(flex_attention)
@@ -239,7 +238,7 @@ def diagnose_forward(frame: Optional[types.FrameType]) -> Diagnosis:
         if site is None and entry[3]:
             site = f
         if kind == _COMPILED:
-            orig = entry[2]
+            orig = cast(types.CodeType, entry[2])  # (the original code of a _COMPILED frame: always set)
             if orig.co_name == _WRAPPER_NAME:
                 internal = "compiled"
             elif disabled_fn is not None:
@@ -252,7 +251,7 @@ def diagnose_forward(frame: Optional[types.FrameType]) -> Diagnosis:
                 if is_torch_file(orig.co_filename):
                     # Dynamo compiled PyTorch's flex_attention as a frame of its own: the user's
                     # frame around it broke the graph or was skipped.
-                    outer = _first_user_frame(f.f_back)
+                    outer = first_user_frame(f.f_back)
                     if outer is not None:
                         _, info = SIGNALS.lookup(outer.f_code.co_filename, outer.f_code.co_firstlineno)
                         ev["outer_frame"] = _frame_where(outer)
@@ -324,7 +323,7 @@ def diagnose_forward(frame: Optional[types.FrameType]) -> Diagnosis:
     )
 
 
-def _first_user_frame(f: Optional[types.FrameType]) -> Optional[types.FrameType]:
+def first_user_frame(f: Optional[types.FrameType]) -> Optional[types.FrameType]:
     while f is not None:
         if _kind_entry(f.f_code)[3]:
             return f
@@ -347,7 +346,7 @@ def diagnose_backward(origin: Optional[Dict[str, Any]], frame: Optional[types.Fr
 
 def user_call_site(frame: Optional[types.FrameType]) -> Optional[Dict[str, Any]]:
     """The first frame outside torch and fusionguard: where the user's code made the call."""
-    f = _first_user_frame(frame)
+    f = first_user_frame(frame)
     if f is None:
         return None
     return frame_site(f)
@@ -355,7 +354,3 @@ def user_call_site(frame: Optional[types.FrameType]) -> Optional[Dict[str, Any]]
 
 def frame_site(f: types.FrameType) -> Dict[str, Any]:
     return {"file": f.f_code.co_filename, "line": f.f_lineno, "function": f.f_code.co_name}
-
-
-def here() -> types.FrameType:
-    return sys._getframe(1)

@@ -40,11 +40,16 @@ import stat
 import sys
 import threading
 import traceback
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Tuple
+
+from ._format import human_bytes
+from .events import FLEX_EVENTS
+
+if TYPE_CHECKING:  # (only for types: this module is also loaded standalone, without the package)
+    from .patches import PatchRegistry
 
 Emit = Callable[..., Any]
 
-FLEX_EVENTS = frozenset({"flex_call", "flex_compile", "flex_inlined", "layer_memory", "fused_calls", "dense_calls", "flex_run"})
 # Frames that mean "inside a FlexAttention kernel" (PyTorch's dense implementation, our wrapper).
 _DENSE_FUNCTIONS = frozenset({"sdpa_dense", "sdpa_dense_backward", "math_attention", "_math_attention_inner", "fusionguard_dense_kernel"})
 _BACKWARD_FUNCTIONS = frozenset({"_engine_run_backward", "backward"})
@@ -62,6 +67,7 @@ _prev_sigterm: Any = None
 _sigterm_installed = False
 _in_hook = threading.local()
 _native: Optional[Tuple[int, str]] = None  # (fd, path) of the faulthandler file we own
+_registry: Optional[PatchRegistry] = None  # where the hooks' undo is recorded (the package's)
 
 
 # -- public -------------------------------------------------------------------------------------
@@ -72,6 +78,7 @@ def install(
     last_flex_event: Optional[Callable[[], Optional[dict]]] = None,
     summary: Optional[Callable[[], Dict[str, Any]]] = None,
     sigterm: bool = True,
+    registry: Optional[PatchRegistry] = None,
 ) -> None:
     """Install the hooks (a second call only updates the callables: never chains twice).
 
@@ -79,34 +86,67 @@ def install(
     last_flex_event: returns the most recent FlexAttention event (a dict) or None.
     summary:         returns extra fields for the SIGTERM ``shutdown`` event (e.g. ``counts``).
     sigterm:         also handle SIGTERM (only possible from the main thread; skipped otherwise).
+    registry:        where each hook's undo is recorded (``disable()`` removes it); None: only ``uninstall()``.
     """
-    global _active, _emit, _last_flex, _summary, _prev_sys, _prev_threading
+    global _active, _emit, _last_flex, _summary, _prev_sys, _prev_threading, _registry
     with _lock:
+        reg = _registry = registry
         _emit, _last_flex, _summary = emit, last_flex_event, summary
         if sys.excepthook is not _sys_hook:
-            _prev_sys = sys.excepthook
+            _forget(reg, "sys.excepthook")
+            _prev_sys = prev_sys = sys.excepthook
             sys.excepthook = _sys_hook
+            _record(reg, "sys.excepthook", _restore_sys, lambda: sys.excepthook is prev_sys)
         if threading.excepthook is not _thread_hook:
-            _prev_threading = threading.excepthook
+            _forget(reg, "threading.excepthook")
+            _prev_threading = prev_thread = threading.excepthook
             threading.excepthook = _thread_hook
+            _record(reg, "threading.excepthook", _restore_threading, lambda: threading.excepthook is prev_thread)
         if sigterm:
-            _install_sigterm()
+            _install_sigterm(reg)
         _active = True
 
 
 def uninstall() -> None:
     """Stop recording; put back the previous hooks where ours are still installed."""
-    global _active, _emit, _last_flex, _summary, _prev_sys, _prev_threading
+    global _active, _emit, _last_flex, _summary
     with _lock:
         _active = False
+        for name in ("sys.excepthook", "threading.excepthook", "signal.SIGTERM"):
+            if _registry is not None:
+                _registry.remove(name)
+        _restore_sys()  # (no-ops when the registry's entries did it)
+        _restore_threading()
+        _uninstall_sigterm()
+        _emit = _last_flex = _summary = None
+
+
+def _forget(reg: Optional[PatchRegistry], name: str) -> None:
+    """Drop an entry whose hook somebody replaced (its undo is a no-op now), before ours goes
+    back in: then the entry recorded next is the one that undoes it."""
+    if reg is not None:
+        reg.remove(name)
+
+
+def _record(reg: Optional[PatchRegistry], name: str, undo: Callable[[], None], restored: Callable[[], bool]) -> None:
+    if reg is not None:
+        reg.add_hook(name, undo, restored)
+
+
+def _restore_sys() -> None:
+    global _prev_sys
+    with _lock:
         if sys.excepthook is _sys_hook and _prev_sys is not None:
             sys.excepthook = _prev_sys
             _prev_sys = None
+
+
+def _restore_threading() -> None:
+    global _prev_threading
+    with _lock:
         if threading.excepthook is _thread_hook and _prev_threading is not None:
             threading.excepthook = _prev_threading
             _prev_threading = None
-        _uninstall_sigterm()
-        _emit = _last_flex = _summary = None
 
 
 def is_installed() -> bool:
@@ -284,20 +324,9 @@ def last_flex(events: Iterable[dict]) -> Optional[dict]:
 # -- what goes into the crash event ----------------------------------------------------------------
 
 
-def human_bytes(n: Optional[float]) -> str:
-    if n is None:
-        return "of unknown size"
-    value = float(n)
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(value) < 1000 or unit == "TB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1000
-    return f"{n} B"
-
-
 def exception_name(exc_type: type) -> str:
     module = getattr(exc_type, "__module__", "") or ""
-    name = getattr(exc_type, "__qualname__", None) or getattr(exc_type, "__name__", str(exc_type))
+    name = str(getattr(exc_type, "__qualname__", None) or getattr(exc_type, "__name__", exc_type))
     return name if module in ("builtins", "") else f"{module}.{name}"
 
 
@@ -345,16 +374,17 @@ def diagnose(exc_type: Optional[type], message: str, flex: Optional[dict], frame
         getattr(f, "name", None) in _BACKWARD_FUNCTIONS and "torch" in str(getattr(f, "filename", "")).replace("\\", "/").split("/")
         for f in frames
     )
-    dense = bool(flex) and flex.get("path") == "dense"
+    last = flex or {}
+    dense = last.get("path") == "dense"
     size = ""
-    if dense and flex.get("scores_bytes") is not None:
-        size = f"; the dense score matrix is {human_bytes(flex.get('scores_bytes'))} in fp32"
-    phase = (flex or {}).get("phase") or "?"
+    if dense and last.get("scores_bytes") is not None:
+        size = f"; the dense score matrix is {human_bytes(last.get('scores_bytes'), unknown='of unknown size')} in fp32"
+    phase = last.get("phase") or "?"
     oom = is_oom(exc_type, message)
     what = "OOM" if oom else name
     if name.endswith("DenseFallbackError"):
-        cause = f" (cause {flex.get('cause')})" if flex and flex.get("cause") else ""
-        would = f" its {human_bytes(flex.get('scores_bytes'))} fp32 score matrix" if dense and flex.get("scores_bytes") is not None else " anything"
+        cause = f" (cause {last.get('cause')})" if last.get("cause") else ""
+        would = f" its {human_bytes(last.get('scores_bytes'))} fp32 score matrix" if dense and last.get("scores_bytes") is not None else " anything"
         return f"strict mode blocked a dense {phase}{_where(flex)}{cause} before it allocated{would}"
     if in_dense and dense:
         return f"{what} inside dense {phase}{_where(flex)}{size}"
@@ -458,9 +488,11 @@ def _thread_hook(args: Any) -> None:
     prev(args)
 
 
-def _install_sigterm() -> None:
+def _install_sigterm(reg: Optional[PatchRegistry]) -> None:
     global _prev_sigterm, _sigterm_installed
     if _sigterm_installed or not hasattr(signal, "SIGTERM"):
+        if _sigterm_installed and reg is not None and "signal.SIGTERM" not in {e.name for e in reg.entries()}:
+            _record_sigterm(reg)  # a handler left by a disable() from another thread: undo it next time
         return
     if threading.current_thread() is not threading.main_thread():
         return
@@ -470,6 +502,7 @@ def _install_sigterm() -> None:
         return
     if current is _on_sigterm:  # still ours from an earlier install whose restore was impossible
         _sigterm_installed = True
+        _record_sigterm(reg)
         return
     if current is None or current == signal.SIG_IGN:
         return  # set outside Python (cannot hand it on) or ignored (the process would not stop)
@@ -479,6 +512,13 @@ def _install_sigterm() -> None:
         return
     _prev_sigterm = current
     _sigterm_installed = True
+    _record_sigterm(reg)
+
+
+def _record_sigterm(reg: Optional[PatchRegistry]) -> None:
+    prev = _prev_sigterm
+    if reg is not None:
+        reg.add_hook("signal.SIGTERM", _uninstall_sigterm, lambda: signal.getsignal(signal.SIGTERM) is prev)
 
 
 def _uninstall_sigterm() -> None:

@@ -126,7 +126,10 @@ def run_case(name: str, compiled: bool, masked: bool, shape: Sequence[int], devi
     train = cuda
     dtype = torch.bfloat16 if cuda else torch.float32
     g = torch.Generator(device=device).manual_seed(0)
-    mk = lambda h, n: torch.randn(b, h, n, d, device=device, dtype=dtype, generator=g).requires_grad_(train)
+
+    def mk(h: int, n: int) -> torch.Tensor:
+        return torch.randn(b, h, n, d, device=device, dtype=dtype, generator=g).requires_grad_(train)
+
     q, k, v = mk(hq, q_len), mk(hkv, kv_len), mk(hkv, kv_len)
     mask = create_block_mask(_causal, None, None, q_len, kv_len, device=device) if masked else None
     if compiled:
@@ -139,7 +142,7 @@ def run_case(name: str, compiled: bool, masked: bool, shape: Sequence[int], devi
         grad = torch.ones_like(out)
         bwd_peak, _, bwd_err = _peak(lambda: out.backward(grad), cuda)
     events = [e for e in fusionguard.events()[before:] if e.get("event") in ("flex_call", "flex_compile")]
-    paths = {}
+    paths: Dict[str, set] = {}
     for e in events:
         paths.setdefault(e["phase"], set()).add((e["path"], e.get("cause") or e.get("template")))
     return {

@@ -22,7 +22,10 @@ import re
 import threading
 from typing import Any, Callable, Dict, Optional, Tuple
 
+from .patches import PatchRegistry
+
 Key = Tuple[str, int]
+_DYNAMO_LOGGER = "torch._dynamo.convert_frame"  # where Dynamo logs frames it could not convert
 
 _FUNC_INFO = re.compile(r"'(?P<name>[^']*)' \((?P<file>.*):(?P<line>\d+)\)")
 _WONT_CONVERT = re.compile(r"WON'T CONVERT (?P<name>\S+) (?P<file>.+?) line (?P<line>\d+)")
@@ -85,12 +88,16 @@ class Signals:
         self.on_error: Callable[[str, BaseException], None] = lambda where, exc: None
 
     # -- install / remove ---------------------------------------------------------------------
-    def install(self) -> list:
+    def install(self, registry: Optional[PatchRegistry] = None) -> list:
+        """Add the log handler and the compile-end callback; each one's undo goes into ``registry``."""
         installed = []
         if self._handler is None:
-            self._handler = _DynamoLogHandler(self)
-            logging.getLogger("torch._dynamo.convert_frame").addHandler(self._handler)
-            installed.append("logging:torch._dynamo.convert_frame")
+            handler = self._handler = _DynamoLogHandler(self)
+            logger = logging.getLogger(_DYNAMO_LOGGER)
+            logger.addHandler(handler)
+            installed.append("logging:" + _DYNAMO_LOGGER)
+            if registry is not None:
+                registry.add_hook("logging:" + _DYNAMO_LOGGER, self._remove_handler, lambda: handler not in logger.handlers)
         if self._end_callback is None:
             try:
                 from torch._dynamo.callback import callback_handler
@@ -104,6 +111,12 @@ class Signals:
                 callback_handler.register_end_callback(_on_compile_end)
                 self._end_callback = _on_compile_end
                 installed.append("torch._dynamo.callback.on_compile_end")
+                if registry is not None:
+                    registry.add_hook(
+                        "torch._dynamo.callback.on_compile_end",
+                        self._remove_callback,
+                        lambda: _on_compile_end not in getattr(callback_handler, "end_callbacks", ()),
+                    )
             except Exception:
                 pass
         try:
@@ -130,9 +143,15 @@ class Signals:
             self.recompile_limit.clear()
             self.compile_error.clear()
             self.frame_failure.clear()
+        self._remove_handler()
+        self._remove_callback()
+
+    def _remove_handler(self) -> None:
         if self._handler is not None:
-            logging.getLogger("torch._dynamo.convert_frame").removeHandler(self._handler)
+            logging.getLogger(_DYNAMO_LOGGER).removeHandler(self._handler)
             self._handler = None
+
+    def _remove_callback(self) -> None:
         if self._end_callback is not None:
             try:
                 from torch._dynamo.callback import callback_handler
@@ -156,7 +175,7 @@ class Signals:
             if reason is None:
                 rm = re.search(r"last reason: (.*)", text)
                 reason = rm.group(1) if rm else None
-            info = {
+            info: Dict[str, Any] = {
                 "function": m.group("name"),
                 "file": m.group("file"),
                 "line": int(m.group("line")),

@@ -23,6 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from . import causes, layers
+from ._format import human_bytes
 from ._state import ALLOW_DENSE, STATE, count, internal_error
 from .errors import DenseFallbackError, DenseFallbackWarning
 from .torch_internals import is_concrete, nested_flex_codes
@@ -41,7 +42,6 @@ _is_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", lamb
 _is_dynamo_compiling: Callable[[], bool] = getattr(torch.compiler, "is_dynamo_compiling", _is_compiling)
 
 # The original dense kernels, by phase, for calls routed out of a Dynamo graph (see below).
-_ORIGINALS: Dict[str, Callable[..., Any]] = {}
 # Set while a dense call that Dynamo tried to inline runs out of graph: the trace-time note.
 _INLINED: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("fusionguard_inlined", default=None)
 _INLINE_NOTES: Dict[int, dict] = {}
@@ -138,17 +138,6 @@ def scores_bytes(q_shape: Optional[list], kv_shape: Optional[list]) -> Optional[
     return int(b) * int(hq) * int(q_len) * int(kv_shape[-2]) * 4
 
 
-def human_bytes(n: Optional[int]) -> str:
-    if n is None:
-        return "unknown size"
-    value = float(n)
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if value < 1000 or unit == "TB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1000
-    return f"{n} B"
-
-
 @functools.lru_cache(maxsize=64)
 def _device_name(index: int) -> str:
     # get_device_name reads the device properties: not a per-call cost on the dense path.
@@ -171,10 +160,10 @@ def _allowed(origin: Optional[dict]) -> bool:
 # The last few shapes' fields and the last dense call's message per phase: a training loop
 # repeats the same dense call, and these strings are rebuilt on the dense path otherwise.
 _TENSOR_FIELDS: Dict[tuple, Dict[str, Any]] = {}
-_MESSAGES: Dict[str, tuple] = {}
+_MESSAGES: Dict[Optional[str], tuple] = {}
 
 
-def _tensor_fields(q: Any, k: Any) -> Dict[str, Any]:
+def tensor_fields(q: Any, k: Any) -> Dict[str, Any]:
     key = None
     if type(q) is torch.Tensor and type(k) is torch.Tensor:
         key = (q.shape, k.shape, q.dtype, q.device)
@@ -243,8 +232,8 @@ def format_message(event: Dict[str, Any]) -> str:
     """One-line verdict, then where, what size, why, and what to do."""
     phase = event["phase"]
     layer = f" in {event['layer']}" if event.get("layer") else ""
-    size = human_bytes(event.get("scores_bytes"))
-    action = event.get("action")
+    size = human_bytes(event.get("scores_bytes"), unknown="unknown size")
+    action: str = event.get("action") or ""
     head = {
         "raise": f"dense FlexAttention {phase}{layer} blocked before it allocated a {size} score matrix (strict mode)",
         "warn": f"dense FlexAttention {phase}{layer} is materialising a {size} score matrix",
@@ -321,7 +310,7 @@ def _check_dense(phase: str, args: tuple, kwargs: dict, frame: Any) -> Tuple[Opt
         "call_site": call_site,
         "autograd": origin is not None or _FORWARD_SLOT.get() is not None,
     }
-    fields.update(_tensor_fields(q, k))
+    fields.update(tensor_fields(q, k))
     if "layout" not in fields and _from_nested(frame):
         fields["layout"] = "nested"
     if origin is not None:
@@ -362,7 +351,7 @@ def _warn(message: str, target: Any = None, category: type = DenseFallbackWarnin
     looked up) so filters by module work and the output is useful. Issued through the warnings
     machinery: the user's filters decide (``-W error`` makes it an exception, as for any warning)."""
     if target is None:
-        target = causes._first_user_frame(sys._getframe(1))
+        target = causes.first_user_frame(sys._getframe(1))
     if target is None:
         warnings.warn(message, category, stacklevel=1)
         return
@@ -404,7 +393,6 @@ def make_dense_wrapper(phase: str, original: Callable[..., Any]) -> Callable[...
 
     fusionguard_dense_kernel.__wrapped__ = original  # type: ignore[attr-defined]
     fusionguard_dense_kernel.__name__ = getattr(original, "__name__", "dense_kernel")
-    _ORIGINALS[phase] = original
     _WRAPPERS[phase] = fusionguard_dense_kernel
     return fusionguard_dense_kernel
 

@@ -384,7 +384,7 @@ def record_compiled_graph(compiled: Any, source: Optional[str] = None) -> Tuple[
     calls = _parse_graph(text) if "flex_attention" in text else []
     pending = _pending()
     records, pending[:] = list(pending), []
-    by_phase: Dict[str, List[dict]] = {}
+    by_phase: Dict[Optional[str], List[dict]] = {}
     for r in records:
         by_phase.setdefault(r["phase"], []).append(r)
     graph = getattr(compiled, "cache_key", None) or getattr(compiled, "_fx_graph_cache_key", None)
@@ -538,7 +538,7 @@ def _sidecar_path(graph: Optional[str]) -> Optional[str]:
     try:
         from torch._inductor.runtime.cache_dir_utils import cache_dir
     except ImportError:  # older layout
-        from torch._inductor.runtime.runtime_utils import cache_dir  # type: ignore
+        from torch._inductor.runtime.runtime_utils import cache_dir
     return os.path.join(cache_dir(), "fusionguard", f"{graph}.json")
 
 
@@ -629,7 +629,7 @@ def count_runs(compiled: Any, records: List[Dict[str, Any]], namer: Optional[_Na
     per_phase: Dict[str, List[Dict[str, Any]]] = {}
     for r in records:
         per_phase.setdefault(r["phase"], []).append(r)
-    summaries = [
+    summaries: List[Dict[str, Any]] = [
         {
             "path": "fused",
             "traced": True,
@@ -645,7 +645,7 @@ def count_runs(compiled: Any, records: List[Dict[str, Any]], namer: Optional[_Na
 
     # Built once: per run, only a counter, the naming of the run (under watch(); its events are
     # built once per set of names) and the (sampled) events remain on the fused path.
-    runs = [(f"fused_runs_{s['phase']}", s["flex_calls"], s, tuple(r.get("layer") for r in per_phase[s["phase"]]), {}) for s in summaries]
+    runs: List[Tuple[str, int, Dict[str, Any], Tuple[Any, ...], Dict[Any, Any]]] = [(f"fused_runs_{s['phase']}", s["flex_calls"], s, tuple(r.get("layer") for r in per_phase[s["phase"]]), {}) for s in summaries]
     if len(runs) != 1:
         namer = None
     unlogged = [r["record"] for r in records if r.get("record", {}).get("source") == "before_enable"]

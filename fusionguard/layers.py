@@ -40,7 +40,7 @@ import torch
 from ._state import STATE, internal_error
 
 # The stack of (qualified name, module class) of the watched modules whose forward is running.
-_LAYER: contextvars.ContextVar[Tuple[Tuple[str, type], ...]] = contextvars.ContextVar("fusionguard_layer", default=())
+_LAYER: contextvars.ContextVar[Tuple[Tuple[str, Optional[type]], ...]] = contextvars.ContextVar("fusionguard_layer", default=())
 _OPEN: contextvars.ContextVar[Tuple["_Measure", ...]] = contextvars.ContextVar("fusionguard_open_measures", default=())
 _is_dynamo_compiling: Callable[[], bool] = getattr(torch.compiler, "is_dynamo_compiling", lambda: False)
 _ORIG_MOD = re.compile(r"(^|\.)_orig_mod(?=\.|$)")
@@ -560,6 +560,13 @@ def _tensors(obj: Any) -> List[torch.Tensor]:
 
 class _Frame:
     __slots__ = ("owner", "name", "token", "measure", "recompute", "grad_inputs", "dense_before")
+    owner: "Watch"
+    name: str
+    token: Any
+    measure: Optional[_Measure]
+    recompute: bool
+    grad_inputs: Optional[List[torch.Tensor]]
+    dense_before: int
 
 
 class _Hooks:
@@ -605,7 +612,8 @@ class _Hooks:
                 frame = stack.pop()
                 frame.owner._post(frame, mod, args, kwargs, output)
 
-        self.pre, self.post = pre_hook, post_hook
+        self.pre: Callable[..., Any] = pre_hook
+        self.post: Callable[..., Any] = post_hook
 
     @classmethod
     def attach(cls, module: torch.nn.Module, owner: "Watch", name: str, compiled: bool) -> "_Hooks":

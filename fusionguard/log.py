@@ -33,11 +33,12 @@ import stat
 import sys
 import threading
 import time
-from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple, Union
 
 import structlog
 
 from .distributed import process_group_ready
+from .events import TRACE_EVENTS
 
 SCHEMA_VERSION = 1
 
@@ -133,7 +134,7 @@ class FileSink:
     def __init__(
         self,
         path: str,
-        fsync: bool = True,
+        fsync: Union[bool, str] = True,  # (True or "always": fsync durable events)
         max_bytes: Optional[int] = None,
         backups: int = 3,
         preamble: Optional[Callable[[], Optional[str]]] = None,
@@ -420,7 +421,7 @@ class FusedSampler:
     def _counter(self, key: tuple, w: _Window) -> Tuple[str, Dict[str, Any]]:
         dense = w.same is not None
         out: Dict[str, Any] = {"layer": key[0], "phase": key[1], "path": "dense" if dense else "fused", "of": key[2]}
-        if dense:
+        if w.same is not None:
             out.update(w.same)
         out["count"], out["total"] = w.window, w.total
         if w.flex_calls:
@@ -534,7 +535,7 @@ class EventLog:
             if self.on_sink_resume is not None and self._sink_reports <= 6:
                 self.on_sink_resume(sink.unwritten)
 
-    def open(self, path: str, fsync: bool, max_bytes: Optional[int] = None, backups: int = 3, mode: int = DEFAULT_LOG_MODE) -> None:
+    def open(self, path: str, fsync: Union[bool, str], max_bytes: Optional[int] = None, backups: int = 3, mode: int = DEFAULT_LOG_MODE) -> None:
         self.close()
         self._rank.reset()  # enable() again: torchrun / a spawn may have set RANK since
         self.attach(FileSink(path, fsync=fsync, max_bytes=max_bytes, backups=backups, preamble=self._header_copy, mode=mode))
@@ -601,11 +602,6 @@ class EventLog:
         if mirror is not None and stored:
             mirror(stored)
         return stored if stored is not None else {}
-
-
-TRACE_EVENTS = frozenset(
-    {"flex_call", "flex_compile", "flex_inlined", "recompile_limit", "compile_error", "graph_break", "rescue_failed"}
-)
 
 
 _TRACE: Optional[Tuple[Any, Any]] = None  # (trace_log, trace_structured), imported on first use

@@ -1,4 +1,9 @@
-"""One registry of reversible patches: originals saved once, restored exactly.
+"""One registry of everything fusionguard installs, each entry with its undo.
+
+Two kinds of entries: a ``Patch`` replaces one slot of a dict (a class attribute, a module global
+such as ``sys.excepthook``, a dispatch table entry, a compiled graph's ``current_callable``); a
+``Hook`` is anything else that has an undo of its own (a signal handler, a logging handler, a
+Dynamo callback). ``disable()`` removes them all, newest first; removing twice is a no-op.
 
 Originals are read from the owning ``dict`` (``vars(cls)``, a module's ``__dict__``, a dispatch
 table), never through ``getattr``, so a staticmethod or a bound method comes back as the very same
@@ -9,7 +14,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, MutableMapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, MutableMapping, Optional, Union, cast
 
 _MISSING = object()
 
@@ -17,7 +22,7 @@ _MISSING = object()
 @dataclass
 class Patch:
     name: str
-    table: MutableMapping  # the dict that holds the original (vars(cls) proxy is set via setattr)
+    table: Mapping[Any, Any]  # the dict that holds the original (a read-only vars(cls) is set via owner)
     key: Any
     original: Any
     replacement: Any
@@ -28,7 +33,7 @@ class Patch:
         if self.owner is not None:
             setattr(self.owner, self.key, value)
         else:
-            self.table[self.key] = value
+            cast(MutableMapping[Any, Any], self.table)[self.key] = value
         if self.after is not None:
             self.after()
 
@@ -40,16 +45,38 @@ class Patch:
         if current is self.replacement:
             self._set(self.original)
 
+    def restored(self) -> bool:
+        """The original is back in its slot (identity)."""
+        return self.table.get(self.key, _MISSING) is self.original
+
+
+@dataclass
+class Hook:
+    """An installed thing that is undone by a call, not by putting a slot back."""
+
+    name: str
+    undo: Callable[[], None]
+    restored: Callable[[], bool]  # True once the host's state is as before (identity where there is one)
+    removed: bool = False
+
+    def remove(self) -> None:
+        if not self.removed:
+            self.removed = True
+            self.undo()
+
+
+Entry = Union[Patch, Hook]
+
 
 class PatchRegistry:
     def __init__(self) -> None:
         self._lock = threading.RLock()
-        self._patches: Dict[str, Patch] = {}
+        self._patches: Dict[str, Entry] = {}
 
     def apply(
         self,
         name: str,
-        table: MutableMapping,
+        table: Mapping[Any, Any],
         key: Any,
         make: Callable[[Any], Any],
         owner: Any = None,
@@ -65,16 +92,33 @@ class PatchRegistry:
             self._patches[name] = patch
             return True
 
+    def add_hook(self, name: str, undo: Callable[[], None], restored: Callable[[], bool]) -> bool:
+        """Record something already installed and the call that undoes it. False if ``name`` is known."""
+        with self._lock:
+            if name in self._patches:
+                return False
+            self._patches[name] = Hook(name, undo, restored)
+            return True
+
+    def remove(self, name: str) -> None:
+        """Undo one entry; unknown or already removed: nothing happens."""
+        with self._lock:
+            entry = self._patches.pop(name, None)
+            if entry is not None:
+                entry.remove()
+
     def remove_all(self) -> None:
         with self._lock:
-            for patch in reversed(list(self._patches.values())):
-                patch.remove()
+            for entry in reversed(list(self._patches.values())):
+                entry.remove()
             self._patches.clear()
 
-    def names(self) -> list:
+    def names(self) -> List[str]:
+        """The slots patched (``Patch`` entries): what the log header lists as guarded."""
         with self._lock:
-            return list(self._patches)
+            return [n for n, e in self._patches.items() if isinstance(e, Patch)]
 
-    def originals(self) -> Dict[str, Any]:
+    def entries(self) -> List[Entry]:
+        """Every entry, patches and hooks, oldest first."""
         with self._lock:
-            return {name: p.original for name, p in self._patches.items()}
+            return list(self._patches.values())

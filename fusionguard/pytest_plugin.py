@@ -33,7 +33,7 @@ import collections
 import contextlib
 import json
 import os
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Generator, Iterator, List, Optional, Tuple
 
 import pytest
 
@@ -207,7 +207,7 @@ class FusionGuardSession:
             yield
 
     @pytest.hookimpl(hookwrapper=True)
-    def pytest_runtest_makereport(self, item: Any, call: Any) -> Iterator[None]:
+    def pytest_runtest_makereport(self, item: Any, call: Any) -> Generator[None, Any, None]:
         outcome = yield
         if not self.active:
             return

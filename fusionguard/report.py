@@ -34,6 +34,7 @@ from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, Optiona
 
 from ._format import causes_text as _causes_text
 from ._format import escape, human_bytes
+from .events import KNOWN_EVENTS
 from ._format import mem_text as _mem
 from ._format import table as _table
 
@@ -48,13 +49,6 @@ MAX_CRASHES_SHOWN = 4  # crash/stop sections in the text report (all in --format
 MAX_KEYS = 10_000
 NO_LAYER = "(no layer)"
 OTHER_LAYERS = "(other layers)"
-KNOWN_EVENTS = frozenset(
-    {
-        "header", "flex_call", "flex_compile", "flex_inlined", "recompile_limit", "compile_error",
-        "graph_break", "internal_error", "shutdown", "layer_memory", "fused_calls", "summary", "crash",
-        "flex_run", "rescue_failed", "dense_calls", "watch_traced", "compiled_before_enable",
-    }
-)
 _DECODER = json.JSONDecoder()
 _ROTATED = re.compile(r"^(?P<base>.+\.jsonl)(?:\.(?P<n>\d+))?$")
 _PHASE_ORDER = {"forward": 0, "backward": 1}
@@ -624,7 +618,7 @@ class Aggregator:
         if ts is not None:  # a finite number (read_events checked it)
             if s.first_ts is None:
                 s.first_ts = s.last_ts = ts
-            elif ts > s.last_ts:  # type: ignore[operator]
+            elif ts > s.last_ts:
                 s.last_ts = ts
             elif ts < s.first_ts:
                 s.first_ts = ts
@@ -755,10 +749,11 @@ class Aggregator:
                 elif row_rank in real_ranks:
                     continue  # that rank's own log is here
                 else:  # gathered on this rank from a rank whose log we do not have
-                    target = synthetic.get(row_rank)
-                    if target is None:
-                        target = synthetic[row_rank] = Stream((s.host, None, row_rank), self.last)
-                        target.synthetic = True
+                    found = synthetic.get(row_rank)
+                    if found is None:
+                        found = synthetic[row_rank] = Stream((s.host, None, row_rank), self.last)
+                        found.synthetic = True
+                    target = found
                 key = self._key(row)
                 c = target.count(key)
                 ks = self.keys[key]
@@ -824,7 +819,7 @@ class Aggregator:
 
 def _crash_fields(e: dict) -> Dict[str, Any]:
     keys = ("seq", "ts", "thread", "exc_type", "message", "where", "diagnosis", "last_flex", "cuda", "frames")
-    out = {k: e.get(k) for k in keys if k in e}
+    out: Dict[str, Any] = {k: e.get(k) for k in keys if k in e}
     if isinstance(out.get("message"), str):
         out["message"] = _short(out["message"], 1000)
     if isinstance(out.get("frames"), list):
@@ -921,7 +916,7 @@ def build_report(agg: Aggregator) -> Dict[str, Any]:
     disagreements = []
     if multi_rank:
         for r in ranks:
-            dense = [
+            dense: List[Dict[str, Any]] = [
                 {"layer": k[0], "phase": k[1], "dense": v[0]}
                 for k, v in sorted(per_rank.get(r, {}).items(), key=lambda kv: (natural_key(kv[0][0]), _PHASE_ORDER.get(kv[0][1], 9)))
                 if v[0]
@@ -940,7 +935,8 @@ def build_report(agg: Aggregator) -> Dict[str, Any]:
         if h:
             vkey = (h.get("fusionguard"), h.get("torch"), h.get("triton"), h.get("python"))
             versions[vkey] = versions.get(vkey, 0) + 1
-            cuda = h.get("cuda") if isinstance(h.get("cuda"), dict) else {}
+            cuda_field = h.get("cuda")
+            cuda: Dict[str, Any] = cuda_field if isinstance(cuda_field, dict) else {}
             host = str(h.get("hostname") or s.host or "?")
             names = cuda.get("devices") if isinstance(cuda.get("devices"), list) else None
             if names is None:
@@ -1311,7 +1307,7 @@ def render_json(rep: Dict[str, Any]) -> str:
 def short_labels(layers: List[str]) -> Tuple[List[str], Optional[str]]:
     """``model.layers.7.self_attn`` ... -> ``7`` ... and the pattern ``model.layers.<N>.self_attn``,
     when the names share a dotted prefix and suffix and differ in one part."""
-    names = [l for l in layers if l not in (NO_LAYER, OTHER_LAYERS)]
+    names = [name for name in layers if name not in (NO_LAYER, OTHER_LAYERS)]
     if len(names) < 2:
         return list(layers), None
     split = [n.split(".") for n in names]
@@ -1329,7 +1325,7 @@ def short_labels(layers: List[str]) -> Tuple[List[str], Optional[str]]:
     short = dict(zip(names, middles))
     first = split[0]
     pattern = ".".join(first[:pre] + ["<N>"] + (first[len(first) - suf :] if suf else []))
-    return [short.get(l, l) for l in layers], pattern
+    return [short.get(name, name) for name in layers], pattern
 
 
 def plot(rep: Dict[str, Any], path: str) -> str:
@@ -1380,7 +1376,7 @@ def _plot_counts(rep: Dict[str, Any], path: str) -> None:
     bars = [("forward", "fused", "#7fa7d6"), ("forward", "dense", "#f08a7e"), ("backward", "fused", "#2c5d94"), ("backward", "dense", "#b3261e")]
     for j, (phase, kind, color) in enumerate(bars):
         xs = [i + (j - 1.5) * width for i in range(len(layers))]
-        ys = [(by.get((l, phase)) or {}).get(kind) or 0 for l in layers]
+        ys = [(by.get((name, phase)) or {}).get(kind) or 0 for name in layers]
         ax.bar(xs, ys, width=width, color=color, label=f"{phase}, {kind}")
     ax.set_xticks(range(len(layers)))
     ax.set_xticklabels(labels, rotation=35 if len(layers) > 8 else 0, ha="right" if len(layers) > 8 else "center", fontsize=8)

@@ -103,7 +103,7 @@ def _dynamic_ok() -> Any:
 def _caller(frame: Any) -> Any:
     """Skip contextlib's frames (we run inside a generator-based context manager)."""
     f = frame
-    while f is not None and (f.f_code.co_filename.endswith("contextlib.py") or f.f_code.co_filename.startswith(causes._FG_DIR)):
+    while f is not None and (f.f_code.co_filename.endswith("contextlib.py") or f.f_code.co_filename.startswith(causes.FG_DIR)):
         f = f.f_back
     return f
 
@@ -111,7 +111,7 @@ def _caller(frame: Any) -> Any:
 def _user_disabled(frame: Any) -> bool:
     f = frame
     while f is not None:
-        if causes._is_disable_wrapper(f.f_code):
+        if causes.is_disable_wrapper(f.f_code):
             fn = f.f_locals.get("fn")
             code = getattr(fn, "__code__", None)
             if code is not None and not causes.is_torch_file(code.co_filename) and not code.co_filename.startswith("<"):
@@ -196,11 +196,11 @@ def _log_rescue(record: dict, frame: Any) -> None:
     if compiles:
         count("rescue_compiles", compiles)
         count("rescue_compile_ms", int(seconds * 1000))
-    from .guard import _tensor_fields
+    from .guard import tensor_fields
     from .layers import flex_layer
 
     local = frame.f_locals if frame is not None else {}
-    tensors = _tensor_fields(local.get("query"), local.get("key")) if local.get("query") is not None else {}
+    tensors = tensor_fields(local.get("query"), local.get("key")) if local.get("query") is not None else {}
     STATE.log.emit(
         "info",
         "flex_call",

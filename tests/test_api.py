@@ -218,7 +218,7 @@ def test_summary_and_report_format_the_same_things_the_same_way(guard, capsys):
     assert head.split()[:5] == ["layer", "phase", "calls", "dense", "fused"] and set(rule) <= {"-", " "}
     assert row.split()[:5] == ["0", "forward", "2", "2", "0"] and "eager_call×2" in row
     rc, out, _ = run_cli(capsys, log)
-    line = next(l for l in out.splitlines() if l.startswith("0 "))
+    line = next(ln for ln in out.splitlines() if ln.startswith("0 "))
     assert "eager_call×2" in line and line.split()[:3] == ["0", "forward", "2"]
     from fusionguard import _format, _summary, report
 

@@ -149,8 +149,11 @@ def runs(tmp_path_factory):
 # crash.py depends on nothing of fusionguard: loaded from its file, without the package (and
 # so without torch), these subprocesses start in a fraction of a second.
 _EMIT_TO_FILE = """
-import importlib.util, json, sys, threading
-spec = importlib.util.spec_from_file_location("fusionguard_crash", sys.argv[2])
+import importlib.util, json, os, sys, threading, types
+pkg = types.ModuleType("fg_nopkg")  # crash's dependency-free siblings (_format, events), not the package
+pkg.__path__ = [os.path.dirname(sys.argv[2])]
+sys.modules["fg_nopkg"] = pkg
+spec = importlib.util.spec_from_file_location("fg_nopkg.crash", sys.argv[2])
 crash = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(crash)
 assert "torch" not in sys.modules

@@ -161,7 +161,7 @@ def test_per_layer_memory_causes_and_rank_disagreement(tmp_path, capsys):
     assert "ranks 0-1 of world size 2" in out and "node1: 2× NVIDIA H200" in out
     assert "rank 1: 1 dense: layers.1.attn forward ×1" in out and "rank 0: no dense" in out
     assert "layers.1.attn forward: dense on rank 1, fused on rank 0" in out
-    line = next(l for l in out.splitlines() if l.startswith("layers.0.attn  forward"))
+    line = next(ln for ln in out.splitlines() if ln.startswith("layers.0.attn  forward"))
     assert "250 B / 400 B" in line and "2.50 KB / 9.00 KB" in line
 
 
@@ -274,7 +274,7 @@ def test_a_log_that_just_stops(tmp_path, capsys):
     assert rc == 0 and "ended:    stopped (rank 0)" in out
     assert "STOPPED rank 0 (pid 100 on node1): the log ends at" in out and "without a shutdown event" in out
     lines = out.split("last events (time relative to the last event):", 1)[1].strip().splitlines()
-    assert [l.split()[2] for l in lines] == ["6", "7", "8"]
+    assert [ln.split()[2] for ln in lines] == ["6", "7", "8"]
     assert "OK: no dense FlexAttention" in out
 
 

@@ -200,7 +200,7 @@ def _mix(has_compile, has_runs, sampled, has_rescued, has_layer_memory, has_summ
     compiled flex_attention (a graph run and a layer record). 9 fused calls in all."""
     events, seq = [header()], itertools.count(1)
     if has_compile:
-        events += [ev("flex_compile", next(seq), layer=l, phase="forward", path="fused", template="cpp", source="lowering") for l in "abcd"]
+        events += [ev("flex_compile", next(seq), layer=name, phase="forward", path="fused", template="cpp", source="lowering") for name in "abcd"]
     if has_runs:
         ab = dict(layer=None, layers=["a", "b"], phase="forward", path="fused", flex_calls=2)
         if sampled:  # fused_first=1: one run in full, then a counter (no layer names) for the rest
@@ -216,8 +216,8 @@ def _mix(has_compile, has_runs, sampled, has_rescued, has_layer_memory, has_summ
     if has_layer_memory:
         events += [ev("layer_memory", next(seq), layer="d", phase="forward", path="fused", alloc_delta=10, peak_delta=20)]
     if has_summary:
-        rows = [{"layer": l, "phase": "forward", "calls": n, "dense": 0, "fused": n, "causes": {}, "rank": 0}
-                for l, n in (("a", 3), ("b", 3), ("c", 2), ("d", 1))]
+        rows = [{"layer": name, "phase": "forward", "calls": n, "dense": 0, "fused": n, "causes": {}, "rank": 0}
+                for name, n in (("a", 3), ("b", 3), ("c", 2), ("d", 1))]
         events += [ev("summary", next(seq), rows=rows)]
     events += [ev("shutdown", next(seq), reason="exit")]
     named = has_runs and (has_summary or not sampled)  # summary rows name calls, never add them
@@ -257,8 +257,8 @@ def test_summary_rows_of_an_earlier_log_never_add_calls(tmp_path, capsys):
     events = [header(),
               ev("flex_run", 1, layer=None, layers=["a", "b"], phase="forward", path="fused", flex_calls=2),
               ev("fused_calls", 2, layer=None, phase="forward", path="fused", of="flex_run", count=1, total=2, flex_calls=2),
-              ev("summary", 3, rows=[{"layer": l, "phase": "forward", "fused": 7, "dense": 4, "causes": {"eager_call": 4}, "rank": 0}
-                                     for l in "ab"]),
+              ev("summary", 3, rows=[{"layer": name, "phase": "forward", "fused": 7, "dense": 4, "causes": {"eager_call": 4}, "rank": 0}
+                                     for name in "ab"]),
               ev("shutdown", 4, reason="exit")]
     rep = as_json(capsys, write(tmp_path / "b.jsonl", events))
     got = {r["layer"]: (r["fused"], r["dense"]) for r in rep["rows"]}
@@ -318,7 +318,7 @@ def test_allowed_dense_calls_are_shown_apart_and_never_fail_the_gate(tmp_path, c
     assert rc == 1 and "DENSE: 1 dense FlexAttention call (1 blocked) in 1 layer/phase pair" in out
     assert "1 allowed dense call" in out and "gate failed: --fail-on-dense: 1 dense FlexAttention call (1 allowed ones not counted)" in err
 
-    lines = [json.loads(l) for l in log.read_text().splitlines()]
+    lines = [json.loads(ln) for ln in log.read_text().splitlines()]
     only_allowed = [e for e in lines if not (e["event"] == "flex_call" and e["action"] == "raise")]
     path = write(tmp_path / "allowed.jsonl", only_allowed)
     rc, out, err = run_cli(capsys, path, "--fail-on-dense")
@@ -540,7 +540,7 @@ def test_control_characters_from_a_log_are_escaped_in_text(tmp_path, capsys):
     assert not any(c in out for c in ("\x1b", "\x07", "\x9b", "\u202e")), repr(out)
     assert "layers.0\\x1b]0;pwned\\x07\\x1b[2J" in out and "forward\\x0aDENSE: 0" in out
     assert "E\\x1b: boom\\x9b1m" in out and "second line" not in out
-    assert len([l for l in out.splitlines() if l.startswith("DENSE")]) == 1
+    assert len([ln for ln in out.splitlines() if ln.startswith("DENSE")]) == 1
 
 
 def test_unwritable_output_and_plot_paths_are_clean_errors(tmp_path, capsys):

@@ -13,6 +13,8 @@ def _fusionguard_startup() -> None:
             import importlib.util
 
             spec = importlib.util.spec_from_file_location("_fusionguard_activate", os.path.join(os.path.dirname(here), "activate.py"))
+            if spec is None or spec.loader is None:
+                raise ImportError("fusionguard/activate.py not found")
             activate = importlib.util.module_from_spec(spec)
             sys.modules[spec.name] = activate
             spec.loader.exec_module(activate)

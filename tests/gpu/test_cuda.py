@@ -29,7 +29,10 @@ MB = 1 << 20
 def make(L=256, KV=None, B=1, HQ=4, HKV=2, D=64, seed=0):
     KV = KV or L
     g = torch.Generator(device="cuda").manual_seed(seed)
-    mk = lambda h, n: torch.randn(B, h, n, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+
+    def mk(h, n):
+        return torch.randn(B, h, n, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+
     q, k, v = mk(HQ, L), mk(HKV, KV), mk(HKV, KV)
     mask = create_block_mask(causal, B=None, H=None, Q_LEN=L, KV_LEN=KV, device="cuda")
     return q, k, v, mask
