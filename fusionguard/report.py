@@ -1363,6 +1363,19 @@ def _layers(rows: List[Dict[str, Any]]) -> List[str]:
     return layers
 
 
+def _finish_plot(plt: Any, fig: Any, ax: Any, rows: list, path: str) -> None:
+    """What both charts end with: the empty-input note, the grid, and the file (figure closed)."""
+    if not rows:
+        ax.text(0.5, 0.5, "no FlexAttention layers in the input", ha="center", va="center", transform=ax.transAxes)
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_axisbelow(True)
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    try:
+        fig.savefig(path, dpi=120)
+    finally:
+        plt.close(fig)
+
+
 def _plot_counts(rep: Dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
@@ -1387,15 +1400,7 @@ def _plot_counts(rep: Dict[str, Any], path: str) -> None:
     ax.set_title(f"fusionguard: calls per attention layer ({t['dense_calls']:,} dense, {t['fused_calls']:,} fused)", fontsize=11, loc="left")
     fig.text(0.01, 0.01, "no memory data in the log (CPU run or watch(memory=False)): call counts shown", fontsize=7, color="#444444")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, frameon=False)
-    if not rows:
-        ax.text(0.5, 0.5, "no FlexAttention layers in the input", ha="center", va="center", transform=ax.transAxes)
-    ax.grid(axis="y", alpha=0.3)
-    ax.set_axisbelow(True)
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    try:
-        fig.savefig(path, dpi=120)
-    finally:
-        plt.close(fig)
+    _finish_plot(plt, fig, ax, rows, path)
 
 
 def _plot_memory(rep: Dict[str, Any], path: str) -> None:
@@ -1484,12 +1489,4 @@ def _plot_memory(rep: Dict[str, Any], path: str) -> None:
     if estimated:
         handles.append(Patch(facecolor="white", edgecolor="black", hatch="//", label="no memory record: dense score-matrix size"))
     ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, frameon=False)
-    if not rows:
-        ax.text(0.5, 0.5, "no FlexAttention layers in the input", ha="center", va="center", transform=ax.transAxes)
-    ax.grid(axis="y", alpha=0.3)
-    ax.set_axisbelow(True)
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    try:
-        fig.savefig(path, dpi=120)
-    finally:
-        plt.close(fig)
+    _finish_plot(plt, fig, ax, rows, path)
