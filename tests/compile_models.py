@@ -23,7 +23,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, n, _ = x.shape
-        q, k, v = self.qkv(x).view(b, n, 3, self.h, self.d).permute(2, 0, 3, 1, 4).unbind(0)
+        # one buffer each: torch 2.8's Inductor refuses q/k/v that are views of one buffer
+        q, k, v = (t.contiguous() for t in self.qkv(x).view(b, n, 3, self.h, self.d).permute(2, 0, 3, 1, 4).unbind(0))
         if self.brk == "disable":
             o = self.attend_eager(q, k, v)
         else:

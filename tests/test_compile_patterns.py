@@ -114,7 +114,7 @@ class MaskedAttention(nn.Module):
 
     def forward(self, q):
         mask = create_block_mask(self.mask_mod, None, None, q.shape[2], q.shape[2], device="cpu")
-        return MaskedAttention.flex(q, q, q, block_mask=mask)
+        return MaskedAttention.flex(q, q.clone(), q.clone(), block_mask=mask)  # (2.8 refuses one buffer for q, k, v)
 
 
 class Masked(nn.Module):
@@ -192,7 +192,7 @@ _BEFORE = textwrap.dedent(
 
     class Attend(torch.nn.Module):  # eager layers calling one compiled flex_attention
         def forward(self, q):
-            return flex(q, q, q)
+            return flex(q, q.clone(), q.clone())
 
     def per_block(model):
         for block in model.layers:
@@ -204,7 +204,7 @@ _BEFORE = textwrap.dedent(
     with torch.no_grad():  # an eval copy, a warm-up: compiled before enable()
         torch.compile(Model())(tokens())
         per_block(Model())(tokens())
-        flex(q, q, q)
+        flex(q, q.clone(), q.clone())
     fusionguard.enable(log_path=sys.argv[1], keep_all=True)
     model, blocks, layers = Model(), per_block(Model()), torch.nn.ModuleList([Attend(), Attend()])
     compiled = torch.compile(model)  # Dynamo reuses the graphs compiled above
