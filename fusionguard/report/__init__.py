@@ -29,7 +29,8 @@ one (SIGKILL, the OOM killer, a node failure, or still running).
 from __future__ import annotations
 
 from .aggregate import MAX_KEYS, NO_LAYER, OTHER_LAYERS, RESERVOIR, Aggregator, Counts, KeyStats, Reservoir, Stream, compact
-from .build import REPORT_VERSION, build, build_report, natural_key, site_text
+from .._format import site_text
+from .build import REPORT_VERSION, build, build_report, natural_key
 from .plot import plot, short_labels
 from .read import MAX_LINE, SUPPORTED_SCHEMA, FileStats, ReportError, find_logs, read_events
 from .render import CSV_COLUMNS, MAX_CRASHES_SHOWN, fmt_duration, fmt_ts, rank_ranges, render_csv, render_json, render_text

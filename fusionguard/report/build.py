@@ -11,6 +11,7 @@ import os
 import re
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
+from .._format import site_text
 from ..crash import native_crash
 from .aggregate import MAX_KEYS, NO_LAYER, OTHER_LAYERS, Aggregator, Counts, Stream, compact
 from .read import SUPPORTED_SCHEMA, ReportError, find_logs
@@ -19,13 +20,6 @@ REPORT_VERSION = 2  # 2: rows' fused = calls (never compile records), allowed ap
 _PHASE_ORDER = {"forward": 0, "backward": 1}
 _DIGITS = re.compile(r"[0-9]+")
 _DIGIT_SPLIT = re.compile(r"([0-9]+)")
-
-
-def site_text(site: Any) -> Optional[str]:
-    """``file:line in function`` of a logged call site (None when the log has none)."""
-    if not isinstance(site, dict) or not site.get("file"):
-        return None
-    return f"{site.get('file')}:{site.get('line')} in {site.get('function')}"
 
 
 def natural_key(text: str) -> Tuple:

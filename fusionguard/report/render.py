@@ -15,9 +15,8 @@ import re
 import time
 from typing import Any, Dict, Iterable, List, Optional
 
-from .._format import causes_text, escape, human_bytes, mem_text, table
+from .._format import causes_text, escape, human_bytes, mem_text, site_text, table
 from .aggregate import NO_LAYER
-from .build import site_text
 
 MAX_CRASHES_SHOWN = 4  # crash/stop sections in the text report (all in --format json)
 
