@@ -9,6 +9,9 @@ One module per job, each importing only those before it (no cycle; nothing here 
 - ``render``: text, CSV and JSON writers, every string from a log escaped;
 - ``plot``: the ``--plot`` chart (matplotlib, imported only then).
 
+``fusionguard.report.build`` and ``fusionguard.report.plot`` are the functions (as before the
+split); their modules are ``sys.modules["fusionguard.report.build"]`` and ``...plot``.
+
 Reading is streaming and bounded: one line at a time (a line longer than ``MAX_LINE`` is skipped
 without being held), per (layer, phase) a fixed-size reservoir of memory figures (exact median
 up to ``RESERVOIR`` samples, exact max always), per process the last ``last`` events in a deque,

@@ -168,6 +168,7 @@ _EXTRA = {
 
 
 def compact(e: dict) -> Dict[str, Any]:
+    """The fields of an event worth showing in a crash's "last events" (long strings cut)."""
     out = {k: _short(e[k]) for k in _COMPACT if k in e and e[k] is not None}
     for k in _EXTRA.get(e.get("event"), ()):  # type: ignore[arg-type]
         if e.get(k) is not None:

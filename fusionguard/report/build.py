@@ -52,6 +52,7 @@ def _ending(s: Stream) -> str:
 
 
 def build_report(agg: Aggregator) -> Dict[str, Any]:
+    """The report dict of a finished ``Aggregator`` (``build`` reads the files first)."""
     streams = [s for s in agg.streams.values()]
     ranks = _sorted_ranks({s.rank for s in streams})
     multi_rank = len(ranks) > 1

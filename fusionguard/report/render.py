@@ -252,6 +252,7 @@ CSV_COLUMNS = (
 
 
 def render_csv(rep: Dict[str, Any]) -> str:
+    """One line per (layer, phase) row, ``CSV_COLUMNS``; causes as ``cause=n;...``."""
     rep = escaped(rep)  # as in text: a log's ESC sequences never reach a terminal
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
