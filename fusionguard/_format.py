@@ -36,6 +36,14 @@ def human_bytes(n: Optional[float], signed: bool = False, unknown: str = "-") ->
     return f"{n} B"  # pragma: no cover
 
 
+def site_text(site: Any, unknown: Optional[str] = None) -> Optional[str]:
+    """``file:line in function`` of a call-site record (``unknown`` when there is none: a log's
+    record may lack it or hold anything)."""
+    if not isinstance(site, dict) or not site.get("file"):
+        return unknown
+    return f"{site.get('file')}:{site.get('line')} in {site.get('function')}"
+
+
 def causes_text(causes: Optional[Dict[str, Any]]) -> str:
     return ", ".join(f"{k}×{v}" for k, v in (causes or {}).items()) or "-"
 

@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from . import causes, layers
-from ._format import human_bytes
+from ._format import human_bytes, site_text
 from ._state import ALLOW_DENSE, STATE, count, internal_error
 from .errors import DenseFallbackError, DenseFallbackWarning
 from .torch_internals import is_concrete, nested_flex_codes
@@ -222,12 +222,6 @@ def _from_nested(frame: Any, depth: int = 12) -> bool:
     return False
 
 
-def _site_text(site: Optional[dict]) -> str:
-    if not site:
-        return "unknown call site"
-    return f"{site['file']}:{site['line']} in {site['function']}"
-
-
 def format_message(event: Dict[str, Any]) -> str:
     """One-line verdict, then where, what size, why, and what to do."""
     phase = event["phase"]
@@ -247,7 +241,7 @@ def format_message(event: Dict[str, Any]) -> str:
         dims = f" = B*Hq*Q*KV {q[0]}*{q[1]}*{q[-2]}*{kv[-2]} fp32"
     lines = [
         f"fusionguard: {head}",
-        f"  at:       {_site_text(event.get('call_site'))}",
+        f"  at:       {site_text(event.get('call_site'), 'unknown call site')}",
         f"  shapes:   q {q} k/v {kv} {event.get('dtype')} on {event.get('device')}; scores {size}{dims}",
         f"  traced:   {'yes, by torch.compile' if event.get('traced') else 'no, not captured by torch.compile'}",
         f"  cause:    {event.get('cause')}: {causes.CAUSES.get(event.get('cause') or 'unknown', '')}",

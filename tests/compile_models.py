@@ -1,6 +1,8 @@
-"""The small model the compile-pattern tests share (CPU inference, CUDA training): two blocks,
-each an attention layer whose FlexAttention call sits in a method of its own, optionally behind
-a graph break (``torch.compiler.disable`` or ``torch._dynamo.graph_break()``)."""
+"""The small models tests share. ``Model``, for the compile patterns (CPU inference, CUDA
+training): two blocks, each an attention layer whose FlexAttention call sits in a method of its
+own, optionally behind a graph break (``torch.compiler.disable`` or ``torch._dynamo.graph_break()``).
+``GqaAttention``, ``Two`` and ``Blocks``: bare GQA attention layers taking q, k, v, for models
+compiled whole or per block (report and watch tests)."""
 
 from __future__ import annotations
 
@@ -67,3 +69,32 @@ class Model(nn.Module):
 def tokens(seed: int = 0, device: str = "cpu", requires_grad: bool = False, l: int = L, h: int = H, d: int = D, dtype: torch.dtype = torch.float32) -> torch.Tensor:  # noqa: E741 (l, h, d: the shape letters of L, H, D)
     g = torch.Generator().manual_seed(seed)
     return torch.randn(1, l, h * d, generator=g).to(device=device, dtype=dtype).requires_grad_(requires_grad)
+
+
+class GqaAttention(nn.Module):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return flex_attention(q, k, v, enable_gqa=True)
+
+
+class Two(nn.Module):
+    """Two attention layers, ``a`` then ``b``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = GqaAttention(), GqaAttention()
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(q, k, v), k, v)
+
+
+class Blocks(nn.Module):
+    """Two ``Two`` blocks (``blocks.0.a`` ... ``blocks.1.b``): for compiling each block in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Two() for _ in range(2))
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            q = b(q, k, v)
+        return q

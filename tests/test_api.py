@@ -220,7 +220,8 @@ def test_summary_and_report_format_the_same_things_the_same_way(guard, capsys):
     rc, out, _ = run_cli(capsys, log)
     line = next(ln for ln in out.splitlines() if ln.startswith("0 "))
     assert "eager_call×2" in line and line.split()[:3] == ["0", "forward", "2"]
-    from fusionguard import _format, _summary, report
+    from fusionguard import _format, _summary
+    from fusionguard.report import render
 
-    assert report._table is _format.table and _summary.table is _format.table
-    assert report.human_bytes is _format.human_bytes
+    assert render.table is _format.table and _summary.table is _format.table
+    assert render.human_bytes is _format.human_bytes

@@ -4,6 +4,7 @@ helpers of fusionguard.log (fused-event sampler, size-based rotation)."""
 
 from __future__ import annotations
 
+import ast
 import csv
 import io
 import json
@@ -19,6 +20,7 @@ import pytest
 from torch.nn.attention.flex_attention import flex_attention
 
 from fusionguard import cli, report
+from fusionguard.report import read as report_read
 from fusionguard.log import EventLog, FusedSampler
 
 from conftest import ROOT, qkv, read_jsonl, run_cli
@@ -282,7 +284,7 @@ def test_a_log_that_just_stops(tmp_path, capsys):
 
 
 def test_torn_corrupt_foreign_and_unknown_lines_are_counted_never_fatal(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(report, "MAX_LINE", 512)
+    monkeypatch.setattr(report_read, "MAX_LINE", 512)
     path = tmp_path / "fg.jsonl"
     good = [header(), dict(ev("flex_call", 2, phase="forward", path="dense", cause="eager_call"), level="warning")]
     with open(path, "wb") as fh:
@@ -447,6 +449,40 @@ def test_python_dash_m_and_console_script(tmp_path):
         pytest.skip("console script not installed in this environment")
     p = subprocess.run([str(script), "report", str(path), "--fail-on-dense"], capture_output=True, text=True, env=env, timeout=60)
     assert p.returncode == 1 and "DENSE: 1 dense FlexAttention call in 1 layer/phase pair" in p.stdout
+
+
+REPORT_MODULES = ("read", "aggregate", "build", "render", "plot")
+# Each module imported first and alone: the package's __init__ (which imports them all, in order)
+# is replaced by a bare package, so a module needing one that needs it back fails here.
+_IMPORT_ALONE = """
+import importlib, os, sys, types
+import fusionguard
+pkg = types.ModuleType("fusionguard.report")
+pkg.__path__ = [os.path.join(os.path.dirname(fusionguard.__file__), "report")]
+sys.modules["fusionguard.report"] = pkg
+importlib.import_module("fusionguard.report." + sys.argv[1])
+print(sorted(m for m in ("fusionguard.report." + n for n in %r) if m in sys.modules))
+print([m for m in ("torch", "matplotlib") if m in sys.modules])
+""" % (REPORT_MODULES,)
+
+
+def test_each_report_module_imports_alone_and_none_imports_torch():
+    """No import cycle inside fusionguard.report: each module imports in a fresh interpreter
+    with only the modules before it (read < aggregate < build < render < plot); the whole
+    package too, and none of it imports torch or matplotlib (``fusionguard report`` starts fast)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    runs = {name: [sys.executable, "-c", _IMPORT_ALONE, name] for name in REPORT_MODULES}
+    runs["(package)"] = [sys.executable, "-c", "import sys, fusionguard.report; print([m for m in ('torch', 'matplotlib') if m in sys.modules])"]
+    procs = {name: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for name, cmd in runs.items()}
+    for i, name in enumerate(REPORT_MODULES):
+        out, err = procs[name].communicate(timeout=120)
+        assert procs[name].returncode == 0, f"fusionguard.report.{name} does not import alone:\n{err}"
+        loaded, heavy = (ast.literal_eval(line) for line in out.splitlines())
+        below = {f"fusionguard.report.{m}" for m in REPORT_MODULES[: i + 1]}
+        assert f"fusionguard.report.{name}" in loaded and set(loaded) <= below, (name, loaded)
+        assert heavy == [], (name, heavy)
+    out, err = procs["(package)"].communicate(timeout=120)
+    assert procs["(package)"].returncode == 0 and out.strip() == "[]", (out, err)
 
 
 @pytest.mark.slow

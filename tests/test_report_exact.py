@@ -19,7 +19,9 @@ from torch.nn.attention.flex_attention import flex_attention
 
 import fusionguard
 from fusionguard import report
+from fusionguard.events import KNOWN_EVENTS
 
+from compile_models import Blocks, Two
 from conftest import ROOT, qkv, run_cli
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -53,31 +55,6 @@ def as_json(capsys, *args):
 
 
 # -- real compiles: what the writer logs for models compiled whole and per block -----------------------
-
-
-class Attn(nn.Module):
-    def forward(self, q, k, v):
-        return flex_attention(q, k, v, enable_gqa=True)
-
-
-class Two(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = Attn(), Attn()
-
-    def forward(self, q, k, v):
-        return self.b(self.a(q, k, v), k, v)
-
-
-class Blocks(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList(Two() for _ in range(2))
-
-    def forward(self, q, k, v):
-        for b in self.blocks:
-            q = b(q, k, v)
-        return q
 
 
 def _gqa():
@@ -507,7 +484,7 @@ _JSON = st.recursive(
     _nested,
     max_leaves=12,
 )
-_KINDS = st.sampled_from(sorted(report.KNOWN_EVENTS) + ["odd\x1b[31m"])
+_KINDS = st.sampled_from(sorted(KNOWN_EVENTS) + ["odd\x1b[31m"])
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

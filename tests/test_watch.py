@@ -14,6 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 import fusionguard
 
+from compile_models import Blocks
 from conftest import flex_events, op_call, read_jsonl
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -441,17 +442,6 @@ def test_blocks_compiled_in_place_add_no_made_up_layer_rows(guard, dynamo_reset)
     block (``a`` for every block's), which matches no single watched layer; summary() then
     counts no row for such a name rather than one row for all blocks."""
     q, k, v = gqa_qkv()
-
-    class Blocks(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.blocks = nn.ModuleList(Two() for _ in range(2))
-
-        def forward(self, q, k, v):
-            for b in self.blocks:
-                q = b(q, k, v)
-            return q
-
     guard(strict=True)
     model = Blocks()
     for b in model.blocks:

@@ -1,0 +1,73 @@
+"""``fusionguard report``: read fusionguard JSON-lines logs and say what ran dense, where, why, how
+much memory it took and how the run ended.
+
+One module per job, each importing only those before it (no cycle; nothing here imports torch):
+
+- ``read``: find the log files and read them one line at a time, hostile lines counted, never fatal;
+- ``aggregate``: fold the events into bounded per-process and per-(layer, phase) counts;
+- ``build``: the report dict (``build(paths)``, also ``--format json``);
+- ``render``: text, CSV and JSON writers, every string from a log escaped;
+- ``plot``: the ``--plot`` chart (matplotlib, imported only then).
+
+``fusionguard.report.build`` and ``fusionguard.report.plot`` are the functions (as before the
+split); their modules are ``sys.modules["fusionguard.report.build"]`` and ``...plot``.
+
+Reading is streaming and bounded: one line at a time (a line longer than ``MAX_LINE`` is skipped
+without being held), per (layer, phase) a fixed-size reservoir of memory figures (exact median
+up to ``RESERVOIR`` samples, exact max always), per process the last ``last`` events in a deque,
+and a cap on distinct (layer, phase) keys. A 1 GB log therefore needs tens of MB, whatever its
+length.
+
+Input rules: a file or a directory (every ``*.jsonl`` inside, recursively, with its rotated
+parts ``*.jsonl.N`` read oldest first); a torn last line, corrupt lines and lines that are not
+event objects are counted and reported, never fatal; unknown event kinds are counted and
+otherwise ignored; every header's ``schema`` is reported (newer than ``SUPPORTED_SCHEMA``: a
+warning, known fields are still read).
+
+Events are grouped by *process*: (hostname from the header, pid, rank). A process whose log
+contains a ``crash`` event crashed; one whose last event is not a ``shutdown`` stopped without
+one (SIGKILL, the OOM killer, a node failure, or still running).
+"""
+
+from __future__ import annotations
+
+from .aggregate import MAX_KEYS, NO_LAYER, OTHER_LAYERS, RESERVOIR, Aggregator, Counts, KeyStats, Reservoir, Stream, compact
+from .._format import site_text
+from .build import REPORT_VERSION, build, build_report, natural_key
+from .plot import plot, short_labels
+from .read import MAX_LINE, SUPPORTED_SCHEMA, FileStats, ReportError, find_logs, read_events
+from .render import CSV_COLUMNS, MAX_CRASHES_SHOWN, fmt_duration, fmt_ts, rank_ranges, render_csv, render_json, render_text
+
+__all__ = [
+    "CSV_COLUMNS",
+    "MAX_CRASHES_SHOWN",
+    "MAX_KEYS",
+    "MAX_LINE",
+    "NO_LAYER",
+    "OTHER_LAYERS",
+    "REPORT_VERSION",
+    "RESERVOIR",
+    "SUPPORTED_SCHEMA",
+    "Aggregator",
+    "Counts",
+    "FileStats",
+    "KeyStats",
+    "ReportError",
+    "Reservoir",
+    "Stream",
+    "build",
+    "build_report",
+    "compact",
+    "find_logs",
+    "fmt_duration",
+    "fmt_ts",
+    "natural_key",
+    "plot",
+    "rank_ranges",
+    "read_events",
+    "render_csv",
+    "render_json",
+    "render_text",
+    "short_labels",
+    "site_text",
+]

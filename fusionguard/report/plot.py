@@ -1,0 +1,199 @@
+"""``fusionguard report --plot``: the report dict as a PNG bar chart per layer (peak memory,
+dense bars in red and labelled; call counts when the log has no memory figures).
+
+Its own module because it is the one optional dependency: matplotlib is imported only when a
+plot is asked for (``pip install 'fusionguard[plot]'``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+from .aggregate import NO_LAYER, OTHER_LAYERS
+from .render import escaped, fmt_duration, rank_ranges
+
+
+def short_labels(layers: List[str]) -> Tuple[List[str], Optional[str]]:
+    """``model.layers.7.self_attn`` ... -> ``7`` ... and the pattern ``model.layers.<N>.self_attn``,
+    when the names share a dotted prefix and suffix and differ in one part."""
+    names = [name for name in layers if name not in (NO_LAYER, OTHER_LAYERS)]
+    if len(names) < 2:
+        return list(layers), None
+    split = [n.split(".") for n in names]
+    pre = 0
+    while all(len(p) > pre + 1 for p in split) and len({p[pre] for p in split}) == 1:
+        pre += 1
+    suf = 0
+    while all(len(p) > pre + suf + 1 for p in split) and len({p[-1 - suf] for p in split}) == 1:
+        suf += 1
+    if pre + suf == 0:
+        return list(layers), None
+    middles = [".".join(p[pre : len(p) - suf]) for p in split]
+    if any(not m for m in middles) or len(set(middles)) != len(middles):
+        return list(layers), None
+    short = dict(zip(names, middles))
+    first = split[0]
+    pattern = ".".join(first[:pre] + ["<N>"] + (first[len(first) - suf :] if suf else []))
+    return [short.get(name, name) for name in layers], pattern
+
+
+def plot(rep: Dict[str, Any], path: str) -> str:
+    """Per-layer forward/backward peak-memory bars, dense ones in red and labelled; without
+    any memory figure in the log (CPU runs, ``watch(memory=False)``), dense and fused calls per
+    layer instead. Returns a note on what is missing ("" when nothing is). Layer names and
+    causes are drawn as they are (no mathtext: a ``$`` is a dollar sign). Needs matplotlib
+    (``pip install 'fusionguard[plot]'``); raises ImportError otherwise, OSError for a path
+    that cannot be written."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    rep = escaped(rep)
+    measured = any(r["peak_delta_max"] is not None for r in rep["rows"])
+    estimated = any(r["dense"] and r["scores_bytes_max"] is not None for r in rep["rows"])
+    with plt.rc_context({"text.parse_math": False}):
+        if measured or estimated:
+            _plot_memory(rep, path)
+        else:
+            _plot_counts(rep, path)
+    if measured:
+        return ""
+    if estimated:
+        return "; no measured memory in the log (CPU run or watch(memory=False)): dense bars show the score-matrix size"
+    return "; no memory data in the log (CPU run or watch(memory=False)): dense and fused calls per layer plotted instead"
+
+
+def _layers(rows: List[Dict[str, Any]]) -> List[str]:
+    """The rows' layers, each once, in the report's order."""
+    layers: List[str] = []
+    for r in rows:
+        if r["layer"] not in layers:
+            layers.append(r["layer"])
+    return layers
+
+
+def _finish_plot(plt: Any, fig: Any, ax: Any, rows: list, path: str) -> None:
+    """What both charts end with: the empty-input note, the grid, and the file (figure closed)."""
+    if not rows:
+        ax.text(0.5, 0.5, "no FlexAttention layers in the input", ha="center", va="center", transform=ax.transAxes)
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_axisbelow(True)
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    try:
+        fig.savefig(path, dpi=120)
+    finally:
+        plt.close(fig)
+
+
+def _plot_counts(rep: Dict[str, Any], path: str) -> None:
+    import matplotlib.pyplot as plt
+
+    rows = rep["rows"]
+    layers = _layers(rows)
+    labels, pattern = short_labels(layers)
+    by = {(r["layer"], r["phase"]): r for r in rows}
+    n = max(1, len(layers))
+    fig, ax = plt.subplots(figsize=(min(20.0, max(8.5, 0.6 * n + 5)), 5.4))
+    width = 0.2
+    bars = [("forward", "fused", "#7fa7d6"), ("forward", "dense", "#f08a7e"), ("backward", "fused", "#2c5d94"), ("backward", "dense", "#b3261e")]
+    for j, (phase, kind, color) in enumerate(bars):
+        xs = [i + (j - 1.5) * width for i in range(len(layers))]
+        ys = [(by.get((name, phase)) or {}).get(kind) or 0 for name in layers]
+        ax.bar(xs, ys, width=width, color=color, label=f"{phase}, {kind}")
+    ax.set_xticks(range(len(layers)))
+    ax.set_xticklabels(labels, rotation=35 if len(layers) > 8 else 0, ha="right" if len(layers) > 8 else "center", fontsize=8)
+    if pattern is not None:
+        ax.set_xlabel(f"layer: {pattern}", fontsize=9)
+    ax.set_ylabel("FlexAttention calls")
+    t = rep["totals"]
+    ax.set_title(f"fusionguard: calls per attention layer ({t['dense_calls']:,} dense, {t['fused_calls']:,} fused)", fontsize=11, loc="left")
+    fig.text(0.01, 0.01, "no memory data in the log (CPU run or watch(memory=False)): call counts shown", fontsize=7, color="#444444")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, frameon=False)
+    _finish_plot(plt, fig, ax, rows, path)
+
+
+def _plot_memory(rep: Dict[str, Any], path: str) -> None:
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    rows = rep["rows"]
+    layers = _layers(rows)
+    by = {(r["layer"], r["phase"]): r for r in rows}
+    values = [v for r in rows for v in (r["peak_delta_max"], r["scores_bytes_max"] if r["dense"] else None) if v is not None]
+    top = max(values, default=0)
+    unit, scale = ("GB", 1e9) if top >= 1e9 else (("MB", 1e6) if top >= 1e6 else ("KB", 1e3))
+    n = max(1, len(layers))
+    labels, pattern = short_labels(layers)
+    fig, ax = plt.subplots(figsize=(min(20.0, max(8.5, (0.6 if pattern is None else 0.3) * n + 5)), 5.4))
+    width = 0.38
+    colors = {
+        ("forward", False): "#7fa7d6",
+        ("backward", False): "#2c5d94",
+        ("forward", True): "#f08a7e",
+        ("backward", True): "#b3261e",
+    }
+    estimated = False
+    dense_labels = []
+    for i, layer in enumerate(layers):
+        for j, phase in enumerate(("forward", "backward")):
+            r = by.get((layer, phase))
+            if r is None:
+                continue
+            dense = bool(r["dense"])
+            value = r["peak_delta_max"]
+            est = False
+            if value is None and dense and r["scores_bytes_max"] is not None:
+                value, est = r["scores_bytes_max"], True
+                estimated = True
+            if value is None:
+                continue
+            x = i + (j - 0.5) * width
+            ax.bar(
+                x, value / scale, width=width, color=colors[(phase, dense)],
+                edgecolor="black" if dense else "none", linewidth=1.2 if dense else 0,
+                hatch="//" if est else None, alpha=0.6 if est else 1.0,
+            )
+            if dense:
+                cause = f" ({next(iter(r['causes']))})" if r["causes"] else ""
+                label = f"DENSE {value / scale:.2f} {unit}{cause}"
+                if top and value >= 0.45 * top:  # tall bar: the label fits inside it
+                    ink = "white" if phase == "backward" and not est else "#5c0d08"
+                    ax.text(x, 0.02 * top / scale, label, rotation=90, ha="center", va="bottom", fontsize=7,
+                            color=ink, fontweight="bold", clip_on=True)
+                else:
+                    ax.annotate(label, (x, value / scale), xytext=(0, 4), textcoords="offset points", rotation=90,
+                                ha="center", va="bottom", fontsize=7, color="#b3261e", fontweight="bold")
+                dense_labels.append(f"{layer} {'fwd' if phase == 'forward' else 'bwd'}")
+    ax.set_xticks(range(n))
+    crowded = sum(len(str(label)) + 1 for label in labels) * 6.5 > 72 * (fig.get_figwidth() - 3)
+    ax.set_xticklabels(labels, rotation=35 if crowded else 0, ha="right" if crowded else "center", fontsize=8)
+    if pattern is not None:
+        ax.set_xlabel(f"layer: {pattern}", fontsize=9)
+    for tick, layer in zip(ax.get_xticklabels(), layers):
+        if any(by.get((layer, p), {}).get("dense") for p in ("forward", "backward")):
+            tick.set_color("#b3261e")
+            tick.set_fontweight("bold")
+    ax.set_ylabel(f"peak memory added by the layer, max over calls ({unit})")
+    ax.set_ylim(0, (top / scale) * 1.45 if top else 1)
+    run = rep["run"]
+    v = (run["versions"] or [{}])[0]
+    n_dense = rep["totals"]["dense_pairs"]
+    title = "fusionguard: peak memory per attention layer — " + (
+        f"{n_dense} dense layer/phase pair{'s' if n_dense != 1 else ''} (red)" if n_dense else "all fused"
+    )
+    ax.set_title(title, fontsize=11, loc="left")
+    sub = f"torch {v.get('torch', '?')}, ranks {rank_ranges(run['ranks'])}, {fmt_duration(run['duration_s'])}"
+    if dense_labels:
+        sub += "; dense: " + ", ".join(dense_labels[:8]) + (" ..." if len(dense_labels) > 8 else "")
+    fig.text(0.01, 0.01, sub, fontsize=7, color="#444444")
+    handles = [
+        Patch(color=colors[("forward", False)], label="forward, fused"),
+        Patch(color=colors[("backward", False)], label="backward, fused"),
+        Patch(facecolor=colors[("forward", True)], edgecolor="black", label="forward, DENSE"),
+        Patch(facecolor=colors[("backward", True)], edgecolor="black", label="backward, DENSE"),
+    ]
+    if estimated:
+        handles.append(Patch(facecolor="white", edgecolor="black", hatch="//", label="no memory record: dense score-matrix size"))
+    ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, frameon=False)
+    _finish_plot(plt, fig, ax, rows, path)
