@@ -251,9 +251,7 @@ def enable(
             except Exception as exc:
                 internal_error("shutdown event (log_path changed)", exc)
         if new_log:  # summary rows are the log's: a new file counts its own calls only
-            from .layers import STATS
-
-            STATS.new_log()
+            STATE.stats.new_log()
         STATE.log_dir = log_dir
         STATE.config = config
         STATE.log.set_max_events(config.max_events)
@@ -348,9 +346,7 @@ def enable(
 
 def _final_events(reason: str, **extra: Any) -> None:
     """The per-layer summary and the shutdown event that end a log (disable, exit, a new log_path)."""
-    from .layers import STATS
-
-    STATE.log.emit("info", "summary", counts=dict(STATE.counts), rows=STATS.summary())
+    STATE.log.emit("info", "summary", counts=dict(STATE.counts), rows=STATE.stats.summary())
     STATE.log.emit("info", "shutdown", reason=reason, **extra, counts=dict(STATE.counts))
 
 

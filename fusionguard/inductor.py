@@ -26,7 +26,6 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 from . import torch_internals as ti
 from ._state import STATE, count, internal_error
 from .layers import (
-    STATS,
     clean_name,
     flex_layer,
     in_backward,
@@ -676,7 +675,7 @@ def count_runs(compiled: Any, records: List[Dict[str, Any]], namer: Optional[_Na
                     # a forward re-run by checkpointing inside the backward is not a new call
                     # (a watched layer's hooks count it as a recompute)
                     if per_layer and not (fields["phase"] == "forward" and in_backward()):
-                        STATS.on_fused(per_layer, fields["phase"])
+                        STATE.stats.on_fused(per_layer, fields["phase"])
                     for event in events:
                         STATE.log.emit_fields("info", "flex_run", event)
             except Exception as exc:

@@ -32,7 +32,6 @@ import re
 import threading
 import warnings
 import weakref
-from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -51,17 +50,15 @@ def clean_name(name: str) -> str:
     return _ORIG_MOD.sub("", name).lstrip(".")
 
 
-_WATCHED_NAMES: Dict[str, int] = {}  # qualified names of modules under an active watch()
-
-
 def resolve_watched_name(name: str) -> str:
     """Dynamo names modules relative to the frame it compiled (``layers.0.attn`` when a graph
     break made it compile the inner model); map that to the watched model's own spelling
     (``model.layers.0.attn``) when exactly one watched name ends with it, or, for a wrapper
     compiled around the watched model, when a tail of it is a watched name."""
-    if not _WATCHED_NAMES or name in _WATCHED_NAMES:
+    watched = STATE.watch.names
+    if not watched or name in watched:
         return name
-    matches = [n for n in _WATCHED_NAMES if n.endswith("." + name)]
+    matches = [n for n in watched if n.endswith("." + name)]
     if len(matches) == 1:
         return matches[0]
     # the other way round: a wrapper compiled around the watched model adds a prefix
@@ -72,7 +69,7 @@ def resolve_watched_name(name: str) -> str:
     while i < len(parts) - 1 and parts[i] in _WRAPPER_ATTRS:
         i += 1
         tail = ".".join(parts[i:])
-        if tail in _WATCHED_NAMES:
+        if tail in watched:
             return tail
     return name
 
@@ -104,24 +101,13 @@ def note_flex_call(frame: Any = None) -> Optional[str]:
     stack = _LAYER.get()
     if stack:
         cls = stack[-1][1]
-        if cls is not None and cls not in STATS.flex_classes:
-            STATS.flex_classes.add(cls)
+        classes = STATE.stats.flex_classes
+        if cls is not None and cls not in classes:
+            classes.add(cls)
     return flex_layer(frame)
 
 
-# id(module) -> (weak reference, qualified name, watch() count, forward's code) for the user's
-# modules under an active watch(): names a dense call by the module whose forward frame made it.
-_MODULE_NAMES: Dict[int, Tuple[Any, str, int, Any]] = {}
-_FORWARD_CODES: Dict[Any, int] = {}  # forward code objects of those modules' classes -> count
-# (file, first line) of those codes -> count: a forward Dynamo compiled runs its own rewritten
-# code object (and its resume functions after a graph break), with the same file and first line
-_FORWARD_SITES: Dict[Tuple[str, int], int] = {}
-_MODULES_LOCK = threading.RLock()  # _MODULE_NAMES and _PAIRS
-
-
-# Module held by a live torch.compile wrapper (OptimizedModule), and its submodules -> a weak
-# reference to that wrapper: watch() hooks none of them (see make_wrapper_init).
-_COMPILED_INSIDE: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()
+# The user's modules under an active watch(), by identity: STATE.watch (_tables.WatchRegistry).
 
 
 def make_wrapper_init(original: Callable[..., None]) -> Callable[..., None]:
@@ -144,8 +130,9 @@ def make_wrapper_init(original: Callable[..., None]) -> Callable[..., None]:
             inner = self.__dict__.get("_orig_mod") or self.__dict__.get("_modules", {}).get("_orig_mod")
             if isinstance(inner, torch.nn.Module):
                 ref = weakref.ref(self)
+                inside = STATE.watch.compiled_inside
                 for m in inner.modules():
-                    _COMPILED_INSIDE[m] = ref
+                    inside[m] = ref
         except Exception as exc:
             internal_error("torch.compile wrapper note", exc)
 
@@ -154,7 +141,7 @@ def make_wrapper_init(original: Callable[..., None]) -> Callable[..., None]:
 
 def _compiled_inside(module: torch.nn.Module) -> bool:
     try:
-        ref = _COMPILED_INSIDE.get(module)
+        ref = STATE.watch.compiled_inside.get(module)
     except TypeError:  # unhashable module class
         return False
     return ref is not None and ref() is not None
@@ -174,47 +161,46 @@ def _under(raw_name: str, prefixes: List[str]) -> bool:
     return any(not p or raw_name == p or raw_name.startswith(p + ".") for p in prefixes)
 
 
-# id(root module) -> (weak reference, watch() count): the watched models themselves (named '').
-_ROOTS: Dict[int, Tuple[Any, int]] = {}
-
-
 def watched_name(module: Any) -> Optional[str]:
     """The watched name of ``module`` (``''`` for a watched model itself), None if not watched.
     Names a compiled frame's ``self`` (``inductor.dynamo_names``): its graph names modules relative to it."""
     key = id(module)
-    entry = _MODULE_NAMES.get(key)
+    w = STATE.watch
+    entry = w.modules.get(key)
     if entry is not None and entry[0]() is module:
         return entry[1]
-    root = _ROOTS.get(key)
+    root = w.roots.get(key)
     if root is not None and root[0]() is module:
         return ""
     return None
 
 
 def watching() -> bool:
-    return bool(_MODULE_NAMES or _ROOTS)
+    w = STATE.watch
+    return bool(w.modules or w.roots)
 
 
 def _name_module(module: torch.nn.Module, name: str) -> Optional[int]:
-    """Known by identity under watch() (a root, named '', is not a layer: kept in _ROOTS)."""
+    """Known by identity under watch() (a root, named '', is not a layer: kept in STATE.watch.roots)."""
     key = id(module)
+    w = STATE.watch
     if not name:
-        with _MODULES_LOCK:
-            root = _ROOTS.get(key)
+        with w.lock:
+            root = w.roots.get(key)
             count = root[1] + 1 if root is not None and root[0]() is module else 1
-            _ROOTS[key] = (weakref.ref(module), count)
+            w.roots[key] = (weakref.ref(module), count)
         return -key - 1  # (negative: a root's key, see _unname_modules)
-    with _MODULES_LOCK:
-        entry = _MODULE_NAMES.get(key)
+    with w.lock:
+        entry = w.modules.get(key)
         if entry is not None and entry[0]() is module:
-            _MODULE_NAMES[key] = entry[:2] + (entry[2] + 1, entry[3])  # the first watch()'s name
+            w.modules[key] = entry[:2] + (entry[2] + 1, entry[3])  # the first watch()'s name
         else:
             code = _forward_code(module)
-            _MODULE_NAMES[key] = (weakref.ref(module), name, 1, code)
+            w.modules[key] = (weakref.ref(module), name, 1, code)
             if code is not None:
-                _FORWARD_CODES[id(code)] = _FORWARD_CODES.get(id(code), 0) + 1
+                w.forward_codes[id(code)] = w.forward_codes.get(id(code), 0) + 1
                 site = (code.co_filename, code.co_firstlineno)
-                _FORWARD_SITES[site] = _FORWARD_SITES.get(site, 0) + 1
+                w.forward_sites[site] = w.forward_sites.get(site, 0) + 1
     return key
 
 
@@ -227,26 +213,27 @@ def _decrement(table: Dict[Any, int], key: Any) -> None:
 
 
 def _unname_modules(keys: List[int]) -> None:
-    with _MODULES_LOCK:
+    w = STATE.watch
+    with w.lock:
         for key in keys:
             if key < 0:
-                root = _ROOTS.get(-key - 1)
+                root = w.roots.get(-key - 1)
                 if root is not None and root[1] > 1:
-                    _ROOTS[-key - 1] = (root[0], root[1] - 1)
+                    w.roots[-key - 1] = (root[0], root[1] - 1)
                 else:
-                    _ROOTS.pop(-key - 1, None)
+                    w.roots.pop(-key - 1, None)
                 continue
-            entry = _MODULE_NAMES.get(key)
+            entry = w.modules.get(key)
             if entry is None:
                 continue
             if entry[2] > 1:
-                _MODULE_NAMES[key] = entry[:2] + (entry[2] - 1, entry[3])
+                w.modules[key] = entry[:2] + (entry[2] - 1, entry[3])
                 continue
-            del _MODULE_NAMES[key]
+            del w.modules[key]
             code = entry[3]
             if code is not None:
-                _decrement(_FORWARD_CODES, id(code))
-                _decrement(_FORWARD_SITES, (code.co_filename, code.co_firstlineno))
+                _decrement(w.forward_codes, id(code))
+                _decrement(w.forward_sites, (code.co_filename, code.co_firstlineno))
 
 
 def layer_from_stack(frame: Any, limit: int = 200) -> Optional[str]:
@@ -258,18 +245,22 @@ def layer_from_stack(frame: Any, limit: int = 200) -> Optional[str]:
     forward, and only the innermost such frame (before Python 3.13 reading them leaves a
     snapshot on the frame until it returns: the attention forward's own, whose tensors are
     alive anyway)."""
-    if not _MODULE_NAMES:
+    w = STATE.watch
+    modules = w.modules
+    if not modules:
         return None
+    codes, sites = w.forward_codes, w.forward_sites
     f = frame
     while f is not None and limit > 0:
         limit -= 1
         c = f.f_code
-        if id(c) in _FORWARD_CODES or (c.co_filename, c.co_firstlineno) in _FORWARD_SITES:
+        if id(c) in codes or (c.co_filename, c.co_firstlineno) in sites:
             obj = f.f_locals.get("self")
-            entry = _MODULE_NAMES.get(id(obj))
+            entry = modules.get(id(obj))
             if entry is not None and entry[0]() is obj:
-                if type(obj) not in STATS.flex_classes:
-                    STATS.flex_classes.add(type(obj))
+                classes = STATE.stats.flex_classes
+                if type(obj) not in classes:
+                    classes.add(type(obj))
                 return entry[1]
         f = f.f_back
     return None
@@ -343,92 +334,6 @@ def in_backward() -> bool:
     return _graph_task() != -1
 
 
-# -- statistics ----------------------------------------------------------------------------------
-
-
-@dataclass
-class LayerStats:
-    calls: int = 0
-    dense: int = 0
-    fused: int = 0
-    recompute: int = 0
-    dense_recompute: int = 0
-    causes: Dict[str, int] = field(default_factory=dict)
-    alloc_delta_last: Optional[int] = None
-    alloc_delta_max: Optional[int] = None
-    peak_delta_last: Optional[int] = None
-    peak_delta_max: Optional[int] = None
-    scores_bytes: Optional[int] = None
-    measured: int = 0
-
-
-class Stats:
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.rows: Dict[Tuple[str, str], LayerStats] = {}
-        self.flex_classes: set = set()  # module classes seen making FlexAttention calls
-        self.peak: Dict[int, int] = {}  # device -> true peak allocated, across our resets
-        self.warned_reset = False
-        self.told_traced = False  # watch_traced said (once per process)
-
-    def new_log(self) -> None:
-        """A new log file starts: its rows count from zero. Why: a log's ``summary`` event (and
-        ``summary()``) must count that log's calls only; rows kept from an earlier log added its
-        hook-counted calls and memory to this log's graph runs (double counts, memory of layers
-        never measured here). Learned layer classes and the true peaks are the process's: kept."""
-        with self.lock:
-            self.rows = {}
-
-    def row(self, layer: str, phase: str) -> LayerStats:
-        key = (layer, phase)
-        row = self.rows.get(key)
-        if row is None:
-            row = self.rows[key] = LayerStats()
-        return row
-
-    def on_dense(
-        self, layer: Optional[str], phase: str, cause: Optional[str], scores: Optional[int], recompute: bool = False
-    ) -> None:
-        if layer is None:
-            return
-        with self.lock:
-            row = self.row(layer, phase)
-            if recompute:  # checkpointing re-ran the dense forward: counted apart from calls
-                row.dense_recompute += 1
-            else:
-                row.dense += 1
-            if cause:
-                row.causes[cause] = row.causes.get(cause, 0) + 1
-            if scores:
-                row.scores_bytes = max(row.scores_bytes or 0, scores)
-
-    def on_fused(self, layers: Iterable[Tuple[str, int]], phase: str) -> None:
-        """A compiled graph ran: ``(layer, n)`` fused FlexAttention calls per layer. Under
-        ``watch()``, only the watched model's layers (a graph compiled inside one block names
-        its modules relative to that block: ``attn`` for every block's)."""
-        with self.lock:
-            for layer, n in layers:
-                if _WATCHED_NAMES and layer not in _WATCHED_NAMES:
-                    continue
-                self.row(layer, phase).fused += n
-
-    def summary(self) -> List[Dict[str, Any]]:
-        with self.lock:
-            out = []
-            for (layer, phase), r in sorted(self.rows.items()):
-                d = {"layer": layer, "phase": phase, **r.__dict__}
-                d["causes"] = dict(r.causes)
-                # Calls of a FlexAttention layer that ran no dense kernel ran the fused one;
-                # compiled-graph runs count their fused calls (a compiled model has no hooks).
-                d["calls"] = max(r.calls, r.dense + r.fused)
-                d["fused"] = max(r.fused, d["calls"] - r.dense)
-                out.append(d)
-            return out
-
-
-STATS = Stats()
-
-
 # -- memory --------------------------------------------------------------------------------------
 
 
@@ -454,8 +359,8 @@ def _fold(device: int, peak: int, opened_before: Optional[int] = None) -> None:
     for m in _OPEN.get():
         if m.device == device and peak > m.peak and (opened_before is None or m.order < opened_before):
             m.peak = peak
-    if peak > STATS.peak.get(device, 0):
-        STATS.peak[device] = peak
+    if peak > STATE.stats.peak.get(device, 0):
+        STATE.stats.peak[device] = peak
 
 
 def _cuda_device(obj: Any) -> Optional[int]:
@@ -480,8 +385,8 @@ def measure_start(where: Any = None) -> Optional[_Measure]:
     if device is None:
         return None
     _fold(device, torch.cuda.max_memory_allocated(device))
-    if not STATS.warned_reset:
-        STATS.warned_reset = True
+    if not STATE.stats.warned_reset:
+        STATE.stats.warned_reset = True
         warnings.warn(
             "fusionguard.watch resets torch.cuda peak memory stats around each attention layer to "
             "measure per-layer peaks: torch.cuda.max_memory_allocated() now reports the peak since "
@@ -517,12 +422,12 @@ def peak_memory_allocated(device: Union[int, torch.device, None] = None) -> int:
         return 0
     idx = torch.cuda.current_device() if device is None else torch.device("cuda", device).index if isinstance(device, int) else device.index
     idx = idx if idx is not None else torch.cuda.current_device()
-    return max(STATS.peak.get(idx, 0), torch.cuda.max_memory_allocated(idx))
+    return max(STATE.stats.peak.get(idx, 0), torch.cuda.max_memory_allocated(idx))
 
 
 def _record(layer: str, phase: str, alloc: Optional[int], peak: Optional[int], recompute: bool = False, dense_before: int = -1) -> None:
-    with STATS.lock:
-        row = STATS.row(layer, phase)
+    with STATE.stats.lock:
+        row = STATE.stats.row(layer, phase)
         # dense if a dense kernel of this layer and phase ran during the span
         path = "dense" if dense_before >= 0 and row.dense + row.dense_recompute > dense_before else "fused"
         if recompute:
@@ -617,11 +522,12 @@ class _Hooks:
 
     @classmethod
     def attach(cls, module: torch.nn.Module, owner: "Watch", name: str, compiled: bool) -> "_Hooks":
-        with _MODULES_LOCK:
+        pairs = STATE.watch.pairs
+        with STATE.watch.lock:
             try:
-                pool = _PAIRS.get(module)
+                pool = pairs.get(module)
                 if pool is None:
-                    pool = _PAIRS[module] = []
+                    pool = pairs[module] = []
             except TypeError:  # a module class that made itself unhashable: a pair of its own
                 pool = []
             slot = next((x for x in pool if x.owner is None), None)
@@ -650,7 +556,7 @@ class _Hooks:
         self.handles.append((post, _marks(post)))
 
     def detach(self) -> None:
-        with _MODULES_LOCK:
+        with STATE.watch.lock:
             self.owner = None
             for h, _ in self.handles:
                 h.remove()  # the handles stay, to put the same hooks back under the same ids
@@ -682,11 +588,8 @@ def _reinsert(handle: Any, fn: Callable[..., Any], marks: Tuple[Any, ...]) -> bo
         return False
 
 
-_PAIRS: "weakref.WeakKeyDictionary[torch.nn.Module, List[_Hooks]]" = weakref.WeakKeyDictionary()
-
-
 def _dense_count(layer: str, phase: str) -> int:
-    row = STATS.rows.get((layer, phase))
+    row = STATE.stats.rows.get((layer, phase))
     return 0 if row is None else row.dense + row.dense_recompute
 
 
@@ -744,12 +647,13 @@ class Watch:
     # hooks
     def _is_layer(self, module: torch.nn.Module, name: str) -> bool:
         return (
-            type(module) in STATS.flex_classes
+            type(module) in STATE.stats.flex_classes
             or (self.layer_types and isinstance(module, self.layer_types))
             or name in self.layer_names
         )
 
     def _install(self) -> None:
+        watched = STATE.watch.names
         for model in self.models:
             # Modules that get no hooks: those inside a torch.compile wrapper (Dynamo's names,
             # known to us by identity only), and those a wrapper holds or compiled in place
@@ -773,7 +677,7 @@ class Watch:
                     elif _compiled_inside(module) or getattr(module, "_compiled_call_impl", None) is not None:
                         held.append(raw_name)
                 if name:
-                    _WATCHED_NAMES[name] = _WATCHED_NAMES.get(name, 0) + 1
+                    watched[name] = watched.get(name, 0) + 1
                     self._names.append(name)
                 if not compiled and (not name or not _builtin(module)):  # (roots: see watched_name)
                     self._name(module, name)
@@ -801,11 +705,7 @@ class Watch:
         _unname_modules(ids)
         names, self._names = self._names, []
         for n in names:
-            left = _WATCHED_NAMES.get(n, 1) - 1
-            if left <= 0:
-                _WATCHED_NAMES.pop(n, None)
-            else:
-                _WATCHED_NAMES[n] = left
+            _decrement(STATE.watch.names, n)
 
     def _pre(self, slot: "_Hooks", mod: torch.nn.Module, args: Any, kwargs: Any) -> None:
         # A torch.compile wrapper is never the attention layer (measuring it would time the
@@ -912,8 +812,8 @@ def _hooks_traced(slot: "_Hooks") -> int:
     """Runs at trace time: once per process, say that watch()'s hooks are being compiled."""
     name = slot.name
     try:
-        if not STATS.told_traced:
-            STATS.told_traced = True
+        if not STATE.stats.told_traced:
+            STATE.stats.told_traced = True
             STATE.log.emit("warning", "watch_traced", layer=name or None, advice=WATCH_TRACED_ADVICE)
             from .guard import _warn
 
