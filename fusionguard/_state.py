@@ -141,7 +141,7 @@ class State:
 
     Per thread or per context by design, so module-level, not here: the ContextVars
     ``ALLOW_DENSE`` (this module), ``guard._FORWARD_SLOT`` / ``_BACKWARD_ORIGIN`` / ``_INLINED``,
-    ``rescue.RESCUING``, ``watching.naming._LAYER``, ``watching.memory._OPEN``; the
+    ``rescue.RESCUING``, ``watching.naming.LAYER``, ``watching.memory.OPEN``; the
     threading.locals ``watching.naming._BW_OPEN``, ``watching.hooks._FRAMES``,
     ``inductor._TL``, ``crash._in_hook``. Locks re-created in a forked child: see
     ``_locks_after_fork``. Looked-up-once constants of the torch release (``torch_internals``,

@@ -22,11 +22,12 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from . import causes, layers
+from . import causes
 from ._format import human_bytes
 from ._state import ALLOW_DENSE, STATE, count, internal_error
 from .errors import DenseFallbackError, DenseFallbackWarning
 from .torch_internals import is_concrete, nested_flex_codes
+from .watching import naming
 
 # Set by FlexAttentionAutogradOp.forward's wrapper: the dense forward drops its record here so
 # that ctx (and so the backward, possibly on another thread) can carry it.
@@ -292,7 +293,7 @@ def _check_dense(phase: str, args: tuple, kwargs: dict, frame: Any) -> Tuple[Opt
     else:
         diagnosis = causes.diagnose_backward(origin, frame)
         call_site = (origin or {}).get("call_site") or causes.user_call_site(frame)
-    layer = (origin or {}).get("layer") if phase == "backward" and origin else layers.note_flex_call(frame if phase == "forward" else None)
+    layer = (origin or {}).get("layer") if phase == "backward" and origin else naming.note_flex_call(frame if phase == "forward" else None)
     # The debug flag is the user asking for the dense path, as allow_dense() is: logged, never
     # warned about or blocked.
     allowed = _allowed(origin) or diagnosis.cause == "debug_flag"
@@ -317,7 +318,7 @@ def _check_dense(phase: str, args: tuple, kwargs: dict, frame: Any) -> Tuple[Opt
         fields["forward_seq"] = origin.get("seq")
     if q.is_cuda and torch.cuda.is_initialized():
         fields["device_name"] = _device_name(q.device.index if q.device.index is not None else torch.cuda.current_device())
-    if phase == "forward" and layers.in_backward():
+    if phase == "forward" and naming.in_backward():
         fields["recompute"] = True  # activation checkpointing re-running a forward in backward
     count(f"dense_{phase}")
     STATE.stats.on_dense(layer, phase, diagnosis.cause, fields.get("scores_bytes"), bool(fields.get("recompute")))

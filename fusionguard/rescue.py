@@ -195,7 +195,7 @@ def _log_rescue(record: dict, frame: Any) -> None:
         count("rescue_compiles", compiles)
         count("rescue_compile_ms", int(seconds * 1000))
     from .guard import tensor_fields
-    from .layers import flex_layer
+    from .watching.naming import flex_layer
 
     local = frame.f_locals if frame is not None else {}
     tensors = tensor_fields(local.get("query"), local.get("key")) if local.get("query") is not None else {}

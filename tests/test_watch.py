@@ -400,12 +400,12 @@ def test_a_backward_span_left_open_never_names_later_calls(guard):
 
 def test_span_inputs_prefer_the_hidden_states():
     """Keyword tensors shared by every layer (a T5 position_bias) must not end a layer's span."""
-    from fusionguard.layers import _span_inputs
+    from fusionguard.watching.hooks import span_inputs
 
     h, bias, other = torch.ones(1), torch.ones(2), torch.ones(3)
-    assert _span_inputs((), {"hidden_states": h, "position_bias": bias}) == [h]
-    assert _span_inputs((h,), {"position_bias": bias}) == [h]
-    assert _span_inputs((), {"x": other}) == [other]
+    assert span_inputs((), {"hidden_states": h, "position_bias": bias}) == [h]
+    assert span_inputs((h,), {"position_bias": bias}) == [h]
+    assert span_inputs((), {"x": other}) == [other]
 
 
 @pytest.mark.slow
@@ -465,7 +465,7 @@ def test_blocks_compiled_in_place_add_no_made_up_layer_rows(guard, dynamo_reset)
 
 def test_wrapper_prefixes_map_to_watched_names_and_nothing_else():
     from fusionguard._state import STATE
-    from fusionguard.layers import resolve_watched_name
+    from fusionguard.watching import resolve_watched_name
 
     watched = STATE.watch.names
     saved = dict(watched)
