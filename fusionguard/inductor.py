@@ -86,11 +86,9 @@ def _ir_tensor_fields(args: tuple) -> Dict[str, Any]:
 
 def _node_call_site() -> Optional[Dict[str, Any]]:
     """The user's line, from the stack trace Dynamo stored on the FX node being lowered."""
-    from torch._inductor.virtualized import V
-
     from .dynamo_signals import is_torch_file
 
-    node = getattr(V.graph, "current_node", None)
+    node = ti.lowering_node()
     trace = (getattr(node, "meta", None) or {}).get("stack_trace") or ""
     site = None
     for m in _STACK_LINE.finditer(trace):
@@ -108,11 +106,9 @@ def _node_call_site() -> Optional[Dict[str, Any]]:
 def _node_layer() -> Optional[str]:
     """The layer of the FlexAttention call being lowered: the watched module around the compile
     (``watch``) joined with the innermost module Dynamo recorded on the FX node."""
-    from torch._inductor.virtualized import V
-
     outer = flex_layer() or ""  # (learning the layer class is record_compiled_graph's)
     inner = ""
-    node = getattr(V.graph, "current_node", None)
+    node = ti.lowering_node()
     meta = getattr(node, "meta", None) or {}
     # backward nodes carry their forward node's stack (AOTAutograd copies it by seq_nr)
     stack = meta.get("nn_module_stack") or meta.get("fwd_nn_module_stack") or {}
@@ -301,11 +297,7 @@ def record_compiled_graph(compiled: Any, source: Optional[str] = None) -> Tuple[
 def _sidecar_path(graph: Optional[str]) -> Optional[str]:
     if not graph or not re.fullmatch(r"[\w-]+", str(graph)):
         return None
-    try:
-        from torch._inductor.runtime.cache_dir_utils import cache_dir
-    except ImportError:  # older layout
-        from torch._inductor.runtime.runtime_utils import cache_dir
-    return os.path.join(cache_dir(), "fusionguard", f"{graph}.json")
+    return os.path.join(ti.inductor_cache_dir(), "fusionguard", f"{graph}.json")
 
 
 def _save_sidecar(graph: Optional[str], records: List[dict]) -> None:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
 
 import torch
 
+from .. import torch_internals as ti
 from .._state import STATE, internal_error
 from .memory import Measure, tensors
 
@@ -16,6 +17,7 @@ if TYPE_CHECKING:
 
 
 _is_dynamo_compiling: Callable[[], bool] = getattr(torch.compiler, "is_dynamo_compiling", lambda: False)
+_PRE_HOOKS = ti.FORWARD_PRE_HOOKS
 
 
 def span_inputs(args: Any, kwargs: Any) -> List[torch.Tensor]:
@@ -67,7 +69,7 @@ class Hooks:
         self.handles: List[Tuple[Any, Tuple[Any, ...]]] = []  # (pre, post): (handle, _marks)
         self.home: Callable[[], Any] = lambda: None  # the module's pre-hook dict, weakly
         slot = self  # the hooks hold the slot, never the module (the module holds the hooks)
-        traced = _at_trace_time(lambda: _hooks_traced(slot))
+        traced = ti.at_trace_time(lambda: _hooks_traced(slot))
 
         def pre_hook(mod: torch.nn.Module, args: Any, kwargs: Any) -> None:
             if _is_dynamo_compiling():
@@ -76,7 +78,7 @@ class Hooks:
             owner = slot.owner
             # (a deepcopy of the model made during watch() carries these hooks in dicts of its
             # own: not the watched module, never counted as it)
-            if owner is not None and mod.__dict__.get("_forward_pre_hooks") is slot.home():
+            if owner is not None and mod.__dict__.get(_PRE_HOOKS) is slot.home():
                 owner._pre(slot, mod, args, kwargs)
 
         def post_hook(mod: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
@@ -156,15 +158,6 @@ def _reinsert(handle: Any, fn: Callable[..., Any], marks: Tuple[Any, ...]) -> bo
         return True
     except Exception:
         return False
-
-
-def _at_trace_time(fn: Callable[[], int]) -> Callable[[], int]:
-    """``fn`` run for real when Dynamo traces a call to it (the result baked in as a constant);
-    without that Dynamo support, a function that does nothing."""
-    try:
-        return torch._dynamo.assume_constant_result(fn)
-    except Exception:  # pragma: no cover - very old torch
-        return lambda: 0
 
 
 WATCH_TRACED_ADVICE = (

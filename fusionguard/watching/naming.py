@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from .. import torch_internals as ti
 from .._state import STATE, internal_error
 
 
@@ -104,9 +105,7 @@ def make_wrapper_init(original: Callable[..., None]) -> Callable[..., None]:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         try:
-            if type(self.__dict__.get("dynamo_ctx")).__name__ == "DisableContext":
-                return
-            inner = self.__dict__.get("_orig_mod") or self.__dict__.get("_modules", {}).get("_orig_mod")
+            inner = ti.wrapped_module(self)
             if isinstance(inner, torch.nn.Module):
                 ref = weakref.ref(self)
                 inside = STATE.watch.compiled_inside
@@ -249,11 +248,12 @@ def layer_from_stack(frame: Any, limit: int = 200) -> Optional[str]:
 # thread, hooks and kernels alike): names the layer of a backward that carries no forward
 # context, e.g. the AOTAutograd backward of a compiled flex_attention.
 _BW_OPEN = threading.local()
+_graph_task_id = ti.graph_task_id()
 
 
 def _graph_task() -> int:
     try:
-        return torch._C._current_graph_task_id()
+        return _graph_task_id()
     except Exception:
         return -1
 

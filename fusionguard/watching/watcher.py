@@ -8,6 +8,7 @@ from typing import Any, Callable, Dict, Iterable, List, Sequence, Union
 
 import torch
 
+from .. import torch_internals as ti
 from .._state import STATE, internal_error
 from .hooks import Frame, Hooks, frames_of, span_inputs
 from .memory import cuda_device, cuda_ready, dense_count, measure_start, measure_stop, record, tensors
@@ -92,10 +93,10 @@ class Watch:
                     continue
                 compiled = False
                 if not under(raw_name, held):
-                    compiled = hasattr(module, "_orig_mod") and hasattr(module, "_torchdynamo_orig_callable")
+                    compiled = ti.is_compile_wrapper(module)
                     if compiled:
                         wrapped.append(f"{raw_name}._orig_mod" if raw_name else "_orig_mod")
-                    elif compiled_inside(module) or getattr(module, "_compiled_call_impl", None) is not None:
+                    elif compiled_inside(module) or ti.compiled_in_place(module):
                         held.append(raw_name)
                 if name:
                     watched[name] = watched.get(name, 0) + 1
