@@ -170,8 +170,9 @@ def _recompile_limit_value() -> Optional[int]:
 
 
 _OTHER, _TORCH_WRAPPER, _COMPILE_ENTRY, _DISABLE_WRAPPER, _CANDIDATE, _COMPILED = range(6)
-# STATE.caches.code_kinds: what each code object on a dense call's stack is, worked out once: the stack walk is on the
-# dense path, ahead of the kernel, and its string tests dominated the guard's cost.
+# What each code object on a dense call's stack is, worked out once (STATE.caches.code_kinds):
+# the stack walk is on the dense path, ahead of the kernel, and its string tests dominated the
+# guard's cost.
 # Keyed by id(): hashing a code object (or comparing two) walks its bytecode and constants, about
 # 0.6 us a frame; the code object is kept in the value, so an id is never reused while cached.
 # Dynamo registers the code it generates in orig_code_map before that code first runs, so a code
