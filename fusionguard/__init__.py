@@ -24,14 +24,14 @@ from .errors import DenseFallbackError, DenseFallbackWarning
 
 if TYPE_CHECKING:  # imported lazily: `import fusionguard` must not import torch (pytest plugin)
     from ._summary import Summary, export, summary
-    from .layers import peak_memory_allocated, watch
+    from .watching import peak_memory_allocated, watch
 
 _LAZY = {
     "Summary": "._summary",
     "export": "._summary",
     "summary": "._summary",
-    "peak_memory_allocated": ".layers",
-    "watch": ".layers",
+    "peak_memory_allocated": ".watching",
+    "watch": ".watching",
 }
 
 
@@ -145,10 +145,10 @@ def _install_patches() -> List[str]:
         reg.apply("inductor.CompiledFxGraph.post_compile", vars(cls), "post_compile", inductor.make_post_compile_wrapper, owner=cls)
 
     def compile_wrappers() -> None:
-        from . import layers
+        from . import watching
 
         cls = ti.optimized_module()
-        reg.apply("OptimizedModule.__init__", vars(cls), "__init__", layers.make_wrapper_init, owner=cls)
+        reg.apply("OptimizedModule.__init__", vars(cls), "__init__", watching.make_wrapper_init, owner=cls)
 
     def rescue() -> None:
         from . import rescue as rescue_mod
@@ -251,9 +251,7 @@ def enable(
             except Exception as exc:
                 internal_error("shutdown event (log_path changed)", exc)
         if new_log:  # summary rows are the log's: a new file counts its own calls only
-            from .layers import STATS
-
-            STATS.new_log()
+            STATE.stats.new_log()
         STATE.log_dir = log_dir
         STATE.config = config
         STATE.log.set_max_events(config.max_events)
@@ -348,9 +346,7 @@ def enable(
 
 def _final_events(reason: str, **extra: Any) -> None:
     """The per-layer summary and the shutdown event that end a log (disable, exit, a new log_path)."""
-    from .layers import STATS
-
-    STATE.log.emit("info", "summary", counts=dict(STATE.counts), rows=STATS.summary())
+    STATE.log.emit("info", "summary", counts=dict(STATE.counts), rows=STATE.stats.summary())
     STATE.log.emit("info", "shutdown", reason=reason, **extra, counts=dict(STATE.counts))
 
 

@@ -1,4 +1,4 @@
-"""Global state department: one private object, one lock, a reset for tests; the periodic
+"""Global state department: one private object, one lock, one ``reset()``; the periodic
 counter flusher; what a forked child does to start clean (``os.register_at_fork``)."""
 
 from __future__ import annotations
@@ -11,6 +11,9 @@ import traceback
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, Optional, Set, Tuple, Union
 
+from . import crash
+from ._tables import Caches, Stats, WatchRegistry
+from .dynamo_signals import SIGNALS
 from .log import DEFAULT_LOG_MODE, EventLog
 from .patches import PatchRegistry
 
@@ -127,7 +130,36 @@ class Flusher:
 
 
 class State:
+    """Every piece of fusionguard's process-wide mutable state, reachable from ``STATE``.
+
+    Rebuilt by ``reset()``: config, log, patch registry, counts and the bookkeeping of enable().
+    Long-lived, reset in place (modules may hold them): ``stats`` (per-layer rows),
+    ``watch`` (watch()'s registry), ``caches`` (the dense path's). Referenced, never reset here:
+    ``signals`` (Dynamo's log handler and callback, installed through the patch registry) and
+    ``crash`` (the excepthooks, SIGTERM handler and faulthandler file: only ``crash.uninstall()``
+    and ``release_native()`` may let go of them).
+
+    Per thread or per context by design, so module-level, not here: the ContextVars
+    ``ALLOW_DENSE`` (this module), ``guard._FORWARD_SLOT`` / ``_BACKWARD_ORIGIN`` / ``_INLINED``,
+    ``rescue.RESCUING``, ``watching.naming.LAYER``, ``watching.memory.OPEN``; the
+    threading.locals ``watching.naming._BW_OPEN``, ``watching.hooks._FRAMES``,
+    ``inductor._TL``, ``crash._in_hook``. Locks re-created in a forked child: see
+    ``_locks_after_fork``. Looked-up-once constants of the torch release (``torch_internals``,
+    ``dynamo_signals._TORCH_DIR``, ``log._TRACE``) are facts of the process, not state; so are
+    counters that only hand out unique numbers (``guard._TOKENS``, ``watching.memory._ORDER``),
+    the wrappers built at install (``guard._WRAPPERS``) and the activation notes said once per
+    process (``activate._told``).
+    """
+
     def __init__(self) -> None:
+        self.watch = WatchRegistry()
+        self.stats = Stats(self.watch.names)
+        self.caches = Caches()
+        self.signals = SIGNALS
+        self.crash = crash.CRASH
+        self._fresh()
+
+    def _fresh(self) -> None:
         self.lock = threading.RLock()
         self.enabled = False
         self.config = Config()
@@ -146,6 +178,32 @@ class State:
         self.log_dir: Optional[str] = None  # log_path was a directory: one file per process in it
         self.crash_fields: Dict[str, Any] = {}  # crash_capture / crash_file, for the header
         self.flusher = Flusher()
+
+    def reset(self, child: bool = False) -> None:
+        """Forget everything (patches must already be removed): a fresh config, log and patch
+        registry; stats, watch registry and caches emptied in place.
+
+        ``child``: a forked child's start, enabled state and patches kept (they are its own
+        copies): it forgets only what the parent counted, wrote and reported, and keeps the
+        watch registry (its modules are the parent's, alive in the child too) and the caches."""
+        if child:
+            self.counts = {}
+            self.durable_keys = set()
+            self.allow_threads = {}
+            self.reported = set()
+            self.stats.rows = {}  # the parent's per-layer counts are the parent's
+            log = self.log
+            log.memory.clear()
+            log._seq = 0
+            if log.sampler is not None:
+                log.sampler = log.sampler.fresh()
+            return
+        self.flusher.stop()
+        self.log.close()
+        self._fresh()
+        self.stats.reset()
+        self.watch.reset()
+        self.caches.reset()
 
 
 STATE = State()
@@ -203,13 +261,7 @@ def process_log_name() -> str:
 
 def reset_for_tests() -> None:
     """Forget everything (patches must already be removed)."""
-    STATE.flusher.stop()
-    STATE.log.close()
-    new = State()
-    STATE.__dict__.update(new.__dict__)
-    from .layers import STATS
-
-    STATS.__init__()  # type: ignore[misc]  # (reset in place: other modules hold this object)
+    STATE.reset()
 
 
 # -- fork safety ------------------------------------------------------------------------------------
@@ -237,18 +289,10 @@ def _locks_after_fork() -> None:
     if log.sampler is not None:
         log.sampler._lock = _reinit(log.sampler._lock)
     STATE.patches._lock = _reinit(STATE.patches._lock)
-    crash: Any = sys.modules.get("fusionguard.crash")
-    if crash is not None:
-        crash._lock = _reinit(crash._lock)
-        crash._sigterm_state = "idle"
-    layers: Any = sys.modules.get("fusionguard.layers")
-    if layers is not None:
-        layers._MODULES_LOCK = _reinit(layers._MODULES_LOCK)
-        layers.STATS.lock = _reinit(layers.STATS.lock)
-        layers.STATS.rows = {}  # the parent's per-layer counts are the parent's
-    signals: Any = sys.modules.get("fusionguard.dynamo_signals")
-    if signals is not None:
-        signals.SIGNALS.lock = _reinit(signals.SIGNALS.lock)
+    STATE.crash.after_fork_in_child()
+    STATE.watch.lock = _reinit(STATE.watch.lock)
+    STATE.stats.lock = _reinit(STATE.stats.lock)
+    STATE.signals.lock = _reinit(STATE.signals.lock)
 
 
 def _after_fork_in_child() -> None:
@@ -258,20 +302,11 @@ def _after_fork_in_child() -> None:
     try:
         _locks_after_fork()
         STATE.flusher.after_fork_in_child()
-        STATE.counts = {}
-        STATE.durable_keys = set()
-        STATE.allow_threads = {}
-        STATE.reported = set()
+        STATE.reset(child=True)
         log = STATE.log
-        log.memory.clear()
-        log._seq = 0
-        if log.sampler is not None:
-            log.sampler = log.sampler.fresh()
         parent_sink, log.sink = log.sink, None
         log.open_pending = None
-        capture: Any = sys.modules.get("fusionguard.crash")
-        if capture is not None:
-            capture.release_native(after_fork=True)
+        crash.release_native(after_fork=True)
         if parent_sink is not None and STATE.enabled:
             log.open_pending = lambda: _open_child_log(parent_sink)
         if parent_sink is not None:
@@ -293,7 +328,6 @@ def _open_child_log(parent_sink: Any) -> None:
 
 
 def _open_child_log_now(parent_sink: Any) -> None:
-    from . import crash
     from .log import FileSink, header_fields
 
     config = STATE.config

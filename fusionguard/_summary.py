@@ -9,7 +9,6 @@ from typing import Union
 
 from ._format import causes_text, count_text, mem_text, table
 from ._state import STATE
-from .layers import STATS
 
 COLUMNS = (
     "layer", "phase", "calls", "dense", "fused", "recompute", "causes",
@@ -45,7 +44,7 @@ def summary(all_ranks: bool = False) -> Summary:
     """Per layer and phase: calls, dense and fused calls, causes seen, allocated and peak deltas
     (last, max) in bytes. Also written to the log. ``all_ranks=True`` gathers every rank's rows to
     rank 0 through torch.distributed (other ranks get their own rows)."""
-    rows = STATS.summary()
+    rows = STATE.stats.summary()
     rank = 0
     try:
         from .log import rank_info

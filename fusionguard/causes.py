@@ -20,6 +20,7 @@ import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional, Tuple, cast
 
+from ._state import STATE
 from .dynamo_signals import SIGNALS, is_public_flex, is_torch_file
 
 CAUSES: Dict[str, str] = {
@@ -169,13 +170,13 @@ def _recompile_limit_value() -> Optional[int]:
 
 
 _OTHER, _TORCH_WRAPPER, _COMPILE_ENTRY, _DISABLE_WRAPPER, _CANDIDATE, _COMPILED = range(6)
-# What each code object on a dense call's stack is, worked out once: the stack walk is on the
-# dense path, ahead of the kernel, and its string tests dominated the guard's cost.
+# What each code object on a dense call's stack is, worked out once (STATE.caches.code_kinds):
+# the stack walk is on the dense path, ahead of the kernel, and its string tests dominated the
+# guard's cost.
 # Keyed by id(): hashing a code object (or comparing two) walks its bytecode and constants, about
 # 0.6 us a frame; the code object is kept in the value, so an id is never reused while cached.
 # Dynamo registers the code it generates in orig_code_map before that code first runs, so a code
 # object found running outside the map is never in it later: _COMPILED is decided once too.
-_KINDS: Dict[int, Tuple[types.CodeType, int, Optional[types.CodeType], bool]] = {}
 
 
 def _is_user_file(filename: str) -> bool:
@@ -200,14 +201,15 @@ def _code_kind(code: types.CodeType) -> Tuple[types.CodeType, int, Optional[type
         kind = _CANDIDATE
     else:
         kind = _OTHER
-    if len(_KINDS) > 50_000:
-        _KINDS.clear()
-    entry = _KINDS[id(code)] = (code, kind, orig, user)
+    kinds = STATE.caches.code_kinds
+    if len(kinds) > 50_000:
+        kinds.clear()
+    entry = kinds[id(code)] = (code, kind, orig, user)
     return entry
 
 
 def _kind_entry(code: types.CodeType) -> Tuple[types.CodeType, int, Optional[types.CodeType], bool]:
-    entry = _KINDS.get(id(code))
+    entry = STATE.caches.code_kinds.get(id(code))
     if entry is None or entry[0] is not code:
         entry = _code_kind(code)
     return entry
@@ -222,7 +224,7 @@ def diagnose_forward(frame: Optional[types.FrameType]) -> Diagnosis:
     depth_of_entries: list = []
     depth = 0
     site: Optional[types.FrameType] = None
-    kinds = _KINDS
+    kinds = STATE.caches.code_kinds
     f = frame
     while f is not None:
         depth += 1

@@ -56,18 +56,41 @@ _BACKWARD_FUNCTIONS = frozenset({"_engine_run_backward", "backward"})
 _MAX_MESSAGE = 2000
 _MAX_TRACEBACK = 4000
 
-_lock = threading.RLock()
-_active = False
-_emit: Optional[Emit] = None
-_last_flex: Optional[Callable[[], Optional[dict]]] = None
-_summary: Optional[Callable[[], Dict[str, Any]]] = None
-_prev_sys: Any = None
-_prev_threading: Any = None
-_prev_sigterm: Any = None
-_sigterm_installed = False
-_in_hook = threading.local()
-_native: Optional[Tuple[int, str]] = None  # (fd, path) of the faulthandler file we own
-_registry: Optional[PatchRegistry] = None  # where the hooks' undo is recorded (the package's)
+
+
+class CrashHooks:
+    """This module's process-wide bookkeeping, one object (fusionguard's ``State.crash``): the
+    hooks it replaced, what they call, the faulthandler file it owns. Never reset while hooks
+    are installed: only ``uninstall()`` puts the previous ones back."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.active = False
+        self.emit: Optional[Emit] = None
+        self.last_flex: Optional[Callable[[], Optional[dict]]] = None
+        self.summary: Optional[Callable[[], Dict[str, Any]]] = None
+        self.prev_sys: Any = None
+        self.prev_threading: Any = None
+        self.prev_sigterm: Any = None
+        self.sigterm_installed = False
+        self.native: Optional[Tuple[int, str]] = None  # (fd, path) of the faulthandler file we own
+        self.registry: Optional[PatchRegistry] = None  # where the hooks' undo is recorded (the package's)
+        # SIGTERM handling: "idle"; "pending" (the shutdown event is being written); "done"
+        # (written, or given up on: hand the signal over on the next delivery)
+        self.sigterm_state = "idle"
+
+    def after_fork_in_child(self) -> None:
+        """The lock is free in the child (its holder does not exist here); no SIGTERM in flight."""
+        fresh = getattr(self.lock, "_at_fork_reinit", None)
+        if fresh is not None:
+            fresh()
+        else:
+            self.lock = threading.RLock()
+        self.sigterm_state = "idle"
+
+
+CRASH = CrashHooks()
+_in_hook = threading.local()  # per thread by design: a hook that fails while reporting
 
 
 # -- public -------------------------------------------------------------------------------------
@@ -88,37 +111,35 @@ def install(
     sigterm:         also handle SIGTERM (only possible from the main thread; skipped otherwise).
     registry:        where each hook's undo is recorded (``disable()`` removes it); None: only ``uninstall()``.
     """
-    global _active, _emit, _last_flex, _summary, _prev_sys, _prev_threading, _registry
-    with _lock:
-        reg = _registry = registry
-        _emit, _last_flex, _summary = emit, last_flex_event, summary
+    with CRASH.lock:
+        reg = CRASH.registry = registry
+        CRASH.emit, CRASH.last_flex, CRASH.summary = emit, last_flex_event, summary
         if sys.excepthook is not _sys_hook:
             _forget(reg, "sys.excepthook")
-            _prev_sys = prev_sys = sys.excepthook
+            CRASH.prev_sys = prev_sys = sys.excepthook
             sys.excepthook = _sys_hook
             _record(reg, "sys.excepthook", _restore_sys, lambda: sys.excepthook is prev_sys)
         if threading.excepthook is not _thread_hook:
             _forget(reg, "threading.excepthook")
-            _prev_threading = prev_thread = threading.excepthook
+            CRASH.prev_threading = prev_thread = threading.excepthook
             threading.excepthook = _thread_hook
             _record(reg, "threading.excepthook", _restore_threading, lambda: threading.excepthook is prev_thread)
         if sigterm:
             _install_sigterm(reg)
-        _active = True
+        CRASH.active = True
 
 
 def uninstall() -> None:
     """Stop recording; put back the previous hooks where ours are still installed."""
-    global _active, _emit, _last_flex, _summary
-    with _lock:
-        _active = False
+    with CRASH.lock:
+        CRASH.active = False
         for name in ("sys.excepthook", "threading.excepthook", "signal.SIGTERM"):
-            if _registry is not None:
-                _registry.remove(name)
+            if CRASH.registry is not None:
+                CRASH.registry.remove(name)
         _restore_sys()  # (no-ops when the registry's entries did it)
         _restore_threading()
         _uninstall_sigterm()
-        _emit = _last_flex = _summary = None
+        CRASH.emit = CRASH.last_flex = CRASH.summary = None
 
 
 def _forget(reg: Optional[PatchRegistry], name: str) -> None:
@@ -134,30 +155,28 @@ def _record(reg: Optional[PatchRegistry], name: str, undo: Callable[[], None], r
 
 
 def _restore_sys() -> None:
-    global _prev_sys
-    with _lock:
-        if sys.excepthook is _sys_hook and _prev_sys is not None:
-            sys.excepthook = _prev_sys
-            _prev_sys = None
+    with CRASH.lock:
+        if sys.excepthook is _sys_hook and CRASH.prev_sys is not None:
+            sys.excepthook = CRASH.prev_sys
+            CRASH.prev_sys = None
 
 
 def _restore_threading() -> None:
-    global _prev_threading
-    with _lock:
-        if threading.excepthook is _thread_hook and _prev_threading is not None:
-            threading.excepthook = _prev_threading
-            _prev_threading = None
+    with CRASH.lock:
+        if threading.excepthook is _thread_hook and CRASH.prev_threading is not None:
+            threading.excepthook = CRASH.prev_threading
+            CRASH.prev_threading = None
 
 
 def is_installed() -> bool:
-    return _active
+    return CRASH.active
 
 
 def tidy() -> None:
     """After a ``disable()`` from another thread left our SIGTERM handler in place (as a
     pass-through: signals cannot be touched there), remove it now if this is the main thread."""
-    with _lock:
-        if not _active:
+    with CRASH.lock:
+        if not CRASH.active:
             _uninstall_sigterm()
 
 
@@ -173,14 +192,13 @@ def crash_file_for(log_path: str) -> str:
 
 def capture_native(log_path: str, mode: int = 0o600) -> Dict[str, Any]:
     """Send fatal-signal reports to a file beside ``log_path``; the header fields that say so."""
-    global _native
     from .log import open_regular
 
-    with _lock:
+    with CRASH.lock:
         path = crash_file_for(log_path)
-        if _native is not None:
-            if _native[1] == path or _native[1].startswith(path[: -len(".crash")] + "-"):
-                return {"crash_capture": "faulthandler", "crash_file": _native[1]}
+        if CRASH.native is not None:
+            if CRASH.native[1] == path or CRASH.native[1].startswith(path[: -len(".crash")] + "-"):
+                return {"crash_capture": "faulthandler", "crash_file": CRASH.native[1]}
             release_native()
         if faulthandler.is_enabled():
             return {"crash_capture": "host-owned", "crash_file": None}
@@ -200,19 +218,18 @@ def capture_native(log_path: str, mode: int = 0o600) -> Dict[str, Any]:
             if fd >= 0:
                 os.close(fd)
             return {"crash_capture": "off", "crash_capture_error": f"{type(exc).__name__}: {exc}", "crash_file": None}
-        _native = (fd, path)
+        CRASH.native = (fd, path)
         return {"crash_capture": "faulthandler", "crash_file": path}
 
 
 def release_native(after_fork: bool = False) -> None:
     """Give ``faulthandler`` back as it was (off) if we turned it on; remove an empty crash file.
     ``after_fork``: in a forked child, where the file is the parent's (closed, never removed)."""
-    global _native
-    with _lock:
-        if _native is None:
+    with CRASH.lock:
+        if CRASH.native is None:
             return
-        fd, path = _native
-        _native = None
+        fd, path = CRASH.native
+        CRASH.native = None
         try:
             faulthandler.disable()
         except Exception:
@@ -425,8 +442,8 @@ def _compact_flex(event: Optional[dict]) -> Optional[dict]:
 
 
 def _write_crash(exc_type: type, exc: Optional[BaseException], tb: Any, where: str, thread: Optional[str]) -> Optional[dict]:
-    emit = _emit
-    if emit is None or not _active:
+    emit = CRASH.emit
+    if emit is None or not CRASH.active:
         return None
     if getattr(_in_hook, "busy", False):  # an exception inside our own recording: never loop
         return None
@@ -437,9 +454,9 @@ def _write_crash(exc_type: type, exc: Optional[BaseException], tb: Any, where: s
         except Exception:
             message = "<unprintable exception>"
         flex = None
-        if _last_flex is not None:
+        if CRASH.last_flex is not None:
             try:
-                flex = _last_flex()
+                flex = CRASH.last_flex()
             except Exception:
                 flex = None
         frames = _frames(tb)
@@ -474,7 +491,7 @@ def _sys_hook(exc_type: type, exc: BaseException, tb: Any) -> None:
         _write_crash(exc_type, exc, tb, "sys.excepthook", None)
     except Exception:
         pass
-    prev = _prev_sys if _prev_sys is not None else sys.__excepthook__
+    prev = CRASH.prev_sys if CRASH.prev_sys is not None else sys.__excepthook__
     prev(exc_type, exc, tb)
 
 
@@ -484,14 +501,13 @@ def _thread_hook(args: Any) -> None:
         _write_crash(args.exc_type, args.exc_value, args.exc_traceback, "threading.excepthook", getattr(thread, "name", None))
     except Exception:
         pass
-    prev = _prev_threading if _prev_threading is not None else threading.__excepthook__
+    prev = CRASH.prev_threading if CRASH.prev_threading is not None else threading.__excepthook__
     prev(args)
 
 
 def _install_sigterm(reg: Optional[PatchRegistry]) -> None:
-    global _prev_sigterm, _sigterm_installed
-    if _sigterm_installed or not hasattr(signal, "SIGTERM"):
-        if _sigterm_installed and reg is not None and "signal.SIGTERM" not in {e.name for e in reg.entries()}:
+    if CRASH.sigterm_installed or not hasattr(signal, "SIGTERM"):
+        if CRASH.sigterm_installed and reg is not None and "signal.SIGTERM" not in {e.name for e in reg.entries()}:
             _record_sigterm(reg)  # a handler left by a disable() from another thread: undo it next time
         return
     if threading.current_thread() is not threading.main_thread():
@@ -501,7 +517,7 @@ def _install_sigterm(reg: Optional[PatchRegistry]) -> None:
     except (ValueError, OSError):
         return
     if current is _on_sigterm:  # still ours from an earlier install whose restore was impossible
-        _sigterm_installed = True
+        CRASH.sigterm_installed = True
         _record_sigterm(reg)
         return
     if current is None or current == signal.SIG_IGN:
@@ -510,35 +526,34 @@ def _install_sigterm(reg: Optional[PatchRegistry]) -> None:
         signal.signal(signal.SIGTERM, _on_sigterm)
     except (ValueError, OSError):
         return
-    _prev_sigterm = current
-    _sigterm_installed = True
+    CRASH.prev_sigterm = current
+    CRASH.sigterm_installed = True
     _record_sigterm(reg)
 
 
 def _record_sigterm(reg: Optional[PatchRegistry]) -> None:
-    prev = _prev_sigterm
+    prev = CRASH.prev_sigterm
     if reg is not None:
         reg.add_hook("signal.SIGTERM", _uninstall_sigterm, lambda: signal.getsignal(signal.SIGTERM) is prev)
 
 
 def _uninstall_sigterm() -> None:
-    global _prev_sigterm, _sigterm_installed
-    if not _sigterm_installed:
+    if not CRASH.sigterm_installed:
         return
     if threading.current_thread() is not threading.main_thread():
         return  # cannot touch signals here; ours stays and passes the signal straight on
     try:
         if signal.getsignal(signal.SIGTERM) is _on_sigterm:
-            signal.signal(signal.SIGTERM, _prev_sigterm)
-            _prev_sigterm = None
-        _sigterm_installed = False
+            signal.signal(signal.SIGTERM, CRASH.prev_sigterm)
+            CRASH.prev_sigterm = None
+        CRASH.sigterm_installed = False
     except (ValueError, OSError):
         pass
 
 
 def _write_sigterm_shutdown() -> None:
-    emit, summary = _emit, _summary
-    if emit is None or not _active:
+    emit, summary = CRASH.emit, CRASH.summary
+    if emit is None or not CRASH.active:
         return
     fields: Dict[str, Any] = {"reason": "sigterm", "signal": "SIGTERM"}
     if summary is not None:
@@ -549,9 +564,6 @@ def _write_sigterm_shutdown() -> None:
     emit("warning", "shutdown", **fields)
 
 
-# SIGTERM handling state: "idle"; "pending" (the shutdown event is being written); "done" (written,
-# or given up on: hand the signal over on the next delivery).
-_sigterm_state = "idle"
 _SIGTERM_WAIT_S = 1.0  # the handler waits this long for the write before deferring
 _SIGTERM_GIVE_UP_S = 10.0  # a deferred write that has not finished by then is abandoned
 
@@ -564,42 +576,39 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     writes, and the handler waits a moment. If the write cannot finish (the lock is ours, below
     us on the stack), the handler returns so the main thread can release it; the helper finishes
     the write and delivers SIGTERM again, and this time the handler hands it over at once."""
-    global _sigterm_state
-    if _sigterm_state == "pending":
+    if CRASH.sigterm_state == "pending":
         return  # a second SIGTERM while the first is being recorded
-    if _sigterm_state == "done" or not _active or _emit is None:
-        _sigterm_state = "idle"
+    if CRASH.sigterm_state == "done" or not CRASH.active or CRASH.emit is None:
+        CRASH.sigterm_state = "idle"
         _hand_over(signum, frame)
         return
-    _sigterm_state = "pending"
+    CRASH.sigterm_state = "pending"
     finished = threading.Event()
     deferred = threading.Event()
 
     def write() -> None:
-        global _sigterm_state
         try:
             _write_sigterm_shutdown()
         except Exception:
             pass
         finished.set()
-        if deferred.is_set() and _sigterm_state == "pending":
-            _sigterm_state = "done"
+        if deferred.is_set() and CRASH.sigterm_state == "pending":
+            CRASH.sigterm_state = "done"
             _resend(signum)
 
     def give_up() -> None:
-        global _sigterm_state
-        if not finished.is_set() and _sigterm_state == "pending":
-            _sigterm_state = "done"
+        if not finished.is_set() and CRASH.sigterm_state == "pending":
+            CRASH.sigterm_state = "done"
             _resend(signum)
 
     threading.Thread(target=write, name="fusionguard-sigterm", daemon=True).start()
     if finished.wait(_SIGTERM_WAIT_S):
-        _sigterm_state = "idle"
+        CRASH.sigterm_state = "idle"
         _hand_over(signum, frame)
         return
     deferred.set()
-    if finished.is_set() and _sigterm_state == "pending":  # finished between wait and set
-        _sigterm_state = "idle"
+    if finished.is_set() and CRASH.sigterm_state == "pending":  # finished between wait and set
+        CRASH.sigterm_state = "idle"
         _hand_over(signum, frame)
         return
     timer = threading.Timer(_SIGTERM_GIVE_UP_S, give_up)
@@ -615,7 +624,7 @@ def _resend(signum: int) -> None:
 
 
 def _hand_over(signum: int, frame: Any) -> None:
-    prev = _prev_sigterm
+    prev = CRASH.prev_sigterm
     if callable(prev) and prev is not _on_sigterm:
         prev(signum, frame)
         return

@@ -22,11 +22,12 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from . import causes, layers
+from . import causes
 from ._format import human_bytes, site_text
 from ._state import ALLOW_DENSE, STATE, count, internal_error
 from .errors import DenseFallbackError, DenseFallbackWarning
 from .torch_internals import is_concrete, nested_flex_codes
+from .watching import naming
 
 # Set by FlexAttentionAutogradOp.forward's wrapper: the dense forward drops its record here so
 # that ctx (and so the backward, possibly on another thread) can carry it.
@@ -44,7 +45,6 @@ _is_dynamo_compiling: Callable[[], bool] = getattr(torch.compiler, "is_dynamo_co
 # The original dense kernels, by phase, for calls routed out of a Dynamo graph (see below).
 # Set while a dense call that Dynamo tried to inline runs out of graph: the trace-time note.
 _INLINED: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("fusionguard_inlined", default=None)
-_INLINE_NOTES: Dict[int, dict] = {}
 _TOKENS = itertools.count(1)
 
 
@@ -78,9 +78,10 @@ def _note_inlined(phase: str) -> int:
     except Exception:
         pass
     token = next(_TOKENS)
-    _INLINE_NOTES[token] = info
-    while len(_INLINE_NOTES) > 1024:  # bounded: drop the oldest notes
-        _INLINE_NOTES.pop(next(iter(_INLINE_NOTES)))
+    notes = STATE.caches.inline_notes
+    notes[token] = info
+    while len(notes) > 1024:  # bounded: drop the oldest notes
+        notes.pop(next(iter(notes)))
     STATE.log.emit("warning", "flex_inlined", path="dense", traced=True, cause="graph_break", **info)
     return token
 
@@ -101,7 +102,7 @@ def _make_note(phase: str) -> Callable[[], int]:
 
 def _dense_out_of_graph(token: int, phase: str, *args: Any, **kwargs: Any) -> Any:
     """Runs eagerly (``torch._dynamo.disable``): the dense kernel with real tensors, guarded."""
-    tok = _INLINED.set(_INLINE_NOTES.get(token, {"phase": phase}))
+    tok = _INLINED.set(STATE.caches.inline_notes.get(token, {"phase": phase}))
     try:
         return _WRAPPERS[phase](*args, **kwargs)
     finally:
@@ -158,23 +159,23 @@ def _allowed(origin: Optional[dict]) -> bool:
 
 
 # The last few shapes' fields and the last dense call's message per phase: a training loop
-# repeats the same dense call, and these strings are rebuilt on the dense path otherwise.
-_TENSOR_FIELDS: Dict[tuple, Dict[str, Any]] = {}
-_MESSAGES: Dict[Optional[str], tuple] = {}
+# repeats the same dense call, and these strings are rebuilt on the dense path otherwise
+# (STATE.caches: tensor_fields, messages).
 
 
 def tensor_fields(q: Any, k: Any) -> Dict[str, Any]:
     key = None
+    cache = STATE.caches.tensor_fields
     if type(q) is torch.Tensor and type(k) is torch.Tensor:
         key = (q.shape, k.shape, q.dtype, q.device)
-        known = _TENSOR_FIELDS.get(key)
+        known = cache.get(key)
         if known is not None:
             return known
     fields = _make_tensor_fields(q, k)
     if key is not None:
-        if len(_TENSOR_FIELDS) >= 64:
-            _TENSOR_FIELDS.clear()
-        _TENSOR_FIELDS[key] = fields
+        if len(cache) >= 64:
+            cache.clear()
+        cache[key] = fields
     return fields
 
 
@@ -184,11 +185,11 @@ def message(event: Dict[str, Any]) -> str:
     same = dict(event)
     for k in _VOLATILE:
         same.pop(k, None)
-    last = _MESSAGES.get(event.get("phase"))
+    last = STATE.caches.messages.get(event.get("phase"))
     if last is not None and last[0] == same:
         return last[1]
     text = format_message(event)
-    _MESSAGES[event.get("phase")] = (same, text)
+    STATE.caches.messages[event.get("phase")] = (same, text)
     return text
 
 
@@ -286,7 +287,7 @@ def _check_dense(phase: str, args: tuple, kwargs: dict, frame: Any) -> Tuple[Opt
     else:
         diagnosis = causes.diagnose_backward(origin, frame)
         call_site = (origin or {}).get("call_site") or causes.user_call_site(frame)
-    layer = (origin or {}).get("layer") if phase == "backward" and origin else layers.note_flex_call(frame if phase == "forward" else None)
+    layer = (origin or {}).get("layer") if phase == "backward" and origin else naming.note_flex_call(frame if phase == "forward" else None)
     # The debug flag is the user asking for the dense path, as allow_dense() is: logged, never
     # warned about or blocked.
     allowed = _allowed(origin) or diagnosis.cause == "debug_flag"
@@ -311,10 +312,10 @@ def _check_dense(phase: str, args: tuple, kwargs: dict, frame: Any) -> Tuple[Opt
         fields["forward_seq"] = origin.get("seq")
     if q.is_cuda and torch.cuda.is_initialized():
         fields["device_name"] = _device_name(q.device.index if q.device.index is not None else torch.cuda.current_device())
-    if phase == "forward" and layers.in_backward():
+    if phase == "forward" and naming.in_backward():
         fields["recompute"] = True  # activation checkpointing re-running a forward in backward
     count(f"dense_{phase}")
-    layers.STATS.on_dense(layer, phase, diagnosis.cause, fields.get("scores_bytes"), bool(fields.get("recompute")))
+    STATE.stats.on_dense(layer, phase, diagnosis.cause, fields.get("scores_bytes"), bool(fields.get("recompute")))
     site = call_site or {}
     key = (phase, site.get("file"), site.get("line"), layer, action, diagnosis.cause)
     durable = STATE.config.fsync == "always" or key not in STATE.durable_keys

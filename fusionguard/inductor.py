@@ -19,22 +19,12 @@ import os
 import re
 import sys
 import threading
-import weakref
-from collections.abc import MutableMapping
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from . import torch_internals as ti
-from ._state import STATE, count, internal_error
-from .layers import (
-    STATS,
-    clean_name,
-    flex_layer,
-    in_backward,
-    note_flex_call,
-    resolve_watched_name,
-    watched_name,
-    watching,
-)
+from ._state import STATE, internal_error
+from .compiled import Namer, compile_names, count_runs, fqn_from_source, log_compile_record
+from .watching.naming import clean_name, flex_layer, note_flex_call, resolve_watched_name
 from .torch_internals import compiled_graph_text
 
 _TL = threading.local()
@@ -96,11 +86,9 @@ def _ir_tensor_fields(args: tuple) -> Dict[str, Any]:
 
 def _node_call_site() -> Optional[Dict[str, Any]]:
     """The user's line, from the stack trace Dynamo stored on the FX node being lowered."""
-    from torch._inductor.virtualized import V
-
     from .dynamo_signals import is_torch_file
 
-    node = getattr(V.graph, "current_node", None)
+    node = ti.lowering_node()
     trace = (getattr(node, "meta", None) or {}).get("stack_trace") or ""
     site = None
     for m in _STACK_LINE.finditer(trace):
@@ -118,163 +106,18 @@ def _node_call_site() -> Optional[Dict[str, Any]]:
 def _node_layer() -> Optional[str]:
     """The layer of the FlexAttention call being lowered: the watched module around the compile
     (``watch``) joined with the innermost module Dynamo recorded on the FX node."""
-    from torch._inductor.virtualized import V
-
     outer = flex_layer() or ""  # (learning the layer class is record_compiled_graph's)
     inner = ""
-    node = getattr(V.graph, "current_node", None)
+    node = ti.lowering_node()
     meta = getattr(node, "meta", None) or {}
     # backward nodes carry their forward node's stack (AOTAutograd copies it by seq_nr)
     stack = meta.get("nn_module_stack") or meta.get("fwd_nn_module_stack") or {}
     if stack:
         last = list(stack.values())[-1]
         fqn = last[0] if isinstance(last, (tuple, list)) else str(last)
-        inner = clean_name(_fqn_from_source(str(fqn)))
+        inner = clean_name(fqn_from_source(str(fqn)))
     name = ".".join(x for x in (outer, inner) if x)
     return name or None  # mapped to the watched model's spelling when the record is emitted
-
-
-_SOURCE_PART = re.compile(r"\[(?:'([^']*)'|(\d+))\]|\.(\w+)")
-
-
-def _fqn_from_source(text: str) -> str:
-    """Dynamo spells module paths as sources (``L['self'].layers[0].attn``; on some releases, 2.9
-    among them, ``L['self']._modules['layers']._modules['0']``) or as plain names."""
-    if "[" not in text and not text.startswith("L"):
-        return text
-    text = text.replace("._modules[", "[")  # the same submodule, reached through the dict
-    if text.startswith("L['"):  # the compiled frame's local holding the root module (self, mod, ...)
-        text = text[text.index("]") + 1 :]
-    elif text.startswith("G['"):
-        return text
-    parts = [a or b or c for a, b, c in _SOURCE_PART.findall(text)]
-    return ".".join(p for p in parts if p)
-
-
-# -- names: the layer of each FlexAttention call of a compiled graph ------------------------------
-#
-# Dynamo names modules relative to the frame it compiled (``L['self'].attn``), and one compiled
-# frame serves every instance of its class (Dynamo does not guard on module identity): after a
-# graph break each block's ``forward`` is compiled once for all blocks; ``block.compile()``
-# compiles ``Module._call_impl`` once for every block. So a graph's calls are named by the path
-# Dynamo recorded (from the FX graph of this very compile, the same on a cache hit) joined to the
-# watched name of the module the frame runs for, which is read again at each run when that
-# module is a watched layer (``_FrameLocal``).
-
-_ROOT_LOCAL = re.compile(r"^L\[['\"]([^'\"]+)['\"]\]")
-
-
-def _stack_source(entry: Any) -> str:
-    return str(entry[0] if isinstance(entry, (tuple, list)) else entry)
-
-
-def dynamo_names() -> Optional[Tuple[List[str], Optional["_FrameLocal"], Any]]:
-    """In a Dynamo compile: the module path of each FlexAttention call in the frame's FX graph
-    (relative to the frame's root module, graph order), a finder for that module at run time,
-    and the module now (or None where the calls are not under one module local)."""
-    found = ti.dynamo_frame_graph()
-    if found is None:
-        return None
-    import torch
-
-    f_locals, code, graph = found
-    hop = torch.ops.higher_order.flex_attention
-    rels: List[str] = []
-    roots = set()
-    for node in graph.nodes:
-        if node.op != "call_function" or node.target is not hop:
-            continue
-        stack = list((node.meta.get("nn_module_stack") or {}).values())
-        if stack:
-            m = _ROOT_LOCAL.match(_stack_source(stack[0]))
-            roots.add(m.group(1) if m else None)
-        else:  # called by the frame's own module (a method of it): no module entered
-            roots.add("self" if isinstance(f_locals.get("self"), torch.nn.Module) else None)
-        rels.append(clean_name(_fqn_from_source(_stack_source(stack[-1]))) if stack else "")
-    local = roots.pop() if len(roots) == 1 else None
-    root = f_locals.get(local) if local else None
-    if local is None or not isinstance(root, torch.nn.Module):
-        return rels, None, None
-    return rels, _FrameLocal((code.co_name,), code.co_filename, local), root
-
-
-def join_names(prefix: Optional[str], rels: List[str], outer: str = "") -> List[Optional[str]]:
-    """Full names of calls at ``rels``: under the watched module ``prefix`` ('' for a watched
-    model), else (a frame rooted outside the watched models) joined to the hook layer around
-    the compile and mapped to the watched spelling (``resolve_watched_name``)."""
-    if prefix is not None:
-        return [".".join(x for x in (prefix, r) if x) or None for r in rels]
-    out: List[Optional[str]] = []
-    for r in rels:
-        name = ".".join(x for x in (outer, r) if x)
-        out.append(resolve_watched_name(name) if name else None)
-    return out
-
-
-class _FrameLocal:
-    """A local of the nearest frame above the caller running one of ``names`` (code name) in a
-    file whose path contains ``file``: the root module of a compiled frame (``self``), or AOTAutograd's
-    ``ctx``. The depth found is kept and checked by code identity, so a run costs one
-    ``sys._getframe`` and one locals read; after 8 misses in a row it stops looking."""
-
-    __slots__ = ("names", "file", "local", "depth", "code", "misses")
-
-    def __init__(self, names: Tuple[str, ...], file: str, local: str) -> None:
-        self.names, self.file, self.local = names, file, local
-        self.depth, self.code, self.misses = 0, None, 0
-
-    def get(self) -> Any:
-        f: Any
-        if self.code is not None:
-            try:
-                f = sys._getframe(self.depth)
-                if f.f_code is self.code:
-                    return f.f_locals.get(self.local)
-            except ValueError:
-                pass
-        if self.misses >= 8:
-            return None
-        f = sys._getframe(1)
-        d = 1
-        while f is not None and d < 80:
-            if self._match(f):
-                self.depth, self.code, self.misses = d, f.f_code, 0
-                return f.f_locals.get(self.local)
-            f, d = f.f_back, d + 1
-        self.misses += 1
-        return None
-
-    def _match(self, f: Any) -> bool:
-        c = f.f_code
-        return c.co_name in self.names and self.file in c.co_filename and self.local in c.co_varnames
-
-
-class _WatchedSelf(_FrameLocal):
-    """The nearest frame whose ``self`` is a watched module: for a graph compiled before
-    ``enable()``, whose frame is unknown (found once per graph, then kept like any other)."""
-
-    def __init__(self) -> None:
-        super().__init__((), "", "self")
-
-    def _match(self, f: Any) -> bool:
-        return "self" in f.f_code.co_varnames and watched_name(f.f_locals.get("self")) is not None
-
-
-def _aot_ctx() -> "_FrameLocal":
-    """AOTAutograd's autograd ``ctx``: shared by a forward run and its backward."""
-    return _FrameLocal(("forward", "backward", "_backward_impl", "_fwd_fn", "_bwd_fn", "call_compiled_backward"), ti.AOT_RUNTIME_DIR, "ctx")
-
-
-_CTX_FIELD = "_fusionguard_layers"  # on AOTAutograd's ctx: the forward run's full names
-
-
-def _ctx_names(ctx: Any, n: int, backward: bool) -> Optional[Tuple[Optional[str], ...]]:
-    """The names a forward run left on ``ctx``, in the order of a backward graph's calls
-    (reverse: gradients flow back through the calls last to first)."""
-    names = getattr(ctx, _CTX_FIELD, None) if ctx is not None else None
-    if not names or len(names) != n:
-        return None
-    return tuple(reversed(names)) if backward else tuple(names)
 
 
 def make_lowering_wrapper(phase: str, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -373,7 +216,7 @@ def _parse_graph(text: str) -> List[Dict[str, Any]]:
     return calls
 
 
-def record_compiled_graph(compiled: Any, source: Optional[str] = None) -> Tuple[List[Dict[str, Any]], Optional["_Namer"]]:
+def record_compiled_graph(compiled: Any, source: Optional[str] = None) -> Tuple[List[Dict[str, Any]], Optional["Namer"]]:
     """Log a ``flex_compile`` record per FlexAttention call of a compiled graph; returns them and
     the graph's run-time namer. ``source``: "lowering" / "cache" (found out here) or
     "before_enable" (a graph found living in the process at ``enable()``)."""
@@ -409,7 +252,7 @@ def record_compiled_graph(compiled: Any, source: Optional[str] = None) -> Tuple[
     from .causes import user_call_site
 
     live_site = user_call_site(sys._getframe(1)) if calls and not found else None  # compiles run inside the user's call
-    names, named_from, namer = _compile_names(calls, source, around)
+    names, named_from, namer = compile_names(calls, source, around)
     emitted: List[Dict[str, Any]] = []
     for i, call in enumerate(calls):
         rec = by_phase.get(call["phase"], [])
@@ -451,95 +294,10 @@ def record_compiled_graph(compiled: Any, source: Optional[str] = None) -> Tuple[
     return emitted, namer
 
 
-def log_compile_record(fields: Dict[str, Any]) -> None:
-    count(f"fused_compile_{fields['phase']}")
-    STATE.log.emit("info", "flex_compile", **fields)
-
-
-def _compile_names(calls: List[Dict[str, Any]], source: Optional[str], around: Optional[str]) -> Tuple[Optional[List[Optional[str]]], Optional[str], Optional["_Namer"]]:
-    """Names of a graph's calls at compile time, how they were found, and its run-time namer.
-
-    A forward graph compiled by Dynamo (lowered, or loaded from Inductor's / AOTAutograd's
-    caches: Dynamo traces the frame anew either way) is named from that FX graph's
-    ``nn_module_stack`` ("nn_module_stack"). A backward graph is compiled (or loaded) at its
-    first run, outside Dynamo: it takes the names its forward run left on AOTAutograd's ``ctx``
-    ("forward_run"). Neither (a graph found at ``enable()``): None."""
-    phases = {c["phase"] for c in calls}
-    if len(phases) != 1:
-        return None, None, None
-    phase = phases.pop()
-    if source == "before_enable":  # no module paths: named by the watched module running it
-        return None, None, _Namer(phase, len(calls), [""] * len(calls), _WatchedSelf(), "")
-    dyn = dynamo_names()
-    outer = flex_layer() or ""
-    if dyn is not None and len(dyn[0]) == len(calls):
-        rels, finder, root = dyn
-        if phase == "backward":
-            rels = rels[::-1]
-        prefix = watched_name(root) if root is not None else None
-        return join_names(prefix, rels, outer), "nn_module_stack", _Namer(phase, len(calls), rels, finder, outer)
-    namer = _Namer(phase, len(calls), None, None, around or "")
-    if phase == "backward":
-        names = _ctx_names(_aot_ctx().get(), len(calls), True)
-        if names is not None:
-            return list(names), "forward_run", namer
-    return None, None, namer
-
-
-class _Namer:
-    """Names a compiled graph's calls at each run under ``watch()``; results built once per set of
-    names (a run looks them up). Forward: the compile-time paths joined to the watched name of
-    the module the frame runs for now (read from the running frame, ``_FrameLocal``); the names
-    go on AOTAutograd's ``ctx`` for the backward. Backward: the names its forward left on the
-    ``ctx``. A graph with one call and nothing better: the layer running now (hooks, backward
-    span; ``_hook_names``)."""
-
-    __slots__ = ("phase", "n", "rels", "root", "outer", "ctx", "built")
-
-    def __init__(self, phase: str, n: int, rels: Optional[List[str]], root: Optional[_FrameLocal], outer: str) -> None:
-        self.phase, self.n, self.rels, self.root, self.outer = phase, n, rels, root, outer
-        self.ctx = _aot_ctx()
-        self.built: Dict[Any, Any] = {}
-
-    def names(self) -> Optional[Tuple[Optional[str], ...]]:
-        if self.phase == "backward":
-            return _ctx_names(self.ctx.get(), self.n, True)
-        if self.rels is None or self.root is None:
-            return None  # (a frame of no module: a function compiled, called from the layers)
-        module = self.root.get()
-        prefix = watched_name(module) if module is not None else None
-        names = self.built.get(prefix)
-        if names is None:
-            names = self.built[prefix] = tuple(join_names(prefix, self.rels, self.outer))
-        return names
-
-    def run(self, fixed: Tuple[Optional[str], ...]) -> Tuple[Optional[str], ...]:
-        """This run's names (``fixed``: the compile-time ones), left on the ctx for a backward."""
-        names = self.names()
-        if names is None or not any(names):
-            names = _hook_names(fixed)
-        self._to_backward(names)
-        return names
-
-    def _to_backward(self, names: Tuple[Optional[str], ...]) -> None:
-        """A forward run leaves its names on AOTAutograd's ctx (none in an inference graph)."""
-        if self.phase == "forward" and any(names):
-            ctx = self.ctx.get()
-            if ctx is not None:
-                try:
-                    setattr(ctx, _CTX_FIELD, names)
-                except Exception:
-                    pass
-
-
 def _sidecar_path(graph: Optional[str]) -> Optional[str]:
     if not graph or not re.fullmatch(r"[\w-]+", str(graph)):
         return None
-    try:
-        from torch._inductor.runtime.cache_dir_utils import cache_dir
-    except ImportError:  # older layout
-        from torch._inductor.runtime.runtime_utils import cache_dir
-    return os.path.join(cache_dir(), "fusionguard", f"{graph}.json")
+    return os.path.join(ti.inductor_cache_dir(), "fusionguard", f"{graph}.json")
 
 
 def _save_sidecar(graph: Optional[str], records: List[dict]) -> None:
@@ -580,145 +338,6 @@ def _template_from_source(compiled: Any, device: Optional[str]) -> str:
     if "flex_decoding" in source:
         return "triton_decode"
     return "triton"
-
-
-def _hook_names(fixed: Tuple[Optional[str], ...]) -> Tuple[Optional[str], ...]:
-    """One compiled flex_attention often serves every layer (``torch.compile(flex_attention)``
-    called from eager modules): its compile-time layer is the first caller's. For a graph with one
-    FlexAttention call, the layer running it now (forward hooks, or the open backward span),
-    unless the compile-time name is a more specific module inside it."""
-    if len(fixed) != 1:
-        return fixed
-    now = flex_layer()
-    known = fixed[0]
-    if not now or known and known.startswith(now + "."):
-        return fixed
-    return (now,)
-
-
-def _run_events(fields: Dict[str, Any], names: Tuple[Optional[str], ...]) -> Tuple[List[Dict[str, Any]], Tuple[Tuple[str, int], ...]]:
-    """The ``flex_run`` events of a graph run whose calls have ``names``, and its per-layer counts
-    (for ``summary()``): one event per layer, so that the log's per-(layer, phase) counters stay
-    exact when one graph holds several layers' calls (``flex_calls`` of the layer, ``graph_calls``
-    of the run); unnamed calls share one event with ``layer: null``."""
-    counts: Dict[Optional[str], int] = {}
-    for x in names:
-        counts[x] = counts.get(x, 0) + 1
-    if len(counts) == 1:
-        ((x, k),) = counts.items()
-        events = [{**fields, "layer": x, "layers": [x] if x else None}]
-    else:
-        events = [{**fields, "layer": x, "layers": [x] if x else None, "flex_calls": k, "graph_calls": len(names)} for x, k in counts.items()]
-    return events, tuple((x, k) for x, k in counts.items() if x)
-
-
-def count_runs(compiled: Any, records: List[Dict[str, Any]], namer: Optional[_Namer] = None) -> None:
-    """Per-call evidence for a compiled graph holding fused FlexAttention: count its executions.
-
-    The fused kernels run without any Python call into the operator, but every execution of the
-    compiled graph goes through ``CompiledFxGraph.current_callable`` (also a CUDA-graph replay,
-    which is started from there). Wrapping that one callable costs one Python call per graph
-    execution, not per kernel, and never changes which launcher runs. Each execution logs a
-    ``flex_run`` event (sampled like every fused per-call event: the first few per layer and
-    phase, then counters) with the number of fused FlexAttention calls it made, named per run
-    under ``watch()`` (``_Namer``). The wrapper goes in through the patch registry, so
-    ``disable()`` puts the graph's own callable back."""
-    fn = getattr(compiled, "current_callable", None)
-    if fn is None or getattr(fn, "_fusionguard_records", None) is not None or not records:
-        return
-    per_phase: Dict[str, List[Dict[str, Any]]] = {}
-    for r in records:
-        per_phase.setdefault(r["phase"], []).append(r)
-    summaries: List[Dict[str, Any]] = [
-        {
-            "path": "fused",
-            "traced": True,
-            "cause": None,
-            "phase": phase,
-            "flex_calls": len(rs),
-            "template": rs[0].get("template"),
-            "graph": rs[0].get("graph"),
-            "cudagraphs": bool(getattr(compiled, "cudagraph_info", None)) or None,
-        }
-        for phase, rs in per_phase.items()
-    ]
-
-    # Built once: per run, only a counter, the naming of the run (under watch(); its events are
-    # built once per set of names) and the (sampled) events remain on the fused path.
-    runs: List[Tuple[str, int, Dict[str, Any], Tuple[Any, ...], Dict[Any, Any]]] = [(f"fused_runs_{s['phase']}", s["flex_calls"], s, tuple(r.get("layer") for r in per_phase[s["phase"]]), {}) for s in summaries]
-    if len(runs) != 1:
-        namer = None
-    unlogged = [r["record"] for r in records if r.get("record", {}).get("source") == "before_enable"]
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        out = fn(*args, **kwargs)
-        if STATE.enabled:
-            try:
-                for key, n, fields, names, cache in runs:
-                    count(key, n)
-                    if namer is not None:
-                        if watching():
-                            names = namer.run(names)
-                    elif n == 1:
-                        names = _hook_names(names)
-                    hit = cache.get(names)
-                    if hit is None:
-                        if len(cache) > 10_000:
-                            cache.clear()
-                        hit = cache[names] = _run_events(fields, names)
-                    events, per_layer = hit
-                    if unlogged:  # a graph compiled before enable(): its records at its first run
-                        for rec in unlogged:
-                            if n == 1 and rec.get("layer") is None and names[0]:
-                                rec = {**rec, "layer": names[0], "named_from": "first_run"}
-                            log_compile_record(rec)
-                        unlogged.clear()
-                    # a forward re-run by checkpointing inside the backward is not a new call
-                    # (a watched layer's hooks count it as a recompute)
-                    if per_layer and not (fields["phase"] == "forward" and in_backward()):
-                        STATS.on_fused(per_layer, fields["phase"])
-                    for event in events:
-                        STATE.log.emit_fields("info", "flex_run", event)
-            except Exception as exc:
-                internal_error("fused run count", exc)
-        return out
-
-    counted._fusionguard_records = summaries  # type: ignore[attr-defined]
-    counted.__wrapped__ = fn  # type: ignore[attr-defined]
-    if "current_callable" not in getattr(compiled, "__dict__", {}):  # (not reversible: not wrapped)
-        return
-    table = _GraphAttrs(compiled)
-    # (keyed by the table, which the registry keeps alive: its id is never reused meanwhile)
-    STATE.patches.apply(f"graph {id(table)}.current_callable", table, "current_callable", lambda _: counted)
-
-
-class _GraphAttrs(MutableMapping):
-    """A compiled graph's attributes for the patch registry, holding the graph weakly: the
-    registry must not keep a graph Dynamo dropped (and its constants) alive until disable()."""
-
-    def __init__(self, graph: Any) -> None:
-        self.ref = weakref.ref(graph)
-
-    def _attrs(self) -> Dict[str, Any]:
-        graph = self.ref()
-        return {} if graph is None else graph.__dict__
-
-    def __getitem__(self, key: str) -> Any:
-        return self._attrs()[key]
-
-    def __setitem__(self, key: str, value: Any) -> None:
-        graph = self.ref()
-        if graph is not None:
-            graph.__dict__[key] = value
-
-    def __delitem__(self, key: str) -> None:
-        del self._attrs()[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._attrs())
-
-    def __len__(self) -> int:
-        return len(self._attrs())
 
 
 def make_post_compile_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -20,7 +20,7 @@ import contextlib
 import contextvars
 import sys
 import time
-from typing import Any, Callable, Dict, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from . import causes
 from ._state import ALLOW_DENSE, STATE, count, internal_error
@@ -37,17 +37,15 @@ def _eager_backend() -> Any:
     return lookup_backend("eager")
 
 
-_INDUCTOR: Dict[str, Any] = {}
-
-
 def rescue_backend(gm: Any, example_inputs: Any) -> Any:
     """Inductor, or PyTorch's eager backend if Inductor fails: a rescue must never break a call
     that would have worked densely (the dense run is then guarded and logged as usual)."""
-    if "inductor" not in _INDUCTOR:
+    backends = STATE.caches.backends
+    if "inductor" not in backends:
         from torch._dynamo.backends.registry import lookup_backend
 
-        _INDUCTOR["inductor"] = lookup_backend("inductor")
-    inductor = _INDUCTOR["inductor"]
+        backends["inductor"] = lookup_backend("inductor")
+    inductor = backends["inductor"]
     record = RESCUING.get() or {}
     try:
         if record.get("out_only"):
@@ -197,7 +195,7 @@ def _log_rescue(record: dict, frame: Any) -> None:
         count("rescue_compiles", compiles)
         count("rescue_compile_ms", int(seconds * 1000))
     from .guard import tensor_fields
-    from .layers import flex_layer
+    from .watching.naming import flex_layer
 
     local = frame.f_locals if frame is not None else {}
     tensors = tensor_fields(local.get("query"), local.get("key")) if local.get("query") is not None else {}

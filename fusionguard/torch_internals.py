@@ -336,3 +336,65 @@ def nested_flex_codes() -> tuple:
                 fn.__code__ for name, fn in vars(mod).items() if name.startswith("flex_njt") and hasattr(fn, "__code__")
             )
     return _NJT_CODES
+
+
+# --- watch() and compiled graphs (watching/, inductor.py, compiled.py) -------------------------
+
+
+def graph_task_id() -> Any:
+    """A function returning the id of the autograd backward pass running on this thread, -1
+    outside one (``torch._C._current_graph_task_id``); on a torch without it, always -1."""
+    import torch
+
+    return getattr(torch._C, "_current_graph_task_id", None) or (lambda: -1)
+
+
+def at_trace_time(fn: Any) -> Any:
+    """``fn`` (no arguments, returns an int) run for real when Dynamo traces a call to it, the
+    result baked into the graph as a constant (``torch._dynamo.assume_constant_result``);
+    without that Dynamo support, a function that does nothing."""
+    try:
+        import torch._dynamo
+
+        return torch._dynamo.assume_constant_result(fn)
+    except Exception:  # pragma: no cover - very old torch
+        return lambda: 0
+
+
+FORWARD_PRE_HOOKS = "_forward_pre_hooks"  # the key of nn.Module's forward pre-hook dict in its __dict__
+
+
+def is_compile_wrapper(module: Any) -> bool:
+    """``torch.compile(module)``'s ``OptimizedModule``: it holds the module as ``_orig_mod``."""
+    return hasattr(module, "_orig_mod") and hasattr(module, "_torchdynamo_orig_callable")
+
+
+def compiled_in_place(module: Any) -> bool:
+    """``module.compile()`` was called: its ``__call__`` runs a compiled ``_call_impl``."""
+    return getattr(module, "_compiled_call_impl", None) is not None
+
+
+def wrapped_module(wrapper: Any) -> Any:
+    """The module an ``OptimizedModule`` (being built) wraps; None for ``torch.compiler.disable(module)``,
+    the same class around a ``DisableContext``, which compiles nothing."""
+    attrs = wrapper.__dict__
+    if type(attrs.get("dynamo_ctx")).__name__ == "DisableContext":
+        return None
+    return attrs.get("_orig_mod") or attrs.get("_modules", {}).get("_orig_mod")
+
+
+def lowering_node() -> Any:
+    """The FX node Inductor is lowering now (``V.graph.current_node``), or None."""
+    from torch._inductor.virtualized import V
+
+    return getattr(V.graph, "current_node", None)
+
+
+def inductor_cache_dir() -> str:
+    """Inductor's cache directory (``cache_dir()``: ``runtime.cache_dir_utils``, earlier
+    ``runtime.runtime_utils``)."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+    except ImportError:  # older layout
+        from torch._inductor.runtime.runtime_utils import cache_dir
+    return str(cache_dir())

@@ -272,7 +272,7 @@ def test_uninstall_restores_the_exact_previous_hooks(clean_hooks):
     crash.install(lambda level, event, **f: events.append(event))  # twice: never chains to itself
     assert sys.excepthook is crash._sys_hook and threading.excepthook is crash._thread_hook
     assert signal.getsignal(signal.SIGTERM) is crash._on_sigterm
-    assert crash._prev_sys is my_hook and crash._prev_threading is my_thread_hook
+    assert crash.CRASH.prev_sys is my_hook and crash.CRASH.prev_threading is my_thread_hook
     crash.uninstall()
     assert sys.excepthook is my_hook and threading.excepthook is my_thread_hook
     assert signal.getsignal(signal.SIGTERM) is my_handler
@@ -291,25 +291,25 @@ def test_uninstall_leaves_a_hook_installed_after_ours(clean_hooks):
     assert sys.excepthook is later
     # ours, if still called by someone's chain, is a pass-through that writes nothing
     written = []
-    crash._emit = written.append  # type: ignore[assignment]
+    crash.CRASH.emit = written.append  # type: ignore[assignment]
     try:
         raise ValueError("x")
     except ValueError as exc:
-        prev = crash._prev_sys
-        crash._prev_sys = lambda *a: seen.append("chained")
+        prev = crash.CRASH.prev_sys
+        crash.CRASH.prev_sys = lambda *a: seen.append("chained")
         try:
             crash._sys_hook(type(exc), exc, exc.__traceback__)
         finally:
-            crash._prev_sys = prev
-            crash._emit = None
+            crash.CRASH.prev_sys = prev
+            crash.CRASH.emit = None
     assert written == [] and seen == ["chained"]
 
 
 def test_real_thread_exception_in_process(clean_hooks):
     events = []
     crash.install(lambda level, event, **f: events.append((level, event, f)), sigterm=False)
-    prev = crash._prev_threading
-    crash._prev_threading = lambda args: None  # keep pytest's output clean
+    prev = crash.CRASH.prev_threading
+    crash.CRASH.prev_threading = lambda args: None  # keep pytest's output clean
 
     def work():
         [][1]
@@ -319,7 +319,7 @@ def test_real_thread_exception_in_process(clean_hooks):
         t.start()
         t.join()
     finally:
-        crash._prev_threading = prev
+        crash.CRASH.prev_threading = prev
     ((level, event, f),) = events
     assert (level, event, f["thread"], f["exc_type"]) == ("error", "crash", "w1", "IndexError")
 

@@ -107,12 +107,11 @@ def test_recompile_limit_slide_is_rescued_with_few_compiles(guard, dynamo_reset,
 
 @needs("rescue")
 def test_a_failed_rescue_runs_dense_guarded_and_says_so(guard, dynamo_reset, monkeypatch):
-    from fusionguard import rescue
 
     def broken_inductor(gm, example_inputs):
         raise RuntimeError("inductor exploded")
 
-    monkeypatch.setitem(rescue._INDUCTOR, "inductor", broken_inductor)
+    monkeypatch.setitem(_state.STATE.caches.backends, "inductor", broken_inductor)
     guard(rescue=True)
     q, k, v = shapes(64)
     with pytest.warns(fusionguard.DenseFallbackWarning):

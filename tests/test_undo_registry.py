@@ -98,7 +98,7 @@ def test_reenable_after_a_host_replaced_our_excepthook(guard):
     sys.excepthook = theirs  # the host installs its own on top of ours
     try:
         guard()  # ours goes back on top of theirs, and its undo is the registry's entry
-        assert sys.excepthook is crash._sys_hook and crash._prev_sys is theirs
+        assert sys.excepthook is crash._sys_hook and crash.CRASH.prev_sys is theirs
         fusionguard.disable()
         assert sys.excepthook is theirs
     finally:

@@ -68,7 +68,7 @@ def test_watch_traced_warning_points_at_the_users_line(guard, dynamo_reset):
     model = Attn()
     compiled = torch.compile(lambda q, k, v: model(q, k, v), backend="eager")  # fusionguard cannot know
     q, k, v = torch.randn(1, 4, 64, 8), torch.randn(1, 2, 64, 8), torch.randn(1, 2, 64, 8)
-    from fusionguard.layers import STATS
+    STATS = fusionguard._state.STATE.stats
 
     STATS.told_traced = False  # said once per process: say it in this test
     with warnings.catch_warnings(record=True) as caught:

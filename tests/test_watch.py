@@ -339,7 +339,7 @@ def test_bad_options_are_clear_errors_and_change_nothing(guard):
 def test_a_compiled_model_is_never_taken_for_an_attention_layer(guard, dynamo_reset):
     """Compiled inside watch(): the compile wrapper (or a root holding several layers' calls) is
     not measured as a layer (that timed the whole model: +13 % step time on an H200)."""
-    from fusionguard.layers import STATS
+    STATS = fusionguard._state.STATE.stats
 
     q, k, v = gqa_qkv()
     guard(strict=True)
@@ -401,19 +401,19 @@ def test_a_backward_span_left_open_never_names_later_calls(guard):
 
 def test_span_inputs_prefer_the_hidden_states():
     """Keyword tensors shared by every layer (a T5 position_bias) must not end a layer's span."""
-    from fusionguard.layers import _span_inputs
+    from fusionguard.watching.hooks import span_inputs
 
     h, bias, other = torch.ones(1), torch.ones(2), torch.ones(3)
-    assert _span_inputs((), {"hidden_states": h, "position_bias": bias}) == [h]
-    assert _span_inputs((h,), {"position_bias": bias}) == [h]
-    assert _span_inputs((), {"x": other}) == [other]
+    assert span_inputs((), {"hidden_states": h, "position_bias": bias}) == [h]
+    assert span_inputs((h,), {"position_bias": bias}) == [h]
+    assert span_inputs((), {"x": other}) == [other]
 
 
 @pytest.mark.slow
 def test_a_container_compiled_in_place_is_not_a_layer(guard, dynamo_reset):
     """module.compile() in place: the watched parent is on the stack while Inductor records a
     graph of two layers' calls; it must not be learned as an attention layer."""
-    from fusionguard.layers import STATS
+    STATS = fusionguard._state.STATE.stats
 
     class Outer(nn.Module):
         def __init__(self):
@@ -454,11 +454,13 @@ def test_blocks_compiled_in_place_add_no_made_up_layer_rows(guard, dynamo_reset)
 
 
 def test_wrapper_prefixes_map_to_watched_names_and_nothing_else():
-    from fusionguard.layers import _WATCHED_NAMES, resolve_watched_name
+    from fusionguard._state import STATE
+    from fusionguard.watching import resolve_watched_name
 
-    saved = dict(_WATCHED_NAMES)
-    _WATCHED_NAMES.clear()
-    _WATCHED_NAMES.update({"layers.0.attn": 1, "layers.1.attn": 1})
+    watched = STATE.watch.names
+    saved = dict(watched)
+    watched.clear()
+    watched.update({"layers.0.attn": 1, "layers.1.attn": 1})
     try:
         assert resolve_watched_name("module.layers.0.attn") == "layers.0.attn"
         assert resolve_watched_name("module._orig_mod.layers.1.attn") == "layers.1.attn"
@@ -466,8 +468,8 @@ def test_wrapper_prefixes_map_to_watched_names_and_nothing_else():
         assert resolve_watched_name("vision.layers.0.attn") == "vision.layers.0.attn"
         assert resolve_watched_name("module.vision.layers.1.attn") == "module.vision.layers.1.attn"
     finally:
-        _WATCHED_NAMES.clear()
-        _WATCHED_NAMES.update(saved)
+        watched.clear()
+        watched.update(saved)
 
 
 def test_watching_a_module_inside_compile_says_so_once(guard, dynamo_reset, recwarn):

@@ -1,0 +1,154 @@
+"""The tables fusionguard fills while a program runs: per-layer statistics, the watch registry,
+and the caches of the dense path. Each is a field of the single ``State`` (``_state.py``).
+
+Why a module of its own: ``_state`` imports these classes, and nothing here imports ``_state``
+(nor torch), so the state has no import cycle. Each class resets *in place* (``reset()``): the
+objects live as long as the process, so a module may hold one and never see a stale copy.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+
+@dataclass
+class LayerStats:
+    calls: int = 0
+    dense: int = 0
+    fused: int = 0
+    recompute: int = 0
+    dense_recompute: int = 0
+    causes: Dict[str, int] = field(default_factory=dict)
+    alloc_delta_last: Optional[int] = None
+    alloc_delta_max: Optional[int] = None
+    peak_delta_last: Optional[int] = None
+    peak_delta_max: Optional[int] = None
+    scores_bytes: Optional[int] = None
+    measured: int = 0
+
+
+class WatchRegistry:
+    """What ``watch()`` knows about the user's modules while it is active (``fusionguard.watching``).
+
+    ``names``: qualified names under an active watch() -> count. ``modules``: id(module) ->
+    (weak reference, qualified name, watch() count, forward's code): names a dense call by the
+    module whose forward frame made it. ``forward_codes``: id of those forwards' code objects ->
+    count; ``forward_sites``: their (file, first line) -> count (a forward Dynamo compiled runs
+    its own rewritten code, with the same file and first line). ``roots``: id(watched model) ->
+    (weak reference, count). ``pairs``: module -> its pool of hook pairs (the same hook objects at
+    every entry: Dynamo guards on them). ``compiled_inside``: module held by a live
+    ``torch.compile`` wrapper -> a weak reference to that wrapper. ``lock`` guards modules,
+    roots and pairs."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.names: Dict[str, int] = {}
+        self.modules: Dict[int, Tuple[Any, str, int, Any]] = {}
+        self.forward_codes: Dict[Any, int] = {}
+        self.forward_sites: Dict[Tuple[str, int], int] = {}
+        self.roots: Dict[int, Tuple[Any, int]] = {}
+        self.pairs: "weakref.WeakKeyDictionary[Any, List[Any]]" = weakref.WeakKeyDictionary()
+        self.compiled_inside: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+
+    def tables(self) -> Dict[str, Any]:
+        return {k: v for k, v in vars(self).items() if k != "lock"}
+
+    def reset(self) -> None:
+        with self.lock:
+            for table in self.tables().values():
+                table.clear()
+
+
+class Stats:
+    """Per-(layer, phase) counts and memory for ``summary()``, the layer classes seen calling
+    FlexAttention, the true CUDA peaks across watch()'s resets, and two once-per-process notes."""
+
+    def __init__(self, watched: Dict[str, int]) -> None:
+        self.lock = threading.Lock()
+        self.watched = watched  # the watch registry's names (reset in place: never a stale copy)
+        self.reset()
+
+    def reset(self) -> None:
+        self.rows: Dict[Tuple[str, str], LayerStats] = {}
+        self.flex_classes: set = set()  # module classes seen making FlexAttention calls
+        self.peak: Dict[int, int] = {}  # device -> true peak allocated, across our resets
+        self.warned_reset = False
+        self.told_traced = False  # watch_traced said (once per process)
+
+    def new_log(self) -> None:
+        """A new log file starts: its rows count from zero. Why: a log's ``summary`` event (and
+        ``summary()``) must count that log's calls only; rows kept from an earlier log added its
+        hook-counted calls and memory to this log's graph runs (double counts, memory of layers
+        never measured here). Learned layer classes and the true peaks are the process's: kept."""
+        with self.lock:
+            self.rows = {}
+
+    def row(self, layer: str, phase: str) -> LayerStats:
+        key = (layer, phase)
+        row = self.rows.get(key)
+        if row is None:
+            row = self.rows[key] = LayerStats()
+        return row
+
+    def on_dense(
+        self, layer: Optional[str], phase: str, cause: Optional[str], scores: Optional[int], recompute: bool = False
+    ) -> None:
+        if layer is None:
+            return
+        with self.lock:
+            row = self.row(layer, phase)
+            if recompute:  # checkpointing re-ran the dense forward: counted apart from calls
+                row.dense_recompute += 1
+            else:
+                row.dense += 1
+            if cause:
+                row.causes[cause] = row.causes.get(cause, 0) + 1
+            if scores:
+                row.scores_bytes = max(row.scores_bytes or 0, scores)
+
+    def on_fused(self, layers: Iterable[Tuple[str, int]], phase: str) -> None:
+        """A compiled graph ran: ``(layer, n)`` fused FlexAttention calls per layer. Under
+        ``watch()``, only the watched model's layers (a graph compiled inside one block names
+        its modules relative to that block: ``attn`` for every block's)."""
+        watched = self.watched
+        with self.lock:
+            for layer, n in layers:
+                if watched and layer not in watched:
+                    continue
+                self.row(layer, phase).fused += n
+
+    def summary(self) -> List[Dict[str, Any]]:
+        with self.lock:
+            out = []
+            for (layer, phase), r in sorted(self.rows.items()):
+                d = {"layer": layer, "phase": phase, **r.__dict__}
+                d["causes"] = dict(r.causes)
+                # Calls of a FlexAttention layer that ran no dense kernel ran the fused one;
+                # compiled-graph runs count their fused calls (a compiled model has no hooks).
+                d["calls"] = max(r.calls, r.dense + r.fused)
+                d["fused"] = max(r.fused, d["calls"] - r.dense)
+                out.append(d)
+            return out
+
+
+class Caches:
+    """What the dense path works out once and looks up after: bounded, keyed so that a stale
+    entry is never returned (each user checks identity or bounds the size)."""
+
+    def __init__(self) -> None:
+        # guard: trace-time notes of dense kernels Dynamo inlined, by token; tensor fields by
+        # (shapes, dtype, device); the last stderr message per phase
+        self.inline_notes: Dict[int, dict] = {}
+        self.tensor_fields: Dict[tuple, Dict[str, Any]] = {}
+        self.messages: Dict[Optional[str], tuple] = {}
+        # causes: id(code) -> (code, kind, original code, is the user's) for each stack frame seen
+        self.code_kinds: Dict[int, Tuple[Any, int, Optional[Any], bool]] = {}
+        # rescue: Dynamo backends looked up once ("inductor")
+        self.backends: Dict[str, Any] = {}
+
+    def reset(self) -> None:
+        for table in vars(self).values():
+            table.clear()

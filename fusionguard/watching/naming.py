@@ -1,0 +1,298 @@
+"""Which watched layer a FlexAttention call belongs to: the watched modules by identity
+(``STATE.watch``), their names as the user spells them, the layer stack of running forwards
+and the backward spans open on this thread."""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import inspect
+import re
+import threading
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from .. import torch_internals as ti
+from .._state import STATE, internal_error
+
+
+# The stack of (qualified name, module class) of the watched modules whose forward is running.
+LAYER: contextvars.ContextVar[Tuple[Tuple[str, Optional[type]], ...]] = contextvars.ContextVar("fusionguard_layer", default=())
+
+
+_ORIG_MOD = re.compile(r"(^|\.)_orig_mod(?=\.|$)")
+
+
+def clean_name(name: str) -> str:
+    """``_orig_mod.layers.0`` -> ``layers.0``: names as the user's own model spells them."""
+    return _ORIG_MOD.sub("", name).lstrip(".")
+
+
+def resolve_watched_name(name: str) -> str:
+    """Dynamo names modules relative to the frame it compiled (``layers.0.attn`` when a graph
+    break made it compile the inner model); map that to the watched model's own spelling
+    (``model.layers.0.attn``) when exactly one watched name ends with it, or, for a wrapper
+    compiled around the watched model, when a tail of it is a watched name."""
+    watched = STATE.watch.names
+    if not watched or name in watched:
+        return name
+    matches = [n for n in watched if n.endswith("." + name)]
+    if len(matches) == 1:
+        return matches[0]
+    # the other way round: a wrapper compiled around the watched model adds a prefix
+    # (DistributedDataParallel's ``module.layers.0`` when ``model`` itself is watched); only
+    # wrappers' own attribute names are stripped, never a real submodule's (``vision.``)
+    parts = name.split(".")
+    i = 0
+    while i < len(parts) - 1 and parts[i] in _WRAPPER_ATTRS:
+        i += 1
+        tail = ".".join(parts[i:])
+        if tail in watched:
+            return tail
+    return name
+
+
+# attributes through which wrappers hold the wrapped module: DDP, torch.compile, FSDP1,
+# activation checkpointing
+_WRAPPER_ATTRS = frozenset({"module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+
+
+def flex_layer(frame: Any = None) -> Optional[str]:
+    """The layer a FlexAttention call made now belongs to: the innermost watched module whose
+    forward is running, or in a backward (no forward hooks run there) the innermost open
+    backward span; given the caller's ``frame`` (the dense and rescue paths), else the watched
+    module whose forward is on the stack (``layer_from_stack``)."""
+    stack = LAYER.get()
+    name = stack[-1][0] if stack else None
+    return (
+        name
+        or (backward_layer() if in_backward() else None)
+        or (layer_from_stack(frame) if frame is not None else None)
+    )
+
+
+def note_flex_call(frame: Any = None) -> Optional[str]:
+    """``flex_layer()``, and remember that the innermost watched module's class makes
+    FlexAttention calls (it becomes an attention layer: measured, with backward spans). Called
+    for a dense run and for a compiled graph with one FlexAttention call (a graph of several
+    layers' calls was compiled around a container)."""
+    stack = LAYER.get()
+    if stack:
+        cls = stack[-1][1]
+        classes = STATE.stats.flex_classes
+        if cls is not None and cls not in classes:
+            classes.add(cls)
+    return flex_layer(frame)
+
+
+# The user's modules under an active watch(), by identity: STATE.watch (_tables.WatchRegistry).
+
+
+def make_wrapper_init(original: Callable[..., None]) -> Callable[..., None]:
+    """``OptimizedModule.__init__``, also noting the modules it wraps.
+
+    Why: users often compile ``model`` and hand ``watch()`` the same ``model``. Hooks on modules
+    that run inside the compiled graph never run there, yet Dynamo traces them (a warm compile
+    x1.3-1.5 for an 8-layer stack on an H200) and guards on them. Known as compiled, they are
+    treated as under ``watch(compiled)``: no hooks (unless named in ``layers=``); fused calls
+    named from compile records, dense ones by their forward frame (``layer_from_stack``). Only
+    while the wrapper lives; ``torch.compiler.disable(module)`` (the same class) is not a
+    compile."""
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        try:
+            inner = ti.wrapped_module(self)
+            if isinstance(inner, torch.nn.Module):
+                ref = weakref.ref(self)
+                inside = STATE.watch.compiled_inside
+                for m in inner.modules():
+                    inside[m] = ref
+        except Exception as exc:
+            internal_error("torch.compile wrapper note", exc)
+
+    return __init__
+
+
+def compiled_inside(module: torch.nn.Module) -> bool:
+    try:
+        ref = STATE.watch.compiled_inside.get(module)
+    except TypeError:  # unhashable module class
+        return False
+    return ref is not None and ref() is not None
+
+
+def _forward_code(module: torch.nn.Module) -> Any:
+    """The code object of the module's own forward, under decorators (``functools.wraps``
+    chains: ``torch.compiler.disable``, Hugging Face's keyword-argument shims)."""
+    try:
+        fn = inspect.unwrap(type(module).forward)
+        return getattr(fn, "__code__", None)
+    except Exception:
+        return None
+
+
+def under(raw_name: str, prefixes: List[str]) -> bool:
+    return any(not p or raw_name == p or raw_name.startswith(p + ".") for p in prefixes)
+
+
+def watched_name(module: Any) -> Optional[str]:
+    """The watched name of ``module`` (``''`` for a watched model itself), None if not watched.
+    Names a compiled frame's ``self`` (``inductor.dynamo_names``): its graph names modules relative to it."""
+    key = id(module)
+    w = STATE.watch
+    entry = w.modules.get(key)
+    if entry is not None and entry[0]() is module:
+        return entry[1]
+    root = w.roots.get(key)
+    if root is not None and root[0]() is module:
+        return ""
+    return None
+
+
+def is_watching() -> bool:
+    w = STATE.watch
+    return bool(w.modules or w.roots)
+
+
+def name_module(module: torch.nn.Module, name: str) -> Optional[int]:
+    """Known by identity under watch() (a root, named '', is not a layer: kept in STATE.watch.roots)."""
+    key = id(module)
+    w = STATE.watch
+    if not name:
+        with w.lock:
+            root = w.roots.get(key)
+            count = root[1] + 1 if root is not None and root[0]() is module else 1
+            w.roots[key] = (weakref.ref(module), count)
+        return -key - 1  # (negative: a root's key, see unname_modules)
+    with w.lock:
+        entry = w.modules.get(key)
+        if entry is not None and entry[0]() is module:
+            w.modules[key] = entry[:2] + (entry[2] + 1, entry[3])  # the first watch()'s name
+        else:
+            code = _forward_code(module)
+            w.modules[key] = (weakref.ref(module), name, 1, code)
+            if code is not None:
+                w.forward_codes[id(code)] = w.forward_codes.get(id(code), 0) + 1
+                site = (code.co_filename, code.co_firstlineno)
+                w.forward_sites[site] = w.forward_sites.get(site, 0) + 1
+    return key
+
+
+def decrement(table: Dict[Any, int], key: Any) -> None:
+    left = table.get(key, 1) - 1
+    if left <= 0:
+        table.pop(key, None)
+    else:
+        table[key] = left
+
+
+def unname_modules(keys: List[int]) -> None:
+    w = STATE.watch
+    with w.lock:
+        for key in keys:
+            if key < 0:
+                root = w.roots.get(-key - 1)
+                if root is not None and root[1] > 1:
+                    w.roots[-key - 1] = (root[0], root[1] - 1)
+                else:
+                    w.roots.pop(-key - 1, None)
+                continue
+            entry = w.modules.get(key)
+            if entry is None:
+                continue
+            if entry[2] > 1:
+                w.modules[key] = entry[:2] + (entry[2] - 1, entry[3])
+                continue
+            del w.modules[key]
+            code = entry[3]
+            if code is not None:
+                decrement(w.forward_codes, id(code))
+                decrement(w.forward_sites, (code.co_filename, code.co_firstlineno))
+
+
+def layer_from_stack(frame: Any, limit: int = 200) -> Optional[str]:
+    """The watched module whose forward (innermost) is on the stack of a dense call that no
+    hook named: inside a ``torch.compile``d module, hooks never run (Dynamo traced them, or
+    there are none), yet a graph break, a ``torch.compiler.disable``d forward or the recompile
+    limit runs the module's forward eagerly, densely, and that is the call users need named.
+    Only on the dense path. Locals are read only from frames running a watched class's own
+    forward, and only the innermost such frame (before Python 3.13 reading them leaves a
+    snapshot on the frame until it returns: the attention forward's own, whose tensors are
+    alive anyway)."""
+    w = STATE.watch
+    modules = w.modules
+    if not modules:
+        return None
+    codes, sites = w.forward_codes, w.forward_sites
+    f = frame
+    while f is not None and limit > 0:
+        limit -= 1
+        c = f.f_code
+        if id(c) in codes or (c.co_filename, c.co_firstlineno) in sites:
+            obj = f.f_locals.get("self")
+            entry = modules.get(id(obj))
+            if entry is not None and entry[0]() is obj:
+                classes = STATE.stats.flex_classes
+                if type(obj) not in classes:
+                    classes.add(type(obj))
+                return entry[1]
+        f = f.f_back
+    return None
+
+
+# Backward spans open on this thread (the autograd engine runs a device's backward on one
+# thread, hooks and kernels alike): names the layer of a backward that carries no forward
+# context, e.g. the AOTAutograd backward of a compiled flex_attention.
+_BW_OPEN = threading.local()
+_graph_task_id = ti.graph_task_id()
+
+
+def _graph_task() -> int:
+    try:
+        return _graph_task_id()
+    except Exception:
+        return -1
+
+
+def backward_layer() -> Optional[str]:
+    """The innermost backward span open in *this* backward pass (spans of a backward that raised,
+    or whose inputs' gradients were never asked for, never end: they belong to another pass)."""
+    spans = getattr(_BW_OPEN, "spans", None)
+    if not spans:
+        return None
+    task = _graph_task()
+    for name, span_task in reversed(spans):
+        if span_task == task:
+            return name
+    return None
+
+
+def bw_push(name: str) -> None:
+    spans = getattr(_BW_OPEN, "spans", None)
+    if spans is None:
+        spans = _BW_OPEN.spans = []
+    task = _graph_task()
+    if len(spans) >= 64:  # drop spans left open by earlier backward passes
+        spans[:] = [s for s in spans if s[1] == task]
+    spans.append((name, task))
+
+
+def bw_pop(name: str) -> None:
+    spans = getattr(_BW_OPEN, "spans", None) or []
+    task = _graph_task()
+    for i in range(len(spans) - 1, -1, -1):
+        if spans[i] == (name, task):
+            del spans[i]
+            return
+    for i in range(len(spans) - 1, -1, -1):
+        if spans[i][0] == name:
+            del spans[i]
+            return
+
+
+def in_backward() -> bool:
+    return _graph_task() != -1

@@ -1,0 +1,153 @@
+"""The package's shape: no import cycle, every module importable alone, one state with one reset."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from typing import Dict, List, Set
+
+import torch
+from torch.nn.attention.flex_attention import flex_attention
+
+import fusionguard
+from fusionguard import _state
+
+PKG = os.path.dirname(os.path.abspath(fusionguard.__file__))
+
+
+def _module_name(path: str) -> str:
+    rel = os.path.relpath(path, os.path.dirname(PKG))[: -len(".py")].replace(os.sep, ".")
+    return rel[: -len(".__init__")] if rel.endswith(".__init__") else rel
+
+
+def _modules() -> Dict[str, str]:
+    found = {}
+    for root, _, files in os.walk(PKG):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(root, f)
+                found[_module_name(path)] = path
+    return found
+
+
+def _imports(name: str, path: str, known: Set[str], late: bool = False) -> Set[str]:
+    """The package's modules that ``name`` imports when it is imported (module level, ``try`` and
+    ``if`` blocks included, ``if TYPE_CHECKING`` left out); ``late``: also those imported inside
+    functions and methods, when they run (a late import that closes a cycle is still one)."""
+    is_pkg = path.endswith("__init__.py")
+    base = name.split(".") if is_pkg else name.split(".")[:-1]
+    out: Set[str] = set()
+
+    def visit(body: List[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, ast.If):
+                if not (isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"):
+                    visit(node.body)
+                visit(node.orelse)
+            elif isinstance(node, ast.Import):
+                out.update(a.name for a in node.names if a.name in known)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    target = ".".join(base[: len(base) - node.level + 1] + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                for a in node.names:
+                    if f"{target}.{a.name}" in known:  # ``from . import crash``: the module itself
+                        out.add(f"{target}.{a.name}")
+                    elif target in known:
+                        out.add(target)
+            elif late or not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                for field in ("body", "orelse", "finalbody", "handlers"):
+                    for part in getattr(node, field, None) or ():
+                        visit(part.body if isinstance(part, ast.ExceptHandler) else [part])
+
+    visit(ast.parse(open(path).read()).body)
+    out.discard(name)
+    return out
+
+
+def _cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
+    cycles: List[List[str]] = []
+    state: Dict[str, int] = {}
+    stack: List[str] = []
+
+    def dfs(n: str) -> None:
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(graph.get(n, ())):
+            if state.get(m) == 1:
+                cycles.append(stack[stack.index(m) :] + [m])
+            elif m not in state:
+                dfs(m)
+        stack.pop()
+        state[n] = 2
+
+    for n in sorted(graph):
+        if n not in state:
+            dfs(n)
+    return cycles
+
+
+def test_the_package_has_no_import_cycle():
+    modules = _modules()
+    graph = {name: _imports(name, path, set(modules)) for name, path in modules.items()}
+    assert graph["fusionguard._state"] and "fusionguard._tables" in graph["fusionguard._state"]  # the walk sees imports
+    assert _cycles(graph) == []
+    # late imports too (the package itself left out: its lazy public names import the modules
+    # that implement them, and those may call the public API back)
+    late = {name: _imports(name, path, set(modules), late=True) - {"fusionguard"} for name, path in modules.items()}
+    assert "fusionguard.guard" in late["fusionguard.watching.hooks"]  # the walk sees late imports
+    assert _cycles(late) == []
+    # the state's own modules import nothing that imports the state
+    for low in ("fusionguard._tables", "fusionguard.crash", "fusionguard.patches", "fusionguard.dynamo_signals"):
+        assert "fusionguard._state" not in graph[low], low
+
+
+def test_every_module_imports_alone_in_a_fresh_interpreter():
+    # (not __main__, which runs the CLI, nor the start-up hook, which is run by path)
+    names = sorted(n for n in _modules() if n != "fusionguard.__main__" and not n.startswith("fusionguard._startup"))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(PKG), os.environ.get("PYTHONPATH", "")]))
+    env.pop("FUSIONGUARD", None)
+    procs = {n: subprocess.Popen([sys.executable, "-c", f"import {n}"], stderr=subprocess.PIPE, text=True, env=env) for n in names}
+    failed = {n: p.communicate(timeout=240)[1][-800:] for n, p in procs.items() if p.wait(timeout=240) != 0}
+    assert len(names) > 20 and not failed, failed
+
+
+def _tables(state: _state.State) -> Dict[str, int]:
+    """Every registry, cache and count of the state, by size."""
+    tables = {**state.watch.tables(), **{f"caches.{k}": t for k, t in vars(state.caches).items()}}
+    tables.update(rows=state.stats.rows, flex_classes=state.stats.flex_classes, peak=state.stats.peak, counts=state.counts)
+    tables.update(reported=state.reported, durable_keys=state.durable_keys, events=state.log.memory)
+    return {k: len(t) for k, t in tables.items()}
+
+
+def test_reset_leaves_every_registry_empty(guard):
+    state = _state.STATE
+    guard()
+
+    class Attn(torch.nn.Module):
+        def forward(self, q, k, v):
+            return flex_attention(q, k, v, enable_gqa=True)
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = Attn()
+
+        def forward(self, q, k, v):
+            return self.attn(q, k, v)
+
+    model = Model()
+    q, k, v = torch.randn(1, 4, 32, 8), torch.randn(1, 2, 32, 8), torch.randn(1, 2, 32, 8)
+    with fusionguard.watch(model):
+        model(q, k, v)
+        filled = {k for k, n in _tables(state).items() if n}
+        assert {"names", "modules", "roots", "pairs", "forward_codes", "rows", "flex_classes", "counts", "events", "caches.code_kinds"} <= filled
+        fusionguard.disable()
+        held = (state.stats, state.watch, state.caches)
+        state.reset()
+        assert (state.stats, state.watch, state.caches) == held  # reset in place: modules may hold them
+        assert {k: n for k, n in _tables(state).items() if n} == {}
+        assert not state.enabled and state.patches.names() == [] and state.stats.watched is state.watch.names
