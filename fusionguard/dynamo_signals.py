@@ -87,6 +87,11 @@ class Signals:
         self.emit: Callable[..., Any] = lambda *a, **k: None
         self.on_error: Callable[[str, BaseException], None] = lambda where, exc: None
 
+    def connect(self, emit: Callable[..., Any], on_error: Callable[[str, BaseException], None]) -> None:
+        """Where what is heard goes (``emit(level, event, **fields)``) and where our own failures go."""
+        self.emit = emit
+        self.on_error = on_error
+
     # -- install / remove ---------------------------------------------------------------------
     def install(self, registry: Optional[PatchRegistry] = None) -> list:
         """Add the log handler and the compile-end callback; each one's undo goes into ``registry``."""

@@ -564,6 +564,40 @@ class EventLog:
         for event, fields in sampler.flush():
             self._log(_COUNTER_LEVEL[event], event, fields, durable)
 
+    def configure(
+        self,
+        max_events: int,
+        sampler: Optional[FusedSampler],
+        on_pending: Optional[Callable[[], None]] = None,
+        on_sink_error: Optional[Callable[[BaseException], None]] = None,
+        on_sink_resume: Optional[Callable[[int], None]] = None,
+        mirror: Optional[Callable[[dict], None]] = None,
+    ) -> None:
+        """``enable()``'s settings: memory bound, a new sampler (the old one's pending counters
+        are written first: nothing counted is lost), the sink's failure / recovery callbacks and
+        the mirror (e.g. ``to_torch_trace``)."""
+        self.set_max_events(max_events)
+        self.flush_sampler()
+        if sampler is not None:
+            sampler.on_pending = on_pending
+        self.sampler = sampler
+        self.on_sink_error = on_sink_error
+        self.on_sink_resume = on_sink_resume
+        self.mirror = mirror
+
+    def set_sink_options(self, fsync: Union[bool, str], max_bytes: Optional[int], backups: int) -> bool:
+        """Change the open file's fsync and rotation settings in place (``enable()`` again, same
+        file); True when ``fsync`` changed (what was written before was made durable, or not,
+        under the old setting)."""
+        sink = self.sink
+        if sink is None:
+            return False
+        changed = sink.fsync != fsync
+        sink.fsync = fsync
+        sink.max_bytes = max_bytes or None
+        sink.backups = backups
+        return changed
+
     def set_max_events(self, n: int) -> None:
         if n != self.memory.maxlen:
             self.memory = collections.deque(self.memory, maxlen=n)
