@@ -39,6 +39,7 @@ import structlog
 
 from .distributed import process_group_ready
 from .events import TRACE_EVENTS
+from .torch_internals import structured_trace
 
 SCHEMA_VERSION = 1
 
@@ -649,10 +650,10 @@ def to_torch_trace(event: dict) -> None:
     try:
         global _TRACE
         if _TRACE is None:
-            from torch._logging._internal import trace_log
-            from torch._logging import trace_structured
-
-            _TRACE = (trace_log, trace_structured)  # one assignment: threads may race here
+            found = structured_trace()
+            if found is None:
+                return
+            _TRACE = found  # one assignment: threads may race here
         trace_log, trace_structured = _TRACE
         if not trace_log.handlers:
             return

@@ -22,7 +22,7 @@ import sys
 import time
 from typing import Any, Callable, Dict, Iterator, Optional
 
-from . import causes
+from . import causes, torch_internals as ti
 from ._state import ALLOW_DENSE, STATE, count, internal_error
 
 RESCUABLE = ("eager_call", "recompile_limit", "graph_break", "compile_error")
@@ -32,9 +32,7 @@ RESCUING: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("fusio
 
 
 def _eager_backend() -> Any:
-    from torch._dynamo.backends.registry import lookup_backend
-
-    return lookup_backend("eager")
+    return ti.lookup_backend("eager")
 
 
 _INDUCTOR: Dict[str, Any] = {}
@@ -44,9 +42,7 @@ def rescue_backend(gm: Any, example_inputs: Any) -> Any:
     """Inductor, or PyTorch's eager backend if Inductor fails: a rescue must never break a call
     that would have worked densely (the dense run is then guarded and logged as usual)."""
     if "inductor" not in _INDUCTOR:
-        from torch._dynamo.backends.registry import lookup_backend
-
-        _INDUCTOR["inductor"] = lookup_backend("inductor")
+        _INDUCTOR["inductor"] = ti.lookup_backend("inductor")
     inductor = _INDUCTOR["inductor"]
     record = RESCUING.get() or {}
     try:
@@ -93,9 +89,7 @@ def _out_only(inductor: Any, gm: Any, example_inputs: Any) -> Any:
 
 def _dynamic_ok() -> Any:
     try:
-        import torch._dynamo
-
-        return torch._dynamo.config.patch(automatic_dynamic_shapes=True)
+        return ti.dynamo_config().patch(automatic_dynamic_shapes=True)
     except Exception:
         return contextlib.nullcontext()
 

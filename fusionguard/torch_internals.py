@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import sys
 import types
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 HOP_MODULE = "torch._higher_order_ops.flex_attention"
 PUBLIC_MODULE = "torch.nn.attention.flex_attention"
@@ -237,6 +237,85 @@ def _inductor_code_loaded() -> bool:
     return not tables or any(bool(t) for t in tables)
 
 
+# --- Dynamo's own records, read by causes / dynamo_signals / guard / rescue ---------------------
+# Each lookup answers "nothing" (None, empty, False) where this release keeps it elsewhere: the
+# callers then know less about a cause, they never fail.
+
+#: The logger Dynamo reports frames it could not convert (and recompile-limit hits) on.
+DYNAMO_CONVERT_FRAME_LOGGER = "torch._dynamo.convert_frame"
+
+
+def _dynamo_attr(module_name: str, name: str) -> Any:
+    try:
+        return getattr(module(module_name), name, None)
+    except Exception:
+        return None
+
+
+def orig_code_map() -> Any:
+    """Dynamo's transformed code -> the user's original code (``torch._dynamo.utils``), or None."""
+    return _dynamo_attr("torch._dynamo.utils", "orig_code_map")
+
+
+def dynamo_seen_code_ids() -> Optional[Any]:
+    """Ids of the code objects Dynamo looked at since its last reset (``convert_frame.input_codes``), or None."""
+    return getattr(_dynamo_attr("torch._dynamo.convert_frame", "input_codes"), "seen_ids", None)
+
+
+def dynamo_config() -> Any:
+    """``torch._dynamo.config`` (its ``patch()`` context manager and its options), or None."""
+    return _dynamo_attr("torch._dynamo", "config")
+
+
+def dynamo_disabled() -> bool:
+    """``TORCHDYNAMO_DISABLE=1`` / ``torch._dynamo.config.disable``."""
+    return bool(getattr(dynamo_config(), "disable", False))
+
+
+def compiler_stance() -> Optional[str]:
+    """The stance of ``torch.compiler.set_stance`` (2.6+), or None."""
+    return getattr(_dynamo_attr("torch._dynamo.eval_frame", "_stance"), "stance", None)
+
+
+def cache_entries(code: types.CodeType) -> list:
+    """Dynamo's cache entries (one per compiled version) for ``code``; [] where unavailable."""
+    get = _dynamo_attr("torch._dynamo.eval_frame", "_debug_get_cache_entry_list")
+    return list(get(code)) if get is not None else []
+
+
+def recompile_limit_value() -> Optional[int]:
+    cfg = dynamo_config()
+    return getattr(cfg, "recompile_limit", None) or getattr(cfg, "cache_size_limit", None)
+
+
+def dynamo_counters(kind: str) -> Dict[Any, Any]:
+    """One of Dynamo's counters (``torch._dynamo.utils.counters[kind]``, e.g. ``graph_break``)."""
+    counters = _dynamo_attr("torch._dynamo.utils", "counters")
+    return dict(counters.get(kind, {})) if counters is not None else {}
+
+
+def compilation_metrics() -> list:
+    """Dynamo's per-frame compilation metrics (a capped deque), oldest first; [] where unavailable."""
+    return list(_dynamo_attr("torch._dynamo.utils", "_compilation_metrics") or ())
+
+
+def compile_callbacks() -> Any:
+    """Dynamo's compile start/end callback registry (``register_end_callback``), or None."""
+    return _dynamo_attr("torch._dynamo.callback", "callback_handler")
+
+
+def lookup_backend(name: str) -> Any:
+    """A ``torch.compile`` backend by name (``"inductor"``, ``"eager"``)."""
+    return module("torch._dynamo.backends.registry").lookup_backend(name)
+
+
+def structured_trace() -> Optional[Tuple[Any, Any]]:
+    """``(trace_log, trace_structured)``: PyTorch's structured trace (TORCH_TRACE, tlparse), or None."""
+    log = _dynamo_attr("torch._logging._internal", "trace_log")
+    emit = _dynamo_attr("torch._logging", "trace_structured")
+    return (log, emit) if log is not None and emit is not None else None
+
+
 # --- Version differences, each behind one lookup (torch 2.6 ... 2.15) -------------------------
 
 
@@ -303,9 +382,7 @@ def compiled_code_backend(code: types.CodeType, orig: types.CodeType, entry_fram
     From 2.12 its cache entry says (``CacheEntry.backend``); before, the ``torch.compile``
     wrapper frame that was running it (``entry_frame``, the innermost one outside the compiled
     frame) holds the Dynamo callback around the backend."""
-    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-
-    for entry in _debug_get_cache_entry_list(orig):
+    for entry in cache_entries(orig):
         if entry.code is code and hasattr(entry, "backend"):
             return entry.backend
     if entry_frame is not None:
