@@ -459,22 +459,23 @@ class EventLog:
         self._header: Optional[dict] = None  # the last header, copied at the top of rotated files
         self._rank = _EventRank()
         self._emit_lock = threading.RLock()
-        self._stored: Optional[dict] = None  # set by _remember, read under _emit_lock
         self.mirror: Optional[Callable[[dict], None]] = None  # e.g. to PyTorch's structured trace
         self.on_sink_error: Optional[Callable[[BaseException], None]] = None
         self.on_sink_resume: Optional[Callable[[int], None]] = None  # with the events not written
         # Set in a forked child (see _state.after_fork_in_child): opens the child's own file on
         # its first event, so a worker that never logs leaves no file behind.
         self.open_pending: Optional[Callable[[], None]] = None
-        # structlog's processor protocol, run by _log itself: our own chain only (no
-        # merge_contextvars: the host's bound context, secrets included, has no business in
-        # this log; never structlog.configure()). No BoundLogger in between: its per-event
-        # context copy and method proxying were a third of a dense call's logging cost.
-        self._processors: List[Callable[[Any, str, dict], Any]] = [
-            self._stamp,
-            self._remember,
-            structlog.processors.JSONRenderer(serializer=lambda obj, **_: dumps(obj)),
-        ]
+        # fusionguard's own structlog pipeline (see _Bound): stamp, render; never
+        # structlog.configure() and no merge_contextvars (the host's bound context, secrets
+        # included, has no business in this log, and ours none in theirs).
+        processors: List[Any] = [self._stamp, _render]
+        self._bound: _Bound = structlog.wrap_logger(
+            _LineWriter(self),
+            processors=processors,
+            wrapper_class=_Bound,
+            context_class=dict,
+            cache_logger_on_first_use=False,
+        ).bind()
 
     @property
     def seq(self) -> int:
@@ -495,12 +496,12 @@ class EventLog:
         stamped.setdefault("thread", threading.current_thread().name)
         return stamped
 
-    def _remember(self, logger: Any, method: str, event_dict: dict) -> dict:
-        stored = dict(event_dict)
-        self.memory.append(stored)
-        self._stored = stored  # what emit() returns: this call's event (we hold _emit_lock)
+    def _store(self, line: str, event_dict: dict, durable: bool) -> dict:
+        """The end of the pipeline (under ``_emit_lock``): memory, then the file."""
+        self.memory.append(event_dict)
         if event_dict.get("event") == "header":
             self._header = dict(event_dict)
+        self._write_line(line, durable)
         return event_dict
 
     def _open_pending(self) -> None:
@@ -624,19 +625,50 @@ class EventLog:
     def _log(self, level: str, event: str, fields: dict, durable: bool = True) -> dict:
         if self.open_pending is not None:
             self._open_pending()
-        event_dict: Any = dict(fields)
-        event_dict["event"] = event
         # One lock around stamp, memory and write: seq numbers reach the file in order.
         with self._emit_lock:
-            self._stored = None
-            for processor in self._processors:
-                event_dict = processor(None, level, event_dict)
-            stored, self._stored = self._stored, None
-            self._write_line(event_dict, durable and level in _DURABLE_LEVELS)
+            stored = self._bound.write(level, event, fields, durable and level in _DURABLE_LEVELS)
         mirror = self.mirror
         if mirror is not None and stored:
             mirror(stored)
         return stored if stored is not None else {}
+
+
+def _render(logger: Any, method: str, event_dict: dict) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+    """The last processor: structlog's JSON renderer (today's lines: compact, UTF-8, ``str()`` for
+    what JSON lacks) and the event itself, for memory and for ``emit()``'s return value."""
+    return (_JSON(logger, method, event_dict),), {"event_dict": event_dict}
+
+
+_JSON = structlog.processors.JSONRenderer(serializer=lambda obj, **_: dumps(obj))
+
+
+class _LineWriter:
+    """What fusionguard's bound logger wraps: the event log's memory and file."""
+
+    __slots__ = ("_log",)
+
+    def __init__(self, log: "EventLog") -> None:
+        self._log = log
+
+    def write(self, line: str, event_dict: dict, durable: bool) -> dict:
+        return self._log._store(line, event_dict, durable)
+
+
+class _Bound(structlog.BoundLoggerBase):
+    """fusionguard's bound logger, by structlog's custom-wrapper protocol: one ``write`` that
+    runs the chain on the caller's field dict (``_process_event`` copies it once, into the empty
+    context) instead of a method per level, which would pack and copy the fields twice more
+    (the dense path writes its first events through here)."""
+
+    _logger: _LineWriter
+
+    def write(self, level: str, event: str, fields: dict, durable: bool) -> Optional[dict]:
+        try:
+            args, kw = self._process_event(level, event, fields)
+        except structlog.DropEvent:
+            return None
+        return self._logger.write(args[0], kw["event_dict"], durable)
 
 
 _TRACE: Optional[Tuple[Any, Any]] = None  # (trace_log, trace_structured), imported on first use
