@@ -14,6 +14,7 @@ from typing import Any, Callable, List, Tuple
 import torch
 
 from . import guard, inductor, layers, rescue, torch_internals as ti
+from ._logger import LOGGER_NAME
 from ._state import STATE, internal_error
 from .dynamo_signals import SIGNALS
 from .patches import PatchRegistry
@@ -85,6 +86,13 @@ def _rescue(reg: PatchRegistry) -> None:
     reg.apply("flex_attention.setup_compilation_env", home, "setup_compilation_env", rescue.make_setup_env_wrapper)
 
 
+def _torch_logs(reg: PatchRegistry) -> None:
+    """``TORCH_LOGS=fusionguard`` sets the level of ``logging.getLogger("fusionguard")``."""
+    undo = ti.register_torch_log(LOGGER_NAME, LOGGER_NAME)
+    if undo is not None:
+        reg.add_hook("torch._logging.register_log(fusionguard)", undo, lambda: not ti.torch_log_registered(LOGGER_NAME))
+
+
 #: (the name ``not_patched`` reports it under, its installer), in installation order.
 PATCHES: Tuple[Tuple[str, Callable[[PatchRegistry], None]], ...] = (
     ("flex_attention (dense forward)", _dense_forward),
@@ -95,6 +103,7 @@ PATCHES: Tuple[Tuple[str, Callable[[PatchRegistry], None]], ...] = (
     ("dynamo signals", _signals),
     ("torch.compile module wrapper (watch)", _compile_wrappers),
     ("rescue (setup_compilation_env)", _rescue),
+    ("torch._logging (TORCH_LOGS=fusionguard)", _torch_logs),
 )
 
 

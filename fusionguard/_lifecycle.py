@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import importlib
+import logging
 from typing import Any, Optional
 
 from . import crash
@@ -30,7 +31,8 @@ def _announce(path: Optional[str]) -> None:
     STATE.announced_path = path
     write_stderr(
         f"fusionguard: logging FlexAttention verdicts to {path} "
-        "(FUSIONGUARD_LOG or enable(log_path=...) to change, log_path=False for none)\n"
+        "(FUSIONGUARD_LOG or enable(log_path=...) to change, log_path=False for none)\n",
+        logging.INFO,
     )
 
 
@@ -42,7 +44,7 @@ def _on_sink_error(exc: BaseException) -> None:
 
 
 def _on_sink_resume(unwritten: int) -> None:
-    write_stderr(f"fusionguard: writing the log {STATE.config.log_path} again; {unwritten} event(s) so far could not be written to it\n")
+    write_stderr(f"fusionguard: writing the log {STATE.config.log_path} again; {unwritten} event(s) so far could not be written to it\n", logging.INFO)
 
 
 def _install_once() -> Any:
@@ -53,7 +55,7 @@ def _install_once() -> Any:
     live = torch_side.live_graphs()
     for name, why in STATE.not_patched.items():
         if name in unavailable:
-            write_stderr(f"fusionguard: {why}\n")
+            write_stderr(f"fusionguard: {why}\n", logging.INFO)  # (a feature this release lacks)
         else:
             write_stderr(f"fusionguard: could not patch {name} ({why}); that part is not guarded\n")
     return live

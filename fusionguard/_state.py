@@ -4,6 +4,7 @@ counter flusher; what a forked child does to start clean (``os.register_at_fork`
 from __future__ import annotations
 
 import contextvars
+import logging
 import os
 import sys
 import threading
@@ -11,6 +12,7 @@ import traceback
 from typing import Any, Dict, Optional, Set, Tuple
 
 from ._config import OPTIONS, Config, process_log_name  # noqa: F401  (OPTIONS, process_log_name: re-exported)
+from ._logger import say
 from .log import EventLog
 from .patches import PatchRegistry
 
@@ -120,13 +122,10 @@ def count(key: str, n: int = 1) -> None:
         STATE.counts[key] = STATE.counts.get(key, 0) + n
 
 
-def write_stderr(text: str) -> None:
-    """stderr may be None (pythonw, daemons) or closed: our messages must never fail."""
-    try:
-        if sys.stderr is not None:
-            sys.stderr.write(text)
-    except Exception:
-        pass
+def write_stderr(text: str, level: int = logging.WARNING) -> None:
+    """A human message, through ``logging.getLogger("fusionguard")`` (see ``_logger``): on
+    stderr exactly as written unless the user routed or silenced that logger. Never raises."""
+    say(text, level)
 
 
 def internal_error(where: str, exc: BaseException) -> None:
@@ -139,7 +138,8 @@ def internal_error(where: str, exc: BaseException) -> None:
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         write_stderr(
             f"fusionguard: internal error in {where} (ignored; PyTorch runs unchanged): "
-            f"{type(exc).__name__}: {exc}\n"
+            f"{type(exc).__name__}: {exc}\n",
+            logging.ERROR,
         )
         STATE.log.emit("error", "internal_error", where=where, error=f"{type(exc).__name__}: {exc}", traceback=tb)
     except Exception:

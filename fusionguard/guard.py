@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import itertools
+import logging
 import sys
 import threading
 import warnings
@@ -24,6 +25,7 @@ import torch
 
 from . import causes, layers
 from ._format import human_bytes
+from ._logger import dense_text
 from ._state import ALLOW_DENSE, STATE, count, internal_error
 from .errors import DenseFallbackError, DenseFallbackWarning
 from .torch_internals import dynamo_counters, is_concrete, nested_flex_codes
@@ -381,6 +383,8 @@ def make_dense_wrapper(phase: str, original: Callable[..., Any]) -> Callable[...
                     blocked = DenseFallbackError(format_message(event), event)
                 elif action == "warn":
                     warning = message(event)
+                if "seq" in event and (blocked or warning):  # logged in full: also for logging's handlers
+                    dense_text(str(blocked) if blocked else str(warning), logging.ERROR if blocked else logging.WARNING)
         except Exception as exc:
             internal_error(f"dense {phase} check", exc)
         if blocked is not None:

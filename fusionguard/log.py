@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import os
 import re
 import socket
@@ -37,6 +38,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple, Union
 
 import structlog
 
+from ._logger import logger as human_logger
 from .distributed import process_group_ready
 from .events import TRACE_EVENTS
 from .torch_internals import structured_trace
@@ -631,7 +633,21 @@ class EventLog:
         mirror = self.mirror
         if mirror is not None and stored:
             mirror(stored)
+        if stored and human_logger.isEnabledFor(logging.DEBUG):  # TORCH_LOGS=+fusionguard: every event
+            human_logger.debug("fusionguard event: %s", _DumpLazily(stored))
         return stored if stored is not None else {}
+
+
+class _DumpLazily:
+    """An event rendered only if a handler formats the record."""
+
+    __slots__ = ("event",)
+
+    def __init__(self, event: dict) -> None:
+        self.event = event
+
+    def __str__(self) -> str:
+        return dumps(self.event)
 
 
 def _render(logger: Any, method: str, event_dict: dict) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:

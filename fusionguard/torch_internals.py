@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import sys
 import types
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 HOP_MODULE = "torch._higher_order_ops.flex_attention"
 PUBLIC_MODULE = "torch.nn.attention.flex_attention"
@@ -314,6 +314,37 @@ def structured_trace() -> Optional[Tuple[Any, Any]]:
     log = _dynamo_attr("torch._logging._internal", "trace_log")
     emit = _dynamo_attr("torch._logging", "trace_structured")
     return (log, emit) if log is not None and emit is not None else None
+
+
+def register_torch_log(alias: str, qname: str) -> Optional[Callable[[], None]]:
+    """Register the logger ``qname`` with ``torch._logging`` as ``alias``, as PyTorch registers
+    its own components, so ``TORCH_LOGS=alias`` / ``+alias`` / ``-alias`` and
+    ``torch._logging.set_logs(alias=level)`` set its level (and give it PyTorch's handler and
+    format). Returns the undo; None when torch knows the alias already (``TORCH_LOGS`` named it
+    when torch was imported: it is torch's then)."""
+    internal = module("torch._logging._internal")
+    register = getattr(internal, "register_log", None)
+    aliases = getattr(getattr(internal, "log_registry", None), "log_alias_to_log_qnames", None)
+    if not callable(register) or not isinstance(aliases, dict):
+        raise Unavailable(
+            f"TORCH_LOGS={alias} is unavailable on torch {torch_version()} "
+            "(torch._logging._internal.register_log / log_registry not found); "
+            f'logging.getLogger("{qname}") works as usual'
+        )
+    if alias in aliases:
+        return None
+    register(alias, qname)
+
+    def undo() -> None:
+        aliases.pop(alias, None)
+
+    return undo
+
+
+def torch_log_registered(alias: str) -> bool:
+    """``alias`` is a log name of ``torch._logging`` (``TORCH_LOGS`` / ``set_logs`` accept it)."""
+    registry = _dynamo_attr("torch._logging._internal", "log_registry")
+    return bool(registry is not None and registry.is_log(alias))
 
 
 # --- Version differences, each behind one lookup (torch 2.6 ... 2.15) -------------------------

@@ -8,11 +8,16 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 import types
 
+import logging
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import flex_attention
+
 import fusionguard
-from fusionguard import log as L
+from fusionguard import _state, log as L, torch_internals as ti
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -84,3 +89,140 @@ def test_a_host_structlog_setup_and_contextvars_are_not_shared(tmp_path):
     assert "request_id" not in text and "hf_secret" not in text, "the host's bound context is not in our log"
     assert [e["event"] for e in events if e["event"] in ("flex_call", "dense_calls")] == ["flex_call", "flex_call"]
     assert [e["seq"] for e in events] == list(range(1, len(events) + 1)), "one pipeline, before and after the host's reset"
+
+
+# -- logging.getLogger("fusionguard"): the human messages ------------------------------------------
+
+
+@pytest.fixture
+def fg_logger():
+    """The ``fusionguard`` logger, put back as it was (level, propagation, handlers)."""
+    logger = logging.getLogger("fusionguard")
+    saved = (logger.level, logger.propagate, list(logger.handlers))
+    yield logger
+    logger.setLevel(saved[0])
+    logger.propagate = saved[1]
+    logger.handlers[:] = saved[2]
+
+
+class Collect(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def _announce(path) -> str:
+    return f"fusionguard: logging FlexAttention verdicts to {path} (FUSIONGUARD_LOG or enable(log_path=...) to change, log_path=False for none)\n"
+
+
+def _internal(where: str) -> str:
+    return f"fusionguard: internal error in {where} (ignored; PyTorch runs unchanged): ValueError: boom\n"
+
+
+def test_unconfigured_stderr_is_byte_identical(guard, fg_logger, capsys):
+    log = guard()
+    _state.internal_error("a test", ValueError("boom"))
+    assert capsys.readouterr().err == _announce(log) + _internal("a test")
+    assert fg_logger.propagate is False and fg_logger.getEffectiveLevel() == logging.INFO
+
+
+def test_silenced_by_level_the_usual_way(guard, fg_logger, capsys):
+    fg_logger.setLevel(logging.ERROR)
+    guard()
+    _state.internal_error("a test", ValueError("boom"))
+    assert capsys.readouterr().err == _internal("a test"), "INFO gone, ERROR kept"
+
+
+def test_a_handler_of_the_user_takes_the_messages_off_stderr(guard, fg_logger, capsys):
+    mine = Collect()
+    fg_logger.addHandler(mine)
+    log = guard()
+    q = torch.randn(1, 2, 16, 8)
+    with pytest.warns(fusionguard.DenseFallbackWarning) as caught:
+        flex_attention(q, q, q)
+    _state.internal_error("a test", ValueError("boom"))
+    assert capsys.readouterr().err == "", "ours steps aside for the user's handler"
+    got = [(r.levelno, r.getMessage()) for r in mine.records if r.levelno >= logging.INFO]
+    assert got[0] == (logging.INFO, _announce(log).rstrip("\n"))
+    warned = [str(w.message) for w in caught if w.category is fusionguard.DenseFallbackWarning]
+    assert got[1] == (logging.WARNING, warned[0]), "the logged dense call's text, as warned"
+    assert got[2] == (logging.ERROR, _internal("a test").rstrip("\n"))
+
+
+def test_propagate_hands_them_to_the_root_logger(guard, fg_logger, capsys):
+    root, theirs = logging.getLogger(), Collect()
+    root.addHandler(theirs)
+    fg_logger.propagate = True
+    try:
+        log = guard()
+    finally:
+        root.removeHandler(theirs)
+    assert capsys.readouterr().err == ""
+    assert [r.getMessage() for r in theirs.records if r.name == "fusionguard"] == [_announce(log).rstrip("\n")]
+
+
+def test_every_event_at_debug(guard, fg_logger):
+    mine = Collect()
+    fg_logger.addHandler(mine)
+    fg_logger.setLevel(logging.DEBUG)
+    guard()
+    debug = [r.getMessage() for r in mine.records if r.levelno == logging.DEBUG]
+    assert debug and debug[0].startswith('fusionguard event: {"event":"header"')
+
+
+def test_registered_with_torch_logging_while_enabled(guard, fg_logger):
+    if ti.torch_log_registered("fusionguard"):
+        pytest.skip("TORCH_LOGS named fusionguard when torch was imported: torch registered it itself")
+    guard()
+    assert ti.torch_log_registered("fusionguard")
+    fusionguard.disable()
+    assert not ti.torch_log_registered("fusionguard"), "disable() undoes the registration"
+
+
+TORCH_LOGS_RUN = r"""
+import json, logging, sys, warnings
+import torch
+import fusionguard
+from torch.nn.attention.flex_attention import flex_attention
+warnings.simplefilter("ignore")
+fusionguard.enable(log_path=sys.argv[1])
+flex_attention(*[torch.randn(1, 2, 16, 8)] * 3)
+level = logging.getLogger("fusionguard").getEffectiveLevel()
+if len(sys.argv) > 2:  # (TORCH_LOGS unset: set_logs ignores calls while it is set)
+    torch._logging.set_logs(modules={"fusionguard": int(sys.argv[2])})
+    flex_attention(*[torch.randn(1, 2, 16, 8)] * 3)
+    level = logging.getLogger("fusionguard").getEffectiveLevel()
+fusionguard.disable()
+print(json.dumps(level))
+"""
+
+
+@pytest.mark.parametrize(
+    "setting, level", [("+fusionguard", logging.DEBUG), ("fusionguard", logging.INFO), ("-fusionguard", logging.ERROR), ("set_logs", logging.DEBUG)]
+)
+def test_torch_logs_sets_our_level(tmp_path, setting, level):
+    """``TORCH_LOGS`` (or ``set_logs``, for a registered component) sets the level and puts
+    PyTorch's handler and format on our logger, as for PyTorch's own components."""
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_LOGS"}
+    env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    args = [sys.executable, "-c", TORCH_LOGS_RUN, str(tmp_path / "fg.jsonl")]
+    if setting == "set_logs":
+        args.append(str(level))
+    else:
+        env["TORCH_LOGS"] = setting
+    proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[-1]) == level
+    announce = [line for line in proc.stderr.splitlines() if "fusionguard: logging FlexAttention verdicts" in line]
+    if setting == "set_logs":  # enabled before set_logs: the announcement was ours, as always
+        assert announce == [_announce(tmp_path / "fg.jsonl").rstrip("\n")], proc.stderr
+        assert "] fusionguard event: " in proc.stderr and "] fusionguard: dense FlexAttention forward" in proc.stderr
+    elif level <= logging.INFO:  # in PyTorch's format: "I1201 08:00:00.000000 123 fusionguard/_lifecycle.py:31] fusionguard: ..."
+        assert len(announce) == 1 and announce[0].startswith("I") and "] fusionguard: logging" in announce[0], proc.stderr
+        assert ("fusionguard event: " in proc.stderr) == (level == logging.DEBUG)
+        assert "] fusionguard: dense FlexAttention forward is materialising" in proc.stderr, "the logged dense call's text"
+    else:
+        assert announce == [] and "fusionguard event" not in proc.stderr
