@@ -12,8 +12,10 @@ Why this shape:
   only a kernel crash or power loss can);
 - a torn last line left by an earlier crash is closed with a newline before we append, so it can
   never swallow our first line;
-- rendering runs our own chain of structlog processors (never ``structlog.configure``): the
-  host's structlog and ``logging`` setup stay theirs;
+- events go through fusionguard's own structlog bound logger (``structlog.wrap_logger`` over
+  this log's memory and file: stamp, then structlog's ``JSONRenderer``), never
+  ``structlog.configure`` nor the process-wide contextvars: the host's structlog and ``logging``
+  setup stay theirs (docs/logging.md);
 - bounded volume, both optional: a ``FusedSampler`` keeps the first few fused per-call events per
   (layer, phase), and the first few repeats of one dense call, then writes counter events
   (``fused_calls`` / ``dense_calls``) instead (compile-time records, blocked calls and errors
