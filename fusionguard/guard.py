@@ -27,6 +27,7 @@ from . import causes, layers
 from ._format import human_bytes
 from ._logger import dense_text
 from ._state import ALLOW_DENSE, STATE, count, internal_error
+from .dynamo_signals import SIGNALS, is_torch_file, reason_summary
 from .errors import DenseFallbackError, DenseFallbackWarning
 from .torch_internals import dynamo_counters, is_concrete, nested_flex_codes
 
@@ -64,8 +65,6 @@ def _note_inlined(phase: str) -> int:
         return 0
     info: Dict[str, Any] = {"phase": phase}
     try:
-        from .dynamo_signals import SIGNALS, is_torch_file, reason_summary
-
         # Dynamo's own graph-break reasons (first lines), oldest first: the first is usually the
         # root cause (e.g. a print in score_mod); and the user frames Dynamo gave up on.
         reasons = [reason_summary(r) for r in dynamo_counters("graph_break")]

@@ -41,6 +41,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple, Union
 import structlog
 
 from ._logger import logger as human_logger
+from ._version import __version__
 from .distributed import process_group_ready
 from .events import TRACE_EVENTS
 from .torch_internals import structured_trace
@@ -766,8 +767,6 @@ def redact_argv(argv: List[Any]) -> List[str]:
 def header_fields(patched: list, not_patched: dict, config: dict) -> dict:
     """Versions and environment, written first in every log file."""
     import torch
-
-    from ._version import __version__
 
     try:
         import triton  # type: ignore

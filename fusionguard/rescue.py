@@ -118,9 +118,7 @@ def decide(frame: Any) -> Optional[causes.Diagnosis]:
     """The diagnosis if this eager call may be rescued, else None."""
     if not STATE.config.rescue or ALLOW_DENSE.get():
         return None
-    from .torch_internals import debug_flag_on
-
-    if debug_flag_on() or _user_disabled(frame):
+    if ti.debug_flag_on() or _user_disabled(frame):
         return None
     diagnosis = causes.diagnose_forward(frame)
     return diagnosis if diagnosis.cause in RESCUABLE else None
