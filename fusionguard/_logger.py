@@ -54,10 +54,10 @@ def _default_handler() -> _StderrHandler:
         if type(handler).__name__ == "_StderrHandler" and type(handler).__module__ == __name__:
             return handler  # type: ignore[return-value]
     handler = _StderrHandler()
-    logger.addHandler(handler)
-    if logger.level == logging.NOTSET:  # (a level the user set before importing us stays theirs)
+    if logger.level == logging.NOTSET and not logger.handlers:  # (what the user set before importing us stays)
         logger.setLevel(logging.INFO)
-    logger.propagate = False
+        logger.propagate = False
+    logger.addHandler(handler)
     return handler
 
 

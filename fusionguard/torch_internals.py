@@ -8,6 +8,7 @@ report what it could not patch instead of failing.
 from __future__ import annotations
 
 import importlib
+import logging
 import sys
 import types
 from typing import Any, Callable, Dict, Optional, Tuple
@@ -320,8 +321,10 @@ def register_torch_log(alias: str, qname: str) -> Optional[Callable[[], None]]:
     """Register the logger ``qname`` with ``torch._logging`` as ``alias``, as PyTorch registers
     its own components, so ``TORCH_LOGS=alias`` / ``+alias`` / ``-alias`` and
     ``torch._logging.set_logs(alias=level)`` set its level (and give it PyTorch's handler and
-    format). Returns the undo; None when torch knows the alias already (``TORCH_LOGS`` named it
-    when torch was imported: it is torch's then)."""
+    format). Returns the undo: the alias goes, and if ``torch._logging`` configured the logger
+    meanwhile (``set_logs``), its handlers go and the level and propagation come back. None when
+    torch knows the alias already (``TORCH_LOGS`` named it when torch was imported: it is torch's
+    then)."""
     internal = module("torch._logging._internal")
     register = getattr(internal, "register_log", None)
     aliases = getattr(getattr(internal, "log_registry", None), "log_alias_to_log_qnames", None)
@@ -334,9 +337,18 @@ def register_torch_log(alias: str, qname: str) -> Optional[Callable[[], None]]:
     if alias in aliases:
         return None
     register(alias, qname)
+    logger = logging.getLogger(qname)
+    before = (logger.level, logger.propagate)
+    is_torch_handler = getattr(internal, "_is_torch_handler", None)
 
     def undo() -> None:
         aliases.pop(alias, None)
+        theirs = [h for h in logger.handlers if callable(is_torch_handler) and is_torch_handler(h)]
+        if theirs:
+            for handler in theirs:
+                logger.removeHandler(handler)
+            logger.setLevel(before[0])
+            logger.propagate = before[1]
 
     return undo
 

@@ -196,7 +196,8 @@ if len(sys.argv) > 2:  # (TORCH_LOGS unset: set_logs ignores calls while it is s
     flex_attention(*[torch.randn(1, 2, 16, 8)] * 3)
     level = logging.getLogger("fusionguard").getEffectiveLevel()
 fusionguard.disable()
-print(json.dumps(level))
+logger = logging.getLogger("fusionguard")
+print(json.dumps([level, [type(h).__name__ for h in logger.handlers], logger.level, logger.propagate]))
 """
 
 
@@ -215,7 +216,10 @@ def test_torch_logs_sets_our_level(tmp_path, setting, level):
         env["TORCH_LOGS"] = setting
     proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout.splitlines()[-1]) == level
+    level_seen, handlers, level_after, propagate = json.loads(proc.stdout.splitlines()[-1])
+    assert level_seen == level
+    if setting == "set_logs":  # disable() undid what torch._logging did to a registered logger
+        assert (handlers, level_after, propagate) == (["_StderrHandler"], logging.INFO, False)
     announce = [line for line in proc.stderr.splitlines() if "fusionguard: logging FlexAttention verdicts" in line]
     if setting == "set_logs":  # enabled before set_logs: the announcement was ours, as always
         assert announce == [_announce(tmp_path / "fg.jsonl").rstrip("\n")], proc.stderr
@@ -226,3 +230,20 @@ def test_torch_logs_sets_our_level(tmp_path, setting, level):
         assert "] fusionguard: dense FlexAttention forward is materialising" in proc.stderr, "the logged dense call's text"
     else:
         assert announce == [] and "fusionguard event" not in proc.stderr
+
+
+def test_a_logger_configured_before_the_import_stays_as_configured(tmp_path):
+    code = (
+        "import logging, sys\n"
+        "logging.getLogger('fusionguard').setLevel(logging.ERROR)\n"
+        "import fusionguard\n"
+        "fusionguard.enable(log_path=sys.argv[1])\n"
+        "lg = logging.getLogger('fusionguard')\n"
+        "print(lg.level, lg.propagate)\n"
+        "fusionguard.disable()\n"
+    )
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    env.pop("TORCH_LOGS", None)
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "fg.jsonl")], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == [str(logging.ERROR), "True"] and "fusionguard: logging" not in proc.stderr
