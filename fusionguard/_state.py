@@ -4,66 +4,20 @@ counter flusher; what a forked child does to start clean (``os.register_at_fork`
 from __future__ import annotations
 
 import contextvars
+import logging
 import os
 import sys
 import threading
 import traceback
-from dataclasses import asdict, dataclass
-from typing import Any, Dict, Optional, Set, Tuple, Union
+from typing import Any, Dict, Optional, Set, Tuple
 
 from . import crash
+from ._config import OPTIONS, Config, process_log_name  # noqa: F401  (OPTIONS, process_log_name: re-exported)
+from ._logger import say
 from ._tables import Caches, Stats, WatchRegistry
 from .dynamo_signals import SIGNALS
-from .log import DEFAULT_LOG_MODE, EventLog
+from .log import EventLog
 from .patches import PatchRegistry
-
-
-@dataclass
-class Config:
-    strict: bool = False
-    log_path: Optional[str] = None  # resolved absolute path, or None for memory only
-    # True: the first dense event of each (call site, layer, phase, action) and every error are
-    # fsync-ed before the dense kernel runs; "always": every dense event; False: none.
-    fsync: Union[bool, str] = True
-    max_events: int = 10_000  # events kept in memory for fusionguard.events()
-    rescue: bool = False  # compile eager FlexAttention calls with Inductor instead of running dense
-    fused_first: int = 10  # fused per-call events kept per (layer, phase) before sampling
-    fused_every: int = 1000  # then one fused_calls counter event every N calls
-    dense_first: int = 10  # dense events kept per (call site, layer, phase, cause, action) before sampling
-    dense_every: int = 1000  # then one dense_calls counter event every N calls
-    keep_all: bool = False  # keep every per-call event, fused and dense
-    log_max_bytes: Optional[int] = None  # size-based rotation of the log file
-    log_backups: int = 3
-    log_mode: int = DEFAULT_LOG_MODE  # permissions of new log / crash files (existing keep theirs)
-    # pending dense_calls / fused_calls counters are written this often (seconds; 0: only every
-    # N calls and at exit): a killed process loses at most the counts of its last interval
-    flush_interval: float = 0.5
-
-    def __post_init__(self) -> None:
-        if self.fsync != "always" and not isinstance(self.fsync, bool):
-            raise TypeError(f"fusionguard.enable(): fsync must be True, False or 'always', not {self.fsync!r}")
-        for name in ("strict", "rescue", "keep_all"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"fusionguard.enable(): {name} must be True or False, not {getattr(self, name)!r}")
-        for name, low in (("max_events", 1), ("fused_first", 0), ("fused_every", 0), ("dense_first", 1), ("dense_every", 0), ("log_backups", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"fusionguard.enable(): {name} must be an integer >= {low}, not {value!r}")
-        if self.log_max_bytes is not None and (not isinstance(self.log_max_bytes, int) or self.log_max_bytes < 1024):
-            raise ValueError(f"fusionguard.enable(): log_max_bytes must be None or an integer >= 1024, not {self.log_max_bytes!r}")
-        if isinstance(self.log_mode, bool) or not isinstance(self.log_mode, int) or not 0o400 <= self.log_mode <= 0o777 or not self.log_mode & 0o200:
-            raise ValueError(f"fusionguard.enable(): log_mode must be a file mode the owner can read and write (0o600 ... 0o777), not {self.log_mode!r}")
-        if isinstance(self.flush_interval, bool) or not isinstance(self.flush_interval, (int, float)) or not 0 <= self.flush_interval <= 3600:
-            raise ValueError(f"fusionguard.enable(): flush_interval must be a number of seconds between 0 and 3600, not {self.flush_interval!r}")
-
-    def public(self) -> Dict[str, Any]:
-        return asdict(self)
-
-
-OPTIONS = (
-    "fsync", "max_events", "rescue", "fused_first", "fused_every", "dense_first", "dense_every", "keep_all", "log_max_bytes", "log_backups",
-    "log_mode", "flush_interval",
-)
 
 
 # -- bounded loss of counts: the flusher ---------------------------------------------------------
@@ -226,13 +180,10 @@ def count(key: str, n: int = 1) -> None:
         STATE.counts[key] = STATE.counts.get(key, 0) + n
 
 
-def write_stderr(text: str) -> None:
-    """stderr may be None (pythonw, daemons) or closed: our messages must never fail."""
-    try:
-        if sys.stderr is not None:
-            sys.stderr.write(text)
-    except Exception:
-        pass
+def write_stderr(text: str, level: int = logging.WARNING) -> None:
+    """A human message, through ``logging.getLogger("fusionguard")`` (see ``_logger``): on
+    stderr exactly as written unless the user routed or silenced that logger. Never raises."""
+    say(text, level)
 
 
 def internal_error(where: str, exc: BaseException) -> None:
@@ -245,18 +196,12 @@ def internal_error(where: str, exc: BaseException) -> None:
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         write_stderr(
             f"fusionguard: internal error in {where} (ignored; PyTorch runs unchanged): "
-            f"{type(exc).__name__}: {exc}\n"
+            f"{type(exc).__name__}: {exc}\n",
+            logging.ERROR,
         )
         STATE.log.emit("error", "internal_error", where=where, error=f"{type(exc).__name__}: {exc}", traceback=tb)
     except Exception:
         pass
-
-
-def process_log_name() -> str:
-    """This process's file in a log directory."""
-    from .log import rank_info
-
-    return f"fusionguard.rank{rank_info()['rank']}.pid{os.getpid()}.jsonl"
 
 
 def reset_for_tests() -> None:

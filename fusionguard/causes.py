@@ -20,6 +20,7 @@ import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional, Tuple, cast
 
+from . import torch_internals as ti
 from ._state import STATE
 from .dynamo_signals import SIGNALS, is_public_flex, is_torch_file
 
@@ -74,9 +75,8 @@ def _orig_code_lookup() -> Callable[[types.CodeType], Optional[types.CodeType]]:
     """Dynamo's transformed code -> original code map, as a lookup function: one C-level dict
     look-up by ``id`` when the map is the ``ExactWeakKeyDictionary`` it has been since torch
     2.0 (hashing a code object walks its bytecode and constants), else the map's own ``get``."""
-    try:
-        from torch._dynamo.utils import orig_code_map
-    except Exception:
+    orig_code_map = ti.orig_code_map()
+    if orig_code_map is None:
         return lambda code: None
     by_id = getattr(orig_code_map, "values", None)
     if isinstance(by_id, dict):
@@ -102,15 +102,8 @@ def _is_compile_entry(code: types.CodeType) -> bool:
 
 def _seen_by_dynamo(code: types.CodeType) -> bool:
     """Has Dynamo looked at this code since its last reset? (Stale signals do not count.)"""
-    try:
-        from torch._dynamo.convert_frame import input_codes
-
-        ids = getattr(input_codes, "seen_ids", None)
-        if ids is not None:
-            return id(code) in ids
-    except Exception:
-        pass
-    return True
+    ids = ti.dynamo_seen_code_ids()
+    return id(code) in ids if ids is not None else True
 
 
 def _frame_where(frame: types.FrameType) -> str:
@@ -119,13 +112,11 @@ def _frame_where(frame: types.FrameType) -> str:
 
 
 def _backend_name(frame: types.FrameType, orig: types.CodeType) -> Optional[str]:
-    from .torch_internals import backend_name, compiled_code_backend
-
     entry = frame.f_back
     while entry is not None and _kind_entry(entry.f_code)[1] != _COMPILE_ENTRY:
         entry = entry.f_back
     try:
-        return backend_name(compiled_code_backend(frame.f_code, orig, entry))
+        return ti.backend_name(ti.compiled_code_backend(frame.f_code, orig, entry))
     except Exception:
         return None
 
@@ -135,14 +126,10 @@ _EAGER_STANCES = ("force_eager", "eager_on_recompile", "eager_then_compile")
 
 def _global_disable() -> Optional[Dict[str, Any]]:
     try:
-        import torch._dynamo
-
-        if getattr(torch._dynamo.config, "disable", False):
+        if ti.dynamo_disabled():
             env = os.environ.get("TORCHDYNAMO_DISABLE")
             return {"switch": "TORCHDYNAMO_DISABLE=1" if env == "1" else "torch._dynamo.config.disable"}
-        from torch._dynamo import eval_frame
-
-        stance = getattr(getattr(eval_frame, "_stance", None), "stance", None)
+        stance = ti.compiler_stance()
         if stance in _EAGER_STANCES:
             return {"switch": f"torch.compiler.set_stance({stance!r})"}
     except Exception:
@@ -152,19 +139,14 @@ def _global_disable() -> Optional[Dict[str, Any]]:
 
 def _cache_entry_count(code: types.CodeType) -> int:
     try:
-        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-
-        return len(_debug_get_cache_entry_list(code))
+        return len(ti.cache_entries(code))
     except Exception:
         return 0
 
 
 def _recompile_limit_value() -> Optional[int]:
     try:
-        import torch._dynamo
-
-        cfg = torch._dynamo.config
-        return getattr(cfg, "recompile_limit", None) or getattr(cfg, "cache_size_limit", None)
+        return ti.recompile_limit_value()
     except Exception:
         return None
 
@@ -286,9 +268,7 @@ def diagnose_forward(frame: Optional[types.FrameType]) -> Diagnosis:
     live = [uf for uf, d in user_frames if d < outermost_entry and _seen_by_dynamo(uf.f_code)]
 
     if internal == "plain":
-        from .torch_internals import debug_flag_on
-
-        if debug_flag_on():
+        if ti.debug_flag_on():
             return Diagnosis(False, "debug_flag", {"flag": "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG=True"}, site)
     switch = _global_disable()
     if switch is not None:

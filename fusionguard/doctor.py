@@ -85,7 +85,7 @@ def check_options(device: Optional[str], backend: str) -> Optional[str]:
     known: Optional[List[str]] = None
     usual: List[str] = []
     try:
-        known, usual = torch._dynamo.list_backends(exclude_tags=()), torch._dynamo.list_backends()
+        known, usual = torch.compiler.list_backends(exclude_tags=()), torch.compiler.list_backends()
     except Exception:  # pragma: no cover - an older torch: let torch.compile decide
         pass
     if known is not None and backend not in known:
@@ -133,7 +133,7 @@ def run_case(name: str, compiled: bool, masked: bool, shape: Sequence[int], devi
     q, k, v = mk(hq, q_len), mk(hkv, kv_len), mk(hkv, kv_len)
     mask = create_block_mask(_causal, None, None, q_len, kv_len, device=device) if masked else None
     if compiled:
-        torch._dynamo.reset()  # a fresh compile (or cache load), so the fused record is made now
+        torch.compiler.reset()  # a fresh compile (or cache load), so the fused record is made now
     fn = torch.compile(flex_attention, backend=backend) if compiled else flex_attention
     before = len(fusionguard.events())
     fwd_peak, out, fwd_err = _peak(lambda: fn(q, k, v, block_mask=mask, enable_gqa=True), cuda)

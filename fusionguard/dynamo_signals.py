@@ -22,10 +22,11 @@ import re
 import threading
 from typing import Any, Callable, Dict, Optional, Tuple
 
+from . import torch_internals as ti
 from .patches import PatchRegistry
 
 Key = Tuple[str, int]
-_DYNAMO_LOGGER = "torch._dynamo.convert_frame"  # where Dynamo logs frames it could not convert
+_DYNAMO_LOGGER = ti.DYNAMO_CONVERT_FRAME_LOGGER  # where Dynamo logs frames it could not convert
 
 _FUNC_INFO = re.compile(r"'(?P<name>[^']*)' \((?P<file>.*):(?P<line>\d+)\)")
 _WONT_CONVERT = re.compile(r"WON'T CONVERT (?P<name>\S+) (?P<file>.+?) line (?P<line>\d+)")
@@ -87,6 +88,11 @@ class Signals:
         self.emit: Callable[..., Any] = lambda *a, **k: None
         self.on_error: Callable[[str, BaseException], None] = lambda where, exc: None
 
+    def connect(self, emit: Callable[..., Any], on_error: Callable[[str, BaseException], None]) -> None:
+        """Where what is heard goes (``emit(level, event, **fields)``) and where our own failures go."""
+        self.emit = emit
+        self.on_error = on_error
+
     # -- install / remove ---------------------------------------------------------------------
     def install(self, registry: Optional[PatchRegistry] = None) -> list:
         """Add the log handler and the compile-end callback; each one's undo goes into ``registry``."""
@@ -98,10 +104,9 @@ class Signals:
             installed.append("logging:" + _DYNAMO_LOGGER)
             if registry is not None:
                 registry.add_hook("logging:" + _DYNAMO_LOGGER, self._remove_handler, lambda: handler not in logger.handlers)
-        if self._end_callback is None:
+        callback_handler = ti.compile_callbacks()
+        if self._end_callback is None and callback_handler is not None:
             try:
-                from torch._dynamo.callback import callback_handler
-
                 def _on_compile_end(*_args: Any) -> None:
                     try:
                         self.read_metrics()
@@ -120,9 +125,7 @@ class Signals:
             except Exception:
                 pass
         try:
-            from torch._dynamo import utils as dynamo_utils
-
-            for m in list(getattr(dynamo_utils, "_compilation_metrics", ())):
+            for m in ti.compilation_metrics():
                 self._mark_seen(m)
         except Exception:
             pass
@@ -154,9 +157,7 @@ class Signals:
     def _remove_callback(self) -> None:
         if self._end_callback is not None:
             try:
-                from torch._dynamo.callback import callback_handler
-
-                callback_handler.remove_end_callback(self._end_callback)
+                ti.compile_callbacks().remove_end_callback(self._end_callback)
             except Exception:
                 pass
             self._end_callback = None
@@ -206,9 +207,7 @@ class Signals:
     def read_metrics(self) -> None:
         """Pick up frames Dynamo failed on or skipped since the last look."""
         try:
-            from torch._dynamo import utils as dynamo_utils
-
-            metrics = list(getattr(dynamo_utils, "_compilation_metrics", ()))
+            metrics = ti.compilation_metrics()
         except Exception:
             return
         for m in metrics:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import itertools
+import logging
 import sys
 import threading
 import warnings
@@ -24,9 +25,11 @@ import torch
 
 from . import causes
 from ._format import human_bytes, site_text
+from ._logger import dense_text
 from ._state import ALLOW_DENSE, STATE, count, internal_error
+from .dynamo_signals import SIGNALS, is_torch_file, reason_summary
 from .errors import DenseFallbackError, DenseFallbackWarning
-from .torch_internals import is_concrete, nested_flex_codes
+from .torch_internals import dynamo_counters, is_concrete, nested_flex_codes
 from .watching import naming
 
 # Set by FlexAttentionAutogradOp.forward's wrapper: the dense forward drops its record here so
@@ -62,13 +65,9 @@ def _note_inlined(phase: str) -> int:
         return 0
     info: Dict[str, Any] = {"phase": phase}
     try:
-        from torch._dynamo.utils import counters
-
-        from .dynamo_signals import SIGNALS, is_torch_file, reason_summary
-
         # Dynamo's own graph-break reasons (first lines), oldest first: the first is usually the
         # root cause (e.g. a print in score_mod); and the user frames Dynamo gave up on.
-        reasons = [reason_summary(r) for r in counters.get("graph_break", {})]
+        reasons = [reason_summary(r) for r in dynamo_counters("graph_break")]
         if reasons:
             info["graph_breaks"] = reasons[:3]
         SIGNALS.read_metrics()
@@ -112,8 +111,8 @@ def _dense_out_of_graph(token: int, phase: str, *args: Any, **kwargs: Any) -> An
 _WRAPPERS: Dict[str, Callable[..., Any]] = {}
 _NOTE = {phase: _make_note(phase) for phase in ("forward", "backward")}
 try:  # trace-time hook and out-of-graph call, both Dynamo's own mechanisms
-    _NOTE = {k: torch._dynamo.assume_constant_result(v) for k, v in _NOTE.items()}
-    _dense_out_of_graph_disabled = torch._dynamo.disable(_dense_out_of_graph)
+    _NOTE = {k: torch.compiler.assume_constant_result(v) for k, v in _NOTE.items()}
+    _dense_out_of_graph_disabled = torch.compiler.disable(_dense_out_of_graph)
 except Exception:  # pragma: no cover - very old torch
     _dense_out_of_graph_disabled = None
 
@@ -378,6 +377,8 @@ def make_dense_wrapper(phase: str, original: Callable[..., Any]) -> Callable[...
                     blocked = DenseFallbackError(format_message(event), event)
                 elif action == "warn":
                     warning = message(event)
+                if "seq" in event and (blocked or warning):  # logged in full: also for logging's handlers
+                    dense_text(str(blocked) if blocked else str(warning), logging.ERROR if blocked else logging.WARNING)
         except Exception as exc:
             internal_error(f"dense {phase} check", exc)
         if blocked is not None:

@@ -12,8 +12,10 @@ Why this shape:
   only a kernel crash or power loss can);
 - a torn last line left by an earlier crash is closed with a newline before we append, so it can
   never swallow our first line;
-- rendering runs our own chain of structlog processors (never ``structlog.configure``): the
-  host's structlog and ``logging`` setup stay theirs;
+- events go through fusionguard's own structlog bound logger (``structlog.wrap_logger`` over
+  this log's memory and file: stamp, then structlog's ``JSONRenderer``), never
+  ``structlog.configure`` nor the process-wide contextvars: the host's structlog and ``logging``
+  setup stay theirs (docs/logging.md);
 - bounded volume, both optional: a ``FusedSampler`` keeps the first few fused per-call events per
   (layer, phase), and the first few repeats of one dense call, then writes counter events
   (``fused_calls`` / ``dense_calls``) instead (compile-time records, blocked calls and errors
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import os
 import re
 import socket
@@ -37,8 +40,11 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple, Union
 
 import structlog
 
+from ._logger import logger as human_logger
+from ._version import __version__
 from .distributed import process_group_ready
 from .events import TRACE_EVENTS
+from .torch_internals import structured_trace
 
 SCHEMA_VERSION = 1
 
@@ -458,22 +464,23 @@ class EventLog:
         self._header: Optional[dict] = None  # the last header, copied at the top of rotated files
         self._rank = _EventRank()
         self._emit_lock = threading.RLock()
-        self._stored: Optional[dict] = None  # set by _remember, read under _emit_lock
         self.mirror: Optional[Callable[[dict], None]] = None  # e.g. to PyTorch's structured trace
         self.on_sink_error: Optional[Callable[[BaseException], None]] = None
         self.on_sink_resume: Optional[Callable[[int], None]] = None  # with the events not written
         # Set in a forked child (see _state.after_fork_in_child): opens the child's own file on
         # its first event, so a worker that never logs leaves no file behind.
         self.open_pending: Optional[Callable[[], None]] = None
-        # structlog's processor protocol, run by _log itself: our own chain only (no
-        # merge_contextvars: the host's bound context, secrets included, has no business in
-        # this log; never structlog.configure()). No BoundLogger in between: its per-event
-        # context copy and method proxying were a third of a dense call's logging cost.
-        self._processors: List[Callable[[Any, str, dict], Any]] = [
-            self._stamp,
-            self._remember,
-            structlog.processors.JSONRenderer(serializer=lambda obj, **_: dumps(obj)),
-        ]
+        # fusionguard's own structlog pipeline (see _Bound): stamp, render; never
+        # structlog.configure() and no merge_contextvars (the host's bound context, secrets
+        # included, has no business in this log, and ours none in theirs).
+        processors: List[Any] = [self._stamp, _render]
+        self._bound: _Bound = structlog.wrap_logger(
+            _LineWriter(self),
+            processors=processors,
+            wrapper_class=_Bound,
+            context_class=dict,
+            cache_logger_on_first_use=False,
+        ).bind()
 
     @property
     def seq(self) -> int:
@@ -494,12 +501,12 @@ class EventLog:
         stamped.setdefault("thread", threading.current_thread().name)
         return stamped
 
-    def _remember(self, logger: Any, method: str, event_dict: dict) -> dict:
-        stored = dict(event_dict)
-        self.memory.append(stored)
-        self._stored = stored  # what emit() returns: this call's event (we hold _emit_lock)
+    def _store(self, line: str, event_dict: dict, durable: bool) -> dict:
+        """The end of the pipeline (under ``_emit_lock``): memory, then the file."""
+        self.memory.append(event_dict)
         if event_dict.get("event") == "header":
             self._header = dict(event_dict)
+        self._write_line(line, durable)
         return event_dict
 
     def _open_pending(self) -> None:
@@ -564,6 +571,40 @@ class EventLog:
         for event, fields in sampler.flush():
             self._log(_COUNTER_LEVEL[event], event, fields, durable)
 
+    def configure(
+        self,
+        max_events: int,
+        sampler: Optional[FusedSampler],
+        on_pending: Optional[Callable[[], None]] = None,
+        on_sink_error: Optional[Callable[[BaseException], None]] = None,
+        on_sink_resume: Optional[Callable[[int], None]] = None,
+        mirror: Optional[Callable[[dict], None]] = None,
+    ) -> None:
+        """``enable()``'s settings: memory bound, a new sampler (the old one's pending counters
+        are written first: nothing counted is lost), the sink's failure / recovery callbacks and
+        the mirror (e.g. ``to_torch_trace``)."""
+        self.set_max_events(max_events)
+        self.flush_sampler()
+        if sampler is not None:
+            sampler.on_pending = on_pending
+        self.sampler = sampler
+        self.on_sink_error = on_sink_error
+        self.on_sink_resume = on_sink_resume
+        self.mirror = mirror
+
+    def set_sink_options(self, fsync: Union[bool, str], max_bytes: Optional[int], backups: int) -> bool:
+        """Change the open file's fsync and rotation settings in place (``enable()`` again, same
+        file); True when ``fsync`` changed (what was written before was made durable, or not,
+        under the old setting)."""
+        sink = self.sink
+        if sink is None:
+            return False
+        changed = sink.fsync != fsync
+        sink.fsync = fsync
+        sink.max_bytes = max_bytes or None
+        sink.backups = backups
+        return changed
+
     def set_max_events(self, n: int) -> None:
         if n != self.memory.maxlen:
             self.memory = collections.deque(self.memory, maxlen=n)
@@ -589,19 +630,64 @@ class EventLog:
     def _log(self, level: str, event: str, fields: dict, durable: bool = True) -> dict:
         if self.open_pending is not None:
             self._open_pending()
-        event_dict: Any = dict(fields)
-        event_dict["event"] = event
         # One lock around stamp, memory and write: seq numbers reach the file in order.
         with self._emit_lock:
-            self._stored = None
-            for processor in self._processors:
-                event_dict = processor(None, level, event_dict)
-            stored, self._stored = self._stored, None
-            self._write_line(event_dict, durable and level in _DURABLE_LEVELS)
+            stored = self._bound.write(level, event, fields, durable and level in _DURABLE_LEVELS)
         mirror = self.mirror
         if mirror is not None and stored:
             mirror(stored)
+        if stored and human_logger.isEnabledFor(logging.DEBUG):  # TORCH_LOGS=+fusionguard: every event
+            human_logger.debug("fusionguard event: %s", _DumpLazily(stored))
         return stored if stored is not None else {}
+
+
+class _DumpLazily:
+    """An event rendered only if a handler formats the record."""
+
+    __slots__ = ("event",)
+
+    def __init__(self, event: dict) -> None:
+        self.event = event
+
+    def __str__(self) -> str:
+        return dumps(self.event)
+
+
+def _render(logger: Any, method: str, event_dict: dict) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+    """The last processor: structlog's JSON renderer (today's lines: compact, UTF-8, ``str()`` for
+    what JSON lacks) and the event itself, for memory and for ``emit()``'s return value."""
+    return (_JSON(logger, method, event_dict),), {"event_dict": event_dict}
+
+
+_JSON = structlog.processors.JSONRenderer(serializer=lambda obj, **_: dumps(obj))
+
+
+class _LineWriter:
+    """What fusionguard's bound logger wraps: the event log's memory and file."""
+
+    __slots__ = ("_log",)
+
+    def __init__(self, log: "EventLog") -> None:
+        self._log = log
+
+    def write(self, line: str, event_dict: dict, durable: bool) -> dict:
+        return self._log._store(line, event_dict, durable)
+
+
+class _Bound(structlog.BoundLoggerBase):
+    """fusionguard's bound logger, by structlog's custom-wrapper protocol: one ``write`` that
+    runs the chain on the caller's field dict (``_process_event`` copies it once, into the empty
+    context) instead of a method per level, which would pack and copy the fields twice more
+    (the dense path writes its first events through here)."""
+
+    _logger: _LineWriter
+
+    def write(self, level: str, event: str, fields: dict, durable: bool) -> Optional[dict]:
+        try:
+            args, kw = self._process_event(level, event, fields)
+        except structlog.DropEvent:
+            return None
+        return self._logger.write(args[0], kw["event_dict"], durable)
 
 
 _TRACE: Optional[Tuple[Any, Any]] = None  # (trace_log, trace_structured), imported on first use
@@ -615,10 +701,10 @@ def to_torch_trace(event: dict) -> None:
     try:
         global _TRACE
         if _TRACE is None:
-            from torch._logging._internal import trace_log
-            from torch._logging import trace_structured
-
-            _TRACE = (trace_log, trace_structured)  # one assignment: threads may race here
+            found = structured_trace()
+            if found is None:
+                return
+            _TRACE = found  # one assignment: threads may race here
         trace_log, trace_structured = _TRACE
         if not trace_log.handlers:
             return
@@ -681,8 +767,6 @@ def redact_argv(argv: List[Any]) -> List[str]:
 def header_fields(patched: list, not_patched: dict, config: dict) -> dict:
     """Versions and environment, written first in every log file."""
     import torch
-
-    from ._version import __version__
 
     try:
         import triton  # type: ignore

@@ -22,7 +22,7 @@ import sys
 import time
 from typing import Any, Callable, Iterator, Optional
 
-from . import causes
+from . import causes, torch_internals as ti
 from ._state import ALLOW_DENSE, STATE, count, internal_error
 
 RESCUABLE = ("eager_call", "recompile_limit", "graph_break", "compile_error")
@@ -32,9 +32,7 @@ RESCUING: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("fusio
 
 
 def _eager_backend() -> Any:
-    from torch._dynamo.backends.registry import lookup_backend
-
-    return lookup_backend("eager")
+    return ti.lookup_backend("eager")
 
 
 def rescue_backend(gm: Any, example_inputs: Any) -> Any:
@@ -42,9 +40,7 @@ def rescue_backend(gm: Any, example_inputs: Any) -> Any:
     that would have worked densely (the dense run is then guarded and logged as usual)."""
     backends = STATE.caches.backends
     if "inductor" not in backends:
-        from torch._dynamo.backends.registry import lookup_backend
-
-        backends["inductor"] = lookup_backend("inductor")
+        backends["inductor"] = ti.lookup_backend("inductor")
     inductor = backends["inductor"]
     record = RESCUING.get() or {}
     try:
@@ -91,9 +87,7 @@ def _out_only(inductor: Any, gm: Any, example_inputs: Any) -> Any:
 
 def _dynamic_ok() -> Any:
     try:
-        import torch._dynamo
-
-        return torch._dynamo.config.patch(automatic_dynamic_shapes=True)
+        return ti.dynamo_config().patch(automatic_dynamic_shapes=True)
     except Exception:
         return contextlib.nullcontext()
 
@@ -122,9 +116,7 @@ def decide(frame: Any) -> Optional[causes.Diagnosis]:
     """The diagnosis if this eager call may be rescued, else None."""
     if not STATE.config.rescue or ALLOW_DENSE.get():
         return None
-    from .torch_internals import debug_flag_on
-
-    if debug_flag_on() or _user_disabled(frame):
+    if ti.debug_flag_on() or _user_disabled(frame):
         return None
     diagnosis = causes.diagnose_forward(frame)
     return diagnosis if diagnosis.cause in RESCUABLE else None

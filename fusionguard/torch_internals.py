@@ -8,9 +8,10 @@ report what it could not patch instead of failing.
 from __future__ import annotations
 
 import importlib
+import logging
 import sys
 import types
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 HOP_MODULE = "torch._higher_order_ops.flex_attention"
 PUBLIC_MODULE = "torch.nn.attention.flex_attention"
@@ -237,6 +238,127 @@ def _inductor_code_loaded() -> bool:
     return not tables or any(bool(t) for t in tables)
 
 
+# --- Dynamo's own records, read by causes / dynamo_signals / guard / rescue ---------------------
+# Each lookup answers "nothing" (None, empty, False) where this release keeps it elsewhere: the
+# callers then know less about a cause, they never fail.
+
+#: The logger Dynamo reports frames it could not convert (and recompile-limit hits) on.
+DYNAMO_CONVERT_FRAME_LOGGER = "torch._dynamo.convert_frame"
+
+
+def _dynamo_attr(module_name: str, name: str) -> Any:
+    try:
+        return getattr(module(module_name), name, None)
+    except Exception:
+        return None
+
+
+def orig_code_map() -> Any:
+    """Dynamo's transformed code -> the user's original code (``torch._dynamo.utils``), or None."""
+    return _dynamo_attr("torch._dynamo.utils", "orig_code_map")
+
+
+def dynamo_seen_code_ids() -> Optional[Any]:
+    """Ids of the code objects Dynamo looked at since its last reset (``convert_frame.input_codes``), or None."""
+    return getattr(_dynamo_attr("torch._dynamo.convert_frame", "input_codes"), "seen_ids", None)
+
+
+def dynamo_config() -> Any:
+    """``torch._dynamo.config`` (its ``patch()`` context manager and its options), or None."""
+    return _dynamo_attr("torch._dynamo", "config")
+
+
+def dynamo_disabled() -> bool:
+    """``TORCHDYNAMO_DISABLE=1`` / ``torch._dynamo.config.disable``."""
+    return bool(getattr(dynamo_config(), "disable", False))
+
+
+def compiler_stance() -> Optional[str]:
+    """The stance of ``torch.compiler.set_stance`` (2.6+), or None."""
+    return getattr(_dynamo_attr("torch._dynamo.eval_frame", "_stance"), "stance", None)
+
+
+def cache_entries(code: types.CodeType) -> list:
+    """Dynamo's cache entries (one per compiled version) for ``code``; [] where unavailable."""
+    get = _dynamo_attr("torch._dynamo.eval_frame", "_debug_get_cache_entry_list")
+    return list(get(code)) if get is not None else []
+
+
+def recompile_limit_value() -> Optional[int]:
+    cfg = dynamo_config()
+    return getattr(cfg, "recompile_limit", None) or getattr(cfg, "cache_size_limit", None)
+
+
+def dynamo_counters(kind: str) -> Dict[Any, Any]:
+    """One of Dynamo's counters (``torch._dynamo.utils.counters[kind]``, e.g. ``graph_break``)."""
+    counters = _dynamo_attr("torch._dynamo.utils", "counters")
+    return dict(counters.get(kind, {})) if counters is not None else {}
+
+
+def compilation_metrics() -> list:
+    """Dynamo's per-frame compilation metrics (a capped deque), oldest first; [] where unavailable."""
+    return list(_dynamo_attr("torch._dynamo.utils", "_compilation_metrics") or ())
+
+
+def compile_callbacks() -> Any:
+    """Dynamo's compile start/end callback registry (``register_end_callback``), or None."""
+    return _dynamo_attr("torch._dynamo.callback", "callback_handler")
+
+
+def lookup_backend(name: str) -> Any:
+    """A ``torch.compile`` backend by name (``"inductor"``, ``"eager"``)."""
+    return module("torch._dynamo.backends.registry").lookup_backend(name)
+
+
+def structured_trace() -> Optional[Tuple[Any, Any]]:
+    """``(trace_log, trace_structured)``: PyTorch's structured trace (TORCH_TRACE, tlparse), or None."""
+    log = _dynamo_attr("torch._logging._internal", "trace_log")
+    emit = _dynamo_attr("torch._logging", "trace_structured")
+    return (log, emit) if log is not None and emit is not None else None
+
+
+def register_torch_log(alias: str, qname: str) -> Optional[Callable[[], None]]:
+    """Register the logger ``qname`` with ``torch._logging`` as ``alias``, as PyTorch registers
+    its own components, so ``TORCH_LOGS=alias`` / ``+alias`` / ``-alias`` and
+    ``torch._logging.set_logs(alias=level)`` set its level (and give it PyTorch's handler and
+    format). Returns the undo: the alias goes, and if ``torch._logging`` configured the logger
+    meanwhile (``set_logs``), its handlers go and the level and propagation come back. None when
+    torch knows the alias already (``TORCH_LOGS`` named it when torch was imported: it is torch's
+    then)."""
+    internal = module("torch._logging._internal")
+    register = getattr(internal, "register_log", None)
+    aliases = getattr(getattr(internal, "log_registry", None), "log_alias_to_log_qnames", None)
+    if not callable(register) or not isinstance(aliases, dict):
+        raise Unavailable(
+            f"TORCH_LOGS={alias} is unavailable on torch {torch_version()} "
+            "(torch._logging._internal.register_log / log_registry not found); "
+            f'logging.getLogger("{qname}") works as usual'
+        )
+    if alias in aliases:
+        return None
+    register(alias, qname)
+    logger = logging.getLogger(qname)
+    before = (logger.level, logger.propagate)
+    is_torch_handler = getattr(internal, "_is_torch_handler", None)
+
+    def undo() -> None:
+        aliases.pop(alias, None)
+        theirs = [h for h in logger.handlers if callable(is_torch_handler) and is_torch_handler(h)]
+        if theirs:
+            for handler in theirs:
+                logger.removeHandler(handler)
+            logger.setLevel(before[0])
+            logger.propagate = before[1]
+
+    return undo
+
+
+def torch_log_registered(alias: str) -> bool:
+    """``alias`` is a log name of ``torch._logging`` (``TORCH_LOGS`` / ``set_logs`` accept it)."""
+    registry = _dynamo_attr("torch._logging._internal", "log_registry")
+    return bool(registry is not None and registry.is_log(alias))
+
+
 # --- Version differences, each behind one lookup (torch 2.6 ... 2.15) -------------------------
 
 
@@ -303,9 +425,7 @@ def compiled_code_backend(code: types.CodeType, orig: types.CodeType, entry_fram
     From 2.12 its cache entry says (``CacheEntry.backend``); before, the ``torch.compile``
     wrapper frame that was running it (``entry_frame``, the innermost one outside the compiled
     frame) holds the Dynamo callback around the backend."""
-    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-
-    for entry in _debug_get_cache_entry_list(orig):
+    for entry in cache_entries(orig):
         if entry.code is code and hasattr(entry, "backend"):
             return entry.backend
     if entry_frame is not None:

@@ -1,0 +1,91 @@
+"""``enable()``'s options: one dataclass whose fields are the options, validated on creation,
+and where the log goes. Torch-free (``import fusionguard`` must not import torch)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Dict, Optional, Tuple, Union
+
+from .log import DEFAULT_LOG_MODE, rank_info
+
+#: The log file when neither ``enable(log_path=...)`` nor ``FUSIONGUARD_LOG`` says (one process).
+DEFAULT_LOG_NAME = "fusionguard.jsonl"
+
+
+@dataclass
+class Config:
+    strict: bool = False
+    log_path: Optional[str] = None  # resolved absolute path, or None for memory only
+    # True: the first dense event of each (call site, layer, phase, action) and every error are
+    # fsync-ed before the dense kernel runs; "always": every dense event; False: none.
+    fsync: Union[bool, str] = True
+    max_events: int = 10_000  # events kept in memory for fusionguard.events()
+    rescue: bool = False  # compile eager FlexAttention calls with Inductor instead of running dense
+    fused_first: int = 10  # fused per-call events kept per (layer, phase) before sampling
+    fused_every: int = 1000  # then one fused_calls counter event every N calls
+    dense_first: int = 10  # dense events kept per (call site, layer, phase, cause, action) before sampling
+    dense_every: int = 1000  # then one dense_calls counter event every N calls
+    keep_all: bool = False  # keep every per-call event, fused and dense
+    log_max_bytes: Optional[int] = None  # size-based rotation of the log file
+    log_backups: int = 3
+    log_mode: int = DEFAULT_LOG_MODE  # permissions of new log / crash files (existing keep theirs)
+    # pending dense_calls / fused_calls counters are written this often (seconds; 0: only every
+    # N calls and at exit): a killed process loses at most the counts of its last interval
+    flush_interval: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.fsync != "always" and not isinstance(self.fsync, bool):
+            raise TypeError(f"fusionguard.enable(): fsync must be True, False or 'always', not {self.fsync!r}")
+        for name in ("strict", "rescue", "keep_all"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"fusionguard.enable(): {name} must be True or False, not {getattr(self, name)!r}")
+        for name, low in (("max_events", 1), ("fused_first", 0), ("fused_every", 0), ("dense_first", 1), ("dense_every", 0), ("log_backups", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"fusionguard.enable(): {name} must be an integer >= {low}, not {value!r}")
+        if self.log_max_bytes is not None and (not isinstance(self.log_max_bytes, int) or self.log_max_bytes < 1024):
+            raise ValueError(f"fusionguard.enable(): log_max_bytes must be None or an integer >= 1024, not {self.log_max_bytes!r}")
+        if isinstance(self.log_mode, bool) or not isinstance(self.log_mode, int) or not 0o400 <= self.log_mode <= 0o777 or not self.log_mode & 0o200:
+            raise ValueError(f"fusionguard.enable(): log_mode must be a file mode the owner can read and write (0o600 ... 0o777), not {self.log_mode!r}")
+        if isinstance(self.flush_interval, bool) or not isinstance(self.flush_interval, (int, float)) or not 0 <= self.flush_interval <= 3600:
+            raise ValueError(f"fusionguard.enable(): flush_interval must be a number of seconds between 0 and 3600, not {self.flush_interval!r}")
+
+    def public(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
+#: ``enable()``'s keyword options: every field but the two it takes by name.
+OPTIONS = tuple(f.name for f in fields(Config) if f.name not in ("strict", "log_path"))
+
+
+def check_options(options: Dict[str, Any]) -> None:
+    """A misspelt option is a ``TypeError``, as for any keyword argument."""
+    unknown = set(options) - set(OPTIONS)
+    if unknown:
+        raise TypeError(f"fusionguard.enable() got unknown option(s) {sorted(unknown)}; known: {list(OPTIONS)}")
+
+
+def process_log_name() -> str:
+    """This process's file in a log directory."""
+    return f"fusionguard.rank{rank_info()['rank']}.pid{os.getpid()}.jsonl"
+
+
+def default_log_file() -> str:
+    info = rank_info()
+    if info["world_size"] > 1:
+        return f"fusionguard.rank{info['rank']}.jsonl"
+    return DEFAULT_LOG_NAME
+
+
+def resolve_log_path(log_path: Union[str, "os.PathLike[str]", None, bool]) -> Tuple[Optional[str], Optional[str]]:
+    """(the log file, the directory when ``log_path`` names one: a file per process in it)."""
+    if log_path is False:
+        return None, None
+    if log_path is None or log_path is True:
+        log_path = os.environ.get("FUSIONGUARD_LOG") or default_log_file()
+    path = os.path.abspath(os.path.expanduser(os.fspath(log_path)))
+    if os.path.isdir(path) or str(log_path).endswith(os.sep):
+        # A directory: each rank and process writes its own file in it.
+        return os.path.join(path, process_log_name()), path
+    return path, None

@@ -1,0 +1,157 @@
+"""The patch table: every seam fusionguard installs at ``enable()``, one flat function each,
+all through the one registry (``STATE.patches``), each with its undo.
+
+Imports the torch side of the package (guard, inductor, watching, rescue): it is imported by
+``enable()`` only, so ``import fusionguard`` stays torch-free (the pytest plugin and the
+start-up hook rely on that).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, List, Tuple
+
+import torch
+
+from . import guard, inductor, rescue, torch_internals as ti, watching
+from ._logger import LOGGER_NAME
+from ._state import STATE, internal_error
+from .dynamo_signals import SIGNALS
+from .patches import PatchRegistry
+
+
+def _dense(reg: PatchRegistry, op_name: str, phase: str) -> None:
+    """The dense kernel of one higher-order operator (``py_kernels``: Dynamo may trace it)."""
+    op = ti.hop(op_name)
+    ti.dense_kernel(op)
+    reg.apply(
+        f"{op_name}.CompositeExplicitAutograd",
+        op.py_kernels,
+        ti.dense_key(),
+        functools.partial(guard.make_dense_wrapper, phase),
+        after=functools.partial(ti.clear_dispatch_cache, op),
+    )
+
+
+def _dense_forward(reg: PatchRegistry) -> None:
+    _dense(reg, "flex_attention", "forward")
+
+
+def _dense_backward(reg: PatchRegistry) -> None:
+    _dense(reg, "flex_attention_backward", "backward")
+
+
+def _autograd_op(reg: PatchRegistry) -> None:
+    cls = ti.autograd_op()
+    reg.apply("FlexAttentionAutogradOp.forward", vars(cls), "forward", guard.make_autograd_forward, owner=cls)
+    reg.apply("FlexAttentionAutogradOp.backward", vars(cls), "backward", guard.make_autograd_backward, owner=cls)
+
+
+def _lowerings(reg: PatchRegistry) -> None:
+    table = ti.lowerings()
+    ops = ((torch.ops.higher_order.flex_attention, "forward"), (torch.ops.higher_order.flex_attention_backward, "backward"))
+    for op, phase in ops:
+        if op not in table:
+            raise LookupError(f"no Inductor lowering registered for {op}")
+        reg.apply(f"inductor.lowerings[{op}]", table, op, functools.partial(inductor.make_lowering_wrapper, phase))
+    mod = ti.flex_lowering_module()
+    for fn_name, template in ti.TEMPLATE_SELECTORS.items():
+        if callable(mod.__dict__.get(fn_name)):
+            reg.apply(
+                f"inductor.{mod.__name__}.{fn_name}", mod.__dict__, fn_name, functools.partial(inductor.make_selector_wrapper, template)
+            )
+
+
+def _post_compile(reg: PatchRegistry) -> None:
+    cls = ti.compiled_fx_graph()
+    reg.apply("inductor.CompiledFxGraph.post_compile", vars(cls), "post_compile", inductor.make_post_compile_wrapper, owner=cls)
+
+
+def _emit(level: str, event: str, **fields: Any) -> dict:
+    return STATE.log.emit(level, event, **fields)  # (STATE.log read per call: a test reset replaces it)
+
+
+def _signals(reg: PatchRegistry) -> None:
+    SIGNALS.connect(_emit, internal_error)
+    SIGNALS.install(reg)
+
+
+def _compile_wrappers(reg: PatchRegistry) -> None:
+    cls = ti.optimized_module()
+    reg.apply("OptimizedModule.__init__", vars(cls), "__init__", watching.make_wrapper_init, owner=cls)
+
+
+def _rescue(reg: PatchRegistry) -> None:
+    home = ti.setup_compilation_env_home()
+    reg.apply("flex_attention.setup_compilation_env", home, "setup_compilation_env", rescue.make_setup_env_wrapper)
+
+
+def _torch_logs(reg: PatchRegistry) -> None:
+    """``TORCH_LOGS=fusionguard`` sets the level of ``logging.getLogger("fusionguard")``."""
+    undo = ti.register_torch_log(LOGGER_NAME, LOGGER_NAME)
+    if undo is not None:
+        reg.add_hook("torch._logging.register_log(fusionguard)", undo, lambda: not ti.torch_log_registered(LOGGER_NAME))
+
+
+#: (the name ``not_patched`` reports it under, its installer), in installation order.
+PATCHES: Tuple[Tuple[str, Callable[[PatchRegistry], None]], ...] = (
+    ("flex_attention (dense forward)", _dense_forward),
+    ("flex_attention_backward (dense backward)", _dense_backward),
+    ("FlexAttentionAutogradOp", _autograd_op),
+    ("inductor lowerings", _lowerings),
+    ("inductor CompiledFxGraph.post_compile", _post_compile),
+    ("dynamo signals", _signals),
+    ("torch.compile module wrapper (watch)", _compile_wrappers),
+    ("rescue (setup_compilation_env)", _rescue),
+    ("torch._logging (TORCH_LOGS=fusionguard)", _torch_logs),
+)
+
+
+def install_patches() -> List[str]:
+    """Install every patch; returns the names of features this torch release lacks (recorded in
+    ``STATE.not_patched`` too, with the sentence that says what is unavailable); a failure of any
+    other kind is recorded there as what could not be patched."""
+    unavailable: List[str] = []
+    for name, install in PATCHES:
+        try:
+            install(STATE.patches)
+        except ti.Unavailable as exc:  # the release lacks it: nothing to guard there
+            STATE.not_patched[name] = str(exc)
+            unavailable.append(name)
+        except Exception as exc:  # version drift: say what could not be patched
+            STATE.not_patched[name] = f"{type(exc).__name__}: {exc}"
+    return unavailable
+
+
+def live_graphs() -> Tuple[List[Any], float]:
+    """Compiled graphs holding FlexAttention made before this enable() (see inductor)."""
+    try:
+        return inductor.live_flex_graphs()
+    except Exception as exc:
+        internal_error("search for graphs compiled before enable()", exc)
+        return [], 0.0
+
+
+def unseen_fields(graphs: List[Any]) -> dict:
+    """The header's ``unseen_graphs``: graphs compiled before enable() that cannot be named."""
+    unseen = inductor.unseen_graphs(graphs)
+    return {"unseen_graphs": unseen, "unseen_graphs_fix": inductor.UNSEEN_FIX if unseen else None}
+
+
+def adopt_live_graphs(graphs: List[Any], search_ms: float) -> None:
+    try:
+        inductor.adopt_live_graphs(graphs, search_ms)
+    except Exception as exc:
+        internal_error("graphs compiled before enable()", exc)
+
+
+def new_log_stats() -> None:
+    """Summary rows are the log's: a new file counts its own calls only."""
+    STATE.stats.new_log()
+
+
+def final_events(reason: str, **extra: Any) -> None:
+    """The per-layer summary and the shutdown event that end a log (disable, exit, a new log_path)."""
+    STATE.log.emit("info", "summary", counts=dict(STATE.counts), rows=STATE.stats.summary())
+    STATE.log.emit("info", "shutdown", reason=reason, **extra, counts=dict(STATE.counts))
+

@@ -1,0 +1,174 @@
+"""What ``enable()``, ``disable()`` and the end of the process do, in order: configure the event
+log, install the patch table once, open the log and write its header, hook crashes; and the
+reverse. Callers hold ``STATE.lock``.
+
+Torch-free at import: the torch side (the patch table, the per-layer summary) is reached through
+``_torch_side()`` only once fusionguard is being enabled, or is enabled.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import logging
+from typing import Any, Optional
+
+from . import crash
+from ._config import Config
+from ._state import STATE, internal_error, write_stderr
+from .dynamo_signals import SIGNALS
+from .log import FusedSampler, header_fields, to_torch_trace
+
+
+def _torch_side() -> Any:
+    """``fusionguard._install`` (imports torch): loaded by the first ``enable()``."""
+    return importlib.import_module("._install", __package__)
+
+
+def _announce(path: Optional[str]) -> None:
+    if path is None or STATE.announced_path == path:
+        return
+    STATE.announced_path = path
+    write_stderr(
+        f"fusionguard: logging FlexAttention verdicts to {path} "
+        "(FUSIONGUARD_LOG or enable(log_path=...) to change, log_path=False for none)\n",
+        logging.INFO,
+    )
+
+
+def _on_sink_error(exc: BaseException) -> None:
+    write_stderr(
+        f"fusionguard: cannot write the log {STATE.config.log_path} ({exc}); events go on in memory "
+        "(fusionguard.events()) and each new event tries the file again\n"
+    )
+
+
+def _on_sink_resume(unwritten: int) -> None:
+    write_stderr(f"fusionguard: writing the log {STATE.config.log_path} again; {unwritten} event(s) so far could not be written to it\n", logging.INFO)
+
+
+def _install_once() -> Any:
+    """The first enable(): every patch, and the graphs compiled before it; say what is missing."""
+    torch_side = _torch_side()
+    STATE.not_patched = {}
+    unavailable = torch_side.install_patches()
+    live = torch_side.live_graphs()
+    for name, why in STATE.not_patched.items():
+        if name in unavailable:
+            write_stderr(f"fusionguard: {why}\n", logging.INFO)  # (a feature this release lacks)
+        else:
+            write_stderr(f"fusionguard: could not patch {name} ({why}); that part is not guarded\n")
+    return live
+
+
+def _open_log(config: Config, live: Any) -> None:
+    """A new file (or the first enable()): close the old one, open this one, write its header."""
+    STATE.log.close()
+    crash.release_native()
+    STATE.crash_fields = {}
+    if config.log_path is not None:
+        try:
+            STATE.log.open(config.log_path, fsync=config.fsync, max_bytes=config.log_max_bytes, backups=config.log_backups, mode=config.log_mode)
+            STATE.durable_keys.clear()
+            _announce(config.log_path)
+            STATE.crash_fields = crash.capture_native(config.log_path, config.log_mode)
+        except OSError as exc:
+            write_stderr(
+                f"fusionguard: cannot open log file {config.log_path!r} ({exc}); "
+                "events are kept in memory only (fusionguard.events())\n"
+            )
+            config.log_path = None
+    try:
+        patched = [n for n in STATE.patches.names() if not n.startswith("graph ")]  # (not each graph's wrapper)
+        header = header_fields(patched, dict(STATE.not_patched), config.public())
+        if live is not None:  # graphs compiled before enable() that fusionguard cannot see, and the fix
+            header.update(_torch_side().unseen_fields(live[0]))
+        STATE.log.emit("info", "header", **header, **STATE.crash_fields)
+    except Exception as exc:  # the guard must be on even if the header cannot be built
+        internal_error("header", exc)
+
+
+def _emit(level: str, event: str, **fields: Any) -> dict:
+    return STATE.log.emit(level, event, **fields)  # (STATE.log read per call: a test reset replaces it)
+
+
+def _last_flex() -> Optional[dict]:
+    return crash.last_flex(STATE.log.memory)
+
+
+def _counts() -> dict:
+    return {"counts": dict(STATE.counts)}
+
+
+def start(config: Config, log_dir: Optional[str]) -> None:
+    """``enable()`` with a validated ``config`` whose ``log_path`` is resolved."""
+    new_log = config.log_path != STATE.config.log_path
+    reopen = new_log or STATE.log.sink is None
+    if reopen and STATE.enabled and STATE.log.sink is not None:
+        try:  # the old file's run ends here, not "killed", with its own summary
+            _torch_side().final_events("log_path changed", next_log=config.log_path)
+        except Exception as exc:
+            internal_error("shutdown event (log_path changed)", exc)
+    if new_log:
+        _torch_side().new_log_stats()
+    STATE.log_dir = log_dir
+    STATE.config = config
+    sampler = FusedSampler(
+        first=config.fused_first,
+        every=config.fused_every,
+        keep_all=config.keep_all,
+        dense_first=config.dense_first,
+        dense_every=config.dense_every,
+    )
+    STATE.log.configure(config.max_events, sampler, STATE.flusher.poke, _on_sink_error, _on_sink_resume, to_torch_trace)
+    STATE.flusher.configure(config.flush_interval)
+    first = not STATE.enabled
+    live = None
+    if first:
+        live = _install_once()
+    if reopen or first:
+        _open_log(config, live)
+    elif STATE.log.set_sink_options(config.fsync, config.log_max_bytes, config.log_backups):
+        STATE.durable_keys.clear()  # sites seen with fsync off were never made durable
+    STATE.enabled = True
+    if live is not None and live[0]:  # (after the header: their records are events of this log)
+        _torch_side().adopt_live_graphs(*live)
+    try:
+        crash.install(_emit, last_flex_event=_last_flex, summary=_counts, registry=STATE.patches)
+    except Exception as exc:
+        internal_error("crash hooks", exc)
+    if not STATE.atexit_registered:  # atexit has no undo we may use (unregister drops every
+        atexit.register(at_exit)  # registration of the function): once, a no-op while disabled
+        STATE.atexit_registered = True
+
+
+def stop() -> None:
+    """``disable()``: every patch, hook and handler undone (newest first), the log ended and closed."""
+    if not STATE.enabled and not STATE.patches.entries():
+        crash.tidy()  # a SIGTERM handler left by a disable() from another thread
+        return
+    STATE.enabled = False
+    STATE.patches.remove_all()  # every patch, hook, handler and callback, newest first
+    STATE.log.mirror = None
+    SIGNALS.remove()  # (its handler and callback are gone already: forgets what Dynamo said)
+    crash.uninstall()
+    STATE.flusher.stop()
+    try:
+        _torch_side().final_events("disable")
+    except Exception as exc:
+        internal_error("shutdown event", exc)
+    STATE.log.close()
+    crash.release_native()
+
+
+def at_exit() -> None:
+    """The process ends: the last counters, the summary and the shutdown event."""
+    try:
+        with STATE.lock:
+            if STATE.enabled and STATE.log.open_pending is None:  # (set: a forked child that never logged)
+                STATE.flusher.stop()
+                _torch_side().final_events("exit")
+                STATE.log.close()
+                crash.release_native()
+    except Exception:
+        pass
