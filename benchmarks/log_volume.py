@@ -29,7 +29,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from fusionguard import report  # noqa: E402
-from fusionguard.log import DEFAULT_FUSED_EVERY, DEFAULT_FUSED_FIRST, EventLog, FusedSampler  # noqa: E402
+from fusionguard.log import EventLog  # noqa: E402
+from fusionguard.sampler import DEFAULT_FUSED_EVERY, DEFAULT_FUSED_FIRST, FusedSampler  # noqa: E402
 
 LAYERS = 32
 

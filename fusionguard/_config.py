@@ -7,7 +7,8 @@ import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Dict, Optional, Tuple, Union
 
-from .log import DEFAULT_LOG_MODE, rank_info
+from .log import rank_info
+from .sink import DEFAULT_LOG_MODE
 
 #: The log file when neither ``enable(log_path=...)`` nor ``FUSIONGUARD_LOG`` says (one process).
 DEFAULT_LOG_NAME = "fusionguard.jsonl"

@@ -17,7 +17,8 @@ from . import crash
 from ._config import Config
 from ._state import STATE, internal_error, write_stderr
 from .dynamo_signals import SIGNALS
-from .log import FusedSampler, header_fields, to_torch_trace
+from .log import header_fields, to_torch_trace
+from .sampler import FusedSampler
 
 
 def _torch_side() -> Any:

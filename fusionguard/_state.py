@@ -273,7 +273,8 @@ def _open_child_log(parent_sink: Any) -> None:
 
 
 def _open_child_log_now(parent_sink: Any) -> None:
-    from .log import FileSink, header_fields
+    from .log import header_fields
+    from .sink import FileSink
 
     config = STATE.config
     path = parent_sink.path

@@ -192,7 +192,7 @@ def crash_file_for(log_path: str) -> str:
 
 def capture_native(log_path: str, mode: int = 0o600) -> Dict[str, Any]:
     """Send fatal-signal reports to a file beside ``log_path``; the header fields that say so."""
-    from .log import open_regular
+    from .sink import open_regular
 
     with CRASH.lock:
         path = crash_file_for(log_path)

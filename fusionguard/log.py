@@ -16,6 +16,7 @@ Why this shape:
   this log's memory and file: stamp, then structlog's ``JSONRenderer``), never
   ``structlog.configure`` nor the process-wide contextvars: the host's structlog and ``logging``
   setup stay theirs (docs/logging.md);
+- the file itself is ``sink.FileSink`` (durability) and the sampling ``sampler.FusedSampler``;
 - bounded volume, both optional: a ``FusedSampler`` keeps the first few fused per-call events per
   (layer, phase), and the first few repeats of one dense call, then writes counter events
   (``fused_calls`` / ``dense_calls``) instead (compile-time records, blocked calls and errors
@@ -32,7 +33,6 @@ import logging
 import os
 import re
 import socket
-import stat
 import sys
 import threading
 import time
@@ -44,6 +44,8 @@ from ._logger import logger as human_logger
 from ._version import __version__
 from .distributed import process_group_ready
 from .events import TRACE_EVENTS
+from .sampler import COUNTER_LEVEL, FLUSH_BEFORE, KEEP, FusedSampler
+from .sink import DEFAULT_LOG_MODE, FileSink
 from .torch_internals import structured_trace
 
 SCHEMA_VERSION = 1
@@ -104,349 +106,6 @@ class _EventRank:
         return self.env
 
 
-#: New log and crash files: readable by their owner only (``enable(log_mode=0o640)`` widens).
-DEFAULT_LOG_MODE = 0o600
-
-
-def open_regular(path: str, mode: int = DEFAULT_LOG_MODE, flags: int = os.O_WRONLY | os.O_APPEND) -> int:
-    """Open (creating with ``mode``) a regular file for appending, never through a symlink and
-    never blocking: a planted symlink fails with ELOOP, a FIFO without a reader with ENXIO, and
-    any other non-regular file (FIFO with a reader, device, socket) is closed again and refused
-    with an ``OSError``. Existing files keep their mode. The descriptor is close-on-exec."""
-    extra = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
-    fd = os.open(path, flags | os.O_CREAT | extra, mode)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise OSError(f"{path!r} is not a regular file (refused: a log is only appended to a regular file)")
-        if getattr(os, "O_NONBLOCK", 0):
-            os.set_blocking(fd, True)  # a regular file: O_NONBLOCK was only for the open itself
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _read_at(fd: int, offset: int) -> bytes:
-    if hasattr(os, "pread"):
-        return os.pread(fd, 1, offset)
-    os.lseek(fd, offset, os.SEEK_SET)  # pragma: no cover - Windows
-    return os.read(fd, 1)
-
-
-class FileSink:
-    """Append-only JSON-lines file. Thread-safe; safe to share between processes."""
-
-    def __init__(
-        self,
-        path: str,
-        fsync: Union[bool, str] = True,  # (True or "always": fsync durable events)
-        max_bytes: Optional[int] = None,
-        backups: int = 3,
-        preamble: Optional[Callable[[], Optional[str]]] = None,
-        mode: int = DEFAULT_LOG_MODE,
-    ) -> None:
-        """``max_bytes``: rotate when the file would grow past it (None or 0: never);
-        ``backups``: rotated files kept (``path.1`` newest ... ``path.N``; 0: the full file is
-        removed); ``preamble``: returns the line (a header copy) that starts each new file;
-        ``mode``: permissions of a file this sink creates (an existing file keeps its own)."""
-        self.path = path
-        self.fsync = fsync
-        self.max_bytes = int(max_bytes) if max_bytes else None
-        self.backups = max(0, int(backups))
-        self.preamble = preamble
-        self.mode = mode
-        self.rotations = 0
-        self.unwritten = 0  # events whose write failed (disk full, ...): in memory only
-        self._torn = False  # a failed write may have left part of a line: close it before the next
-        self._lock = threading.Lock()
-        parent = os.path.dirname(os.path.abspath(path))
-        os.makedirs(parent, exist_ok=True)
-        self._fd: Optional[int] = open_regular(path, mode)
-        self._close_torn_line()
-        self._size = self._file_size()
-
-    def _file_size(self) -> int:
-        try:
-            return os.fstat(self._fd).st_size if self._fd is not None else 0
-        except OSError:
-            return 0
-
-    def _close_torn_line(self) -> None:
-        try:
-            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0))
-        except OSError:
-            return
-        try:
-            st = os.fstat(fd)
-            if stat.S_ISREG(st.st_mode) and st.st_size and _read_at(fd, st.st_size - 1) != b"\n":
-                self._write_bytes(b"\n")
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-
-    def _write_bytes(self, data: bytes) -> None:
-        fd = self._fd
-        if fd is None:
-            raise OSError("the log file is closed (it could not be reopened after a rotation)")
-        view = memoryview(data)
-        while view:
-            try:
-                n = os.write(fd, view)
-            except OSError:
-                if len(view) < len(data):
-                    self._torn = True  # part of this line is in the file
-                raise
-            view = view[n:]
-
-    def write(self, line: str, durable: bool) -> None:
-        data = (line + "\n").encode("utf-8", "replace")
-        with self._lock:
-            if self.max_bytes is not None and self._size + len(data) > self.max_bytes:
-                self._rotate_if_needed(len(data))
-            if self._torn:
-                # A short write (disk full) left a fragment: end it with its own newline first,
-                # or this event would be glued onto it and both lines lost. If that fails, the
-                # fragment is still open and this event is not written either.
-                self._write_bytes(b"\n")
-                self._torn = False
-            self._write_bytes(data)
-            self._size += len(data)
-            if durable and self.fsync and self._fd is not None:
-                os.fsync(self._fd)
-
-    # -- size-based rotation (under self._lock) ----------------------------------------------
-    def _rotate_if_needed(self, incoming: int) -> None:
-        fd = self._fd
-        if fd is None or self.max_bytes is None:
-            return
-        try:
-            mine = os.fstat(fd)
-            self._size = mine.st_size  # other processes may append to the same file
-            if self._size == 0 or self._size + incoming <= self.max_bytes:
-                return
-            try:
-                current = os.stat(self.path)
-            except FileNotFoundError:
-                current = None
-            if current is None or (current.st_ino, current.st_dev) != (mine.st_ino, mine.st_dev):
-                # Another process sharing this file rotated it already: follow it.
-                self._reopen()
-                return
-            if self.backups:
-                for i in range(self.backups - 1, 0, -1):
-                    src = f"{self.path}.{i}"
-                    if os.path.exists(src):
-                        os.replace(src, f"{self.path}.{i + 1}")
-                os.replace(self.path, f"{self.path}.1")
-            else:
-                os.unlink(self.path)
-            self.rotations += 1
-            self._reopen()
-        except OSError:
-            return  # rotation is best effort: keep appending to the file we have
-
-    def _reopen(self) -> None:
-        old, self._fd = self._fd, None
-        if old is not None:
-            try:
-                os.fsync(old)
-            except OSError:
-                pass
-            os.close(old)
-        self._fd = open_regular(self.path, self.mode)
-        self._torn = False  # a fragment stays in the file it was written to
-        self._size = self._file_size()
-        if self._size == 0 and self.preamble is not None:
-            try:
-                line = self.preamble()
-            except Exception:
-                line = None
-            if line:
-                data = (line + "\n").encode("utf-8", "replace")
-                self._write_bytes(data)
-                self._size += len(data)
-
-    def close(self) -> None:
-        with self._lock:
-            if self._fd is not None:
-                try:
-                    os.fsync(self._fd)
-                except OSError:
-                    pass
-                os.close(self._fd)
-                self._fd = None
-
-
-# -- bounded volume: per-call events -------------------------------------------------------------
-
-#: Defaults of the sampler (``enable(fused_first=..., fused_every=..., keep_all=...)``).
-DEFAULT_FUSED_FIRST = 10
-DEFAULT_FUSED_EVERY = 1000
-#: Never sampled, whatever their fields say.
-NEVER_SAMPLED = frozenset(
-    {"header", "flex_compile", "flex_call", "flex_inlined", "summary", "shutdown", "crash", "fused_calls", "dense_calls"}
-)
-#: Emitting one of these first writes the pending ``fused_calls`` counters (nothing is lost).
-FLUSH_BEFORE = frozenset({"summary", "shutdown", "crash"})
-_KEEP = "keep"
-_COUNTER_LEVEL = {"fused_calls": "info", "dense_calls": "warning"}
-
-
-class _Window:
-    __slots__ = ("total", "window", "agg", "flex_calls", "same")
-
-    def __init__(self, same: Optional[Dict[str, Any]] = None) -> None:
-        self.total = 0
-        self.window = 0
-        self.flex_calls = 0  # FlexAttention calls covered by the window's ``flex_run`` events
-        self.agg: Dict[str, List[Any]] = {}  # field -> [max, last]
-        self.same = same  # fields every call of the key shares (a dense key's cause, site, ...)
-
-
-#: What a dense call's sampling key holds besides layer and phase, copied into its counter.
-_DENSE_KEY_FIELDS = ("cause", "action", "call_site", "traced")
-
-
-class FusedSampler:
-    """Decides which per-call events are written.
-
-    Fused per-call events (``info``, ``path: "fused"``), per (layer, phase): the first ``first``
-    are kept as they are; after that, calls are counted and every ``every``-th call writes one
-    ``fused_calls`` event instead, covering the calls since the previous record: ``count`` (calls
-    covered), ``total`` (calls so far for that layer and phase), ``of`` (the event kind counted)
-    and, for each numeric field in ``aggregate`` that the events carried, ``<field>_max`` and
-    ``<field>_last``, and for ``flex_run`` events the FlexAttention calls they covered
-    (``flex_calls``). ``every=0``: counters only when flushed (before ``summary`` / ``shutdown``
-    / ``crash`` and on close).
-
-    Dense calls (``flex_call`` with ``path: "dense"``) the same way with ``dense_first`` /
-    ``dense_every``, per (layer, phase, call site, cause, action): a training loop that runs
-    dense repeats one call thousands of times, and each full event cost the dense path a JSON
-    line; their counter is ``dense_calls`` (level ``warning``) and carries the key's cause,
-    action, call site. A blocked call (``action: "raise"``) is always written.
-
-    ``keep_all=True`` keeps everything. Compile-time records and errors are never sampled.
-    Thread-safe.
-    """
-
-    def __init__(
-        self,
-        first: int = DEFAULT_FUSED_FIRST,
-        every: int = DEFAULT_FUSED_EVERY,
-        keep_all: bool = False,
-        aggregate: Tuple[str, ...] = ("alloc_delta", "peak_delta", "scores_bytes"),
-        max_keys: int = 100_000,
-        dense_first: int = DEFAULT_FUSED_FIRST,
-        dense_every: int = DEFAULT_FUSED_EVERY,
-    ) -> None:
-        self.first = max(0, int(first))
-        self.every = max(0, int(every))
-        self.dense_first = max(1, int(dense_first))  # the first of a key is always written
-        self.dense_every = max(0, int(dense_every))
-        self.keep_all = bool(keep_all)
-        self.aggregate = tuple(aggregate)
-        self.max_keys = max_keys
-        self._lock = threading.Lock()
-        self._keys: Dict[tuple, _Window] = {}
-        self.kept = 0
-        self.dropped = 0
-        self.counters = 0
-        # True while some call is counted but not yet written; ``on_pending`` is called (outside
-        # the lock) when that becomes true, so a flusher can sleep until there is work.
-        self.pending = False
-        self.on_pending: Optional[Callable[[], None]] = None
-
-    def fresh(self) -> "FusedSampler":
-        """The same settings, no calls counted (a forked child: the parent's are the parent's)."""
-        new = FusedSampler(self.first, self.every, self.keep_all, self.aggregate, self.max_keys, self.dense_first, self.dense_every)
-        new.on_pending = self.on_pending
-        return new
-
-    @staticmethod
-    def applies(level: str, event: str, fields: dict) -> bool:
-        path = fields.get("path")
-        if path == "fused":
-            return level == "info" and event not in NEVER_SAMPLED
-        return path == "dense" and event == "flex_call" and fields.get("action") in ("warn", "allow")
-
-    def offer(self, event: str, fields: dict) -> Any:
-        """``"keep"``: write the event; ``None``: drop it; ``(event, fields)``: write that
-        counter event instead."""
-        if self.keep_all:
-            return _KEEP
-        dense = fields.get("path") == "dense"
-        key: tuple = (fields.get("layer"), fields.get("phase"), event)
-        if dense:
-            site = fields.get("call_site") or {}
-            key += (fields.get("cause"), fields.get("action"), fields.get("traced"), site.get("file"), site.get("line"))
-        first, every = (self.dense_first, self.dense_every) if dense else (self.first, self.every)
-        with self._lock:
-            w = self._keys.get(key)
-            if w is None:
-                other = len(self._keys) >= self.max_keys
-                if other:
-                    key = ("(other)", fields.get("phase"), event) + (("dense",) if dense else ())
-                    w = self._keys.get(key)
-                if w is None:
-                    same = None
-                    if dense:  # the overflow bucket mixes calls: it names no cause or site
-                        same = {k: (None if other else fields.get(k)) for k in _DENSE_KEY_FIELDS}
-                    w = self._keys[key] = _Window(same)
-            w.total += 1
-            if w.total <= first:
-                self.kept += 1
-                return _KEEP
-            w.window += 1
-            n = fields.get("flex_calls")
-            if isinstance(n, int) and not isinstance(n, bool):
-                w.flex_calls += n
-            for name in self.aggregate:
-                if name not in fields:
-                    continue
-                value = fields[name]
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    slot = w.agg.get(name)
-                    if slot is None:
-                        w.agg[name] = [value, value]
-                    else:
-                        if value > slot[0]:
-                            slot[0] = value
-                        slot[1] = value
-            if every and w.window >= every:
-                self.counters += 1
-                return self._counter(key, w)
-            self.dropped += 1
-            wake = not self.pending
-            self.pending = True
-        if wake and self.on_pending is not None:
-            self.on_pending()
-        return None
-
-    def _counter(self, key: tuple, w: _Window) -> Tuple[str, Dict[str, Any]]:
-        dense = w.same is not None
-        out: Dict[str, Any] = {"layer": key[0], "phase": key[1], "path": "dense" if dense else "fused", "of": key[2]}
-        if w.same is not None:
-            out.update(w.same)
-        out["count"], out["total"] = w.window, w.total
-        if w.flex_calls:
-            out["flex_calls"] = w.flex_calls
-            w.flex_calls = 0
-        for name, (mx, last) in w.agg.items():
-            out[f"{name}_max"] = mx
-            out[f"{name}_last"] = last
-        w.window = 0
-        w.agg = {}
-        return ("dense_calls" if dense else "fused_calls"), out
-
-    def flush(self) -> List[Tuple[str, Dict[str, Any]]]:
-        """Counter events for every key with calls not yet written."""
-        with self._lock:
-            self.pending = False
-            out = [self._counter(k, w) for k, w in self._keys.items() if w.window]
-            self.counters += len(out)
-            return out
 
 
 class EventLog:
@@ -569,7 +228,7 @@ class EventLog:
         if sampler is None:
             return
         for event, fields in sampler.flush():
-            self._log(_COUNTER_LEVEL[event], event, fields, durable)
+            self._log(COUNTER_LEVEL[event], event, fields, durable)
 
     def configure(
         self,
@@ -623,8 +282,8 @@ class EventLog:
                 verdict = sampler.offer(event, fields)
                 if verdict is None:
                     return {}
-                if verdict is not _KEEP:
-                    return self._log(_COUNTER_LEVEL[verdict[0]], verdict[0], verdict[1])
+                if verdict is not KEEP:
+                    return self._log(COUNTER_LEVEL[verdict[0]], verdict[0], verdict[1])
         return self._log(level, event, fields, durable)
 
     def _log(self, level: str, event: str, fields: dict, durable: bool = True) -> dict:

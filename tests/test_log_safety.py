@@ -16,7 +16,8 @@ import pytest
 
 import fusionguard
 from fusionguard import _state, crash, guard as guard_mod
-from fusionguard.log import REDACTED, FileSink, redact_argv
+from fusionguard.log import REDACTED, redact_argv
+from fusionguard.sink import FileSink
 from conftest import qkv, read_jsonl, run_cli
 from torch.nn.attention.flex_attention import flex_attention
 

@@ -21,7 +21,8 @@ from torch.nn.attention.flex_attention import flex_attention
 
 from fusionguard import cli, report
 from fusionguard.report import read as report_read
-from fusionguard.log import EventLog, FusedSampler
+from fusionguard.log import EventLog
+from fusionguard.sampler import FusedSampler
 
 from conftest import ROOT, qkv, read_jsonl, run_cli
 
