@@ -14,7 +14,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import fusionguard
 
-from conftest import flex_events, op_call, qkv, read_jsonl
+from conftest import flex_events, in_own_process, op_call, qkv, read_jsonl
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -232,6 +232,7 @@ def test_nested_tensor_inputs_get_torchs_own_error_unchanged(guard):
     assert not fusionguard.events("internal_error")
 
 
+@in_own_process
 def test_dynamos_frame_hook_never_compiles_the_guard(guard, dynamo_reset):
     """After one call with Dynamo disabled, torch 2.7 runs flex_attention's internal
     ``torch.compile(fullgraph=True)`` wrapper uncompiled with Dynamo's frame hook still set (until
