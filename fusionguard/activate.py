@@ -76,9 +76,10 @@ def startup() -> None:
         _say_once("startup", f"fusionguard: start-up hook failed ({type(exc).__name__}: {exc}); fusionguard is off in this process\n")
 
 
-#: Launcher processes that import torch but never run attention (torchrun's elastic agent):
-#: their workers are enabled, they are not (no log of their own next to the ranks' logs).
-_LAUNCHERS = ("torchrun", "torch/distributed/run.py", "torch/distributed/launch.py")
+#: Launcher processes that import torch but never run attention (torchrun's elastic agent;
+#: Inductor's compile-worker pool, which torch 2.7 starts in every compiling worker): their
+#: workers are enabled, they are not (no log of their own next to the ranks' logs).
+_LAUNCHERS = ("torchrun", "torch/distributed/run.py", "torch/distributed/launch.py", "torch/_inductor/compile_worker/__main__.py")
 
 
 _LAUNCHER_MODULES = ("torch.distributed.run", "torch.distributed.launch")

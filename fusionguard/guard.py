@@ -29,7 +29,7 @@ from ._logger import dense_text
 from ._state import ALLOW_DENSE, STATE, count, internal_error
 from .dynamo_signals import SIGNALS, is_torch_file, reason_summary
 from .errors import DenseFallbackError, DenseFallbackWarning
-from .torch_internals import dynamo_counters, is_concrete, nested_flex_codes
+from .torch_internals import dynamo_counters, dynamo_skips_frames, eval_frame_callback, is_concrete, is_fullgraph_hook, nested_flex_codes
 from .watching import naming
 
 # Set by FlexAttentionAutogradOp.forward's wrapper: the dense forward drops its record here so
@@ -393,10 +393,30 @@ def make_dense_wrapper(phase: str, original: Callable[..., Any]) -> Callable[...
     return fusionguard_dense_kernel
 
 
+def _skip_frames(fn: Callable[..., Any], nested: bool) -> None:
+    try:
+        dynamo_skips_frames(fn, nested)
+    except Exception as exc:
+        internal_error("Dynamo frame skip", exc)
+
+
+def _hook_free(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(...)`` with no frame below compiled by Dynamo's frame hook (marked once, below)."""
+    return fn(*args, **kwargs)
+
+
+_skip_frames(_hook_free, nested=True)
+_skip_frames(is_fullgraph_hook, nested=True)
+_frame_hook = eval_frame_callback()
+
+
 def make_autograd_forward(original: staticmethod) -> staticmethod:
     fn = original.__func__
 
     def forward(ctx: Any, *args: Any, **kwargs: Any) -> Any:
+        hook = _frame_hook()  # PyTorch's own fullgraph wrapper runs uncompiled above (torch 2.7):
+        if hook and is_fullgraph_hook(hook):  # run as its graph would, with the hook off
+            return _hook_free(forward, ctx, *args, **kwargs)
         if _is_compiling() or not STATE.enabled or not args or not is_concrete(args[0]):
             return fn(ctx, *args, **kwargs)
         slot: List[dict] = []
@@ -413,6 +433,7 @@ def make_autograd_forward(original: staticmethod) -> staticmethod:
         return out
 
     forward.__wrapped__ = fn  # type: ignore[attr-defined]
+    _skip_frames(forward, nested=False)  # compiling it alone gains nothing: a graph break at fn
     return staticmethod(forward)
 
 

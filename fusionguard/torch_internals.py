@@ -440,6 +440,41 @@ def compiled_graph_text(compiled: Any) -> str:
     return getattr(compiled, "inductor_post_grad_graph_str", None) or getattr(compiled, "runnable_graph_str", None) or ""
 
 
+def dynamo_skips_frames(fn: Any, nested: bool) -> bool:
+    """Tell Dynamo's frame hook never to compile ``fn``'s own frames (``nested``: nor any frame
+    they call, as for a compiled graph's own calls), per code object, at no per-call cost. How
+    Dynamo inlines ``fn`` when it traces a caller is unchanged. False where this torch has no such
+    switch (``set_code_exec_strategy``, 2.7+)."""
+    try:
+        from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+    except ImportError:
+        return False
+    action = _FrameAction.SKIP if nested else _FrameAction.DEFAULT
+    set_code_exec_strategy(fn.__code__, _FrameExecStrategy(_FrameAction.SKIP, action))
+    return True
+
+
+def eval_frame_callback() -> Callable[[], Any]:
+    """Dynamo's C function that returns the frame hook set on this thread (None or False when
+    none): a C call, so no Python frame of ours for that hook to see."""
+    try:
+        return module("torch._C._dynamo.eval_frame").get_eval_frame_callback
+    except (ImportError, AttributeError):
+        return lambda: None
+
+
+def is_fullgraph_hook(callback: Any) -> bool:
+    """``callback`` (a set frame hook) compiles every new frame with ``fullgraph=True``.
+
+    That is the hook below PyTorch's internal ``torch.compile(fullgraph=True)`` flex_attention
+    wrapper when Dynamo runs that wrapper uncompiled (torch 2.7, for the rest of the process once a
+    compile of it was skipped, e.g. with Dynamo disabled): every frame below it not seen before is
+    compiled that way, and the guard's frames cannot be (they leave the graph on purpose). False
+    when unsure."""
+    inner = getattr(callback, "_torchdynamo_orig_callable", None)  # CatchErrorsWrapper -> ConvertFrameAssert
+    return getattr(inner, "_one_graph", None) is True
+
+
 NJT_MODULE = "torch.nested._internal.ops"
 _NJT_CODES: tuple = ()
 
@@ -452,9 +487,11 @@ def nested_flex_codes() -> tuple:
     if not _NJT_CODES:
         mod = sys.modules.get(NJT_MODULE)
         if mod is not None:
-            _NJT_CODES = tuple(
-                fn.__code__ for name, fn in vars(mod).items() if name.startswith("flex_njt") and hasattr(fn, "__code__")
-            )
+            codes = []  # a loop, not a generator: no new frame on the dense path (a frame hook sees those)
+            for name, fn in list(vars(mod).items()):
+                if name.startswith("flex_njt") and hasattr(fn, "__code__"):
+                    codes.append(fn.__code__)
+            _NJT_CODES = tuple(codes)
     return _NJT_CODES
 
 

@@ -4,10 +4,13 @@ fixture that always disables and forgets, and one Inductor-compiled function sha
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import json
 import math
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -118,7 +121,18 @@ def _lacks_debug_flag():
     return f"torch {torch_internals.torch_version()} has no {PUBLIC.__name__}._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG flag (added in 2.9)"
 
 
-FEATURES = {"rescue": _lacks_rescue, "debug_flag": _lacks_debug_flag}
+def _lacks_graph_text():
+    cls = torch_internals.compiled_fx_graph()
+    fields = {name for klass in cls.__mro__ for name in getattr(klass, "__annotations__", {})}
+    if fields & {"inductor_post_grad_graph_str", "runnable_graph_str"}:
+        return None
+    return (
+        f"torch {torch_internals.torch_version()}'s CompiledFxGraph keeps no graph text (added in 2.8): a graph "
+        "compiled while fusionguard was off cannot be identified"
+    )
+
+
+FEATURES = {"rescue": _lacks_rescue, "debug_flag": _lacks_debug_flag, "graph_text": _lacks_graph_text}
 
 
 def lacks(feature):
@@ -182,3 +196,23 @@ def math_spy(monkeypatch):
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("PYTHONPATH", str(ROOT))
+
+
+def in_own_process(test):
+    """Run ``test`` in a child pytest process: it leaves process-wide PyTorch state behind that
+    later tests must not inherit (torch 2.7 runs flex_attention's internal compile uncompiled for
+    the rest of the process after one call with Dynamo disabled). The child must report a pass."""
+
+    @functools.wraps(test)
+    def run(*args, **kwargs):
+        if os.environ.get("FUSIONGUARD_TEST_CHILD"):
+            return test(*args, **kwargs)
+        node = os.environ["PYTEST_CURRENT_TEST"].rsplit(" ", 1)[0]
+        env = dict(os.environ, FUSIONGUARD_TEST_CHILD="1")
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", node]
+        out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        passed = any(line.startswith("1 passed") for line in out.stdout.splitlines())  # not skipped
+        assert out.returncode == 0 and passed, out.stdout[-4000:] + out.stderr[-2000:]
+
+    return run
+

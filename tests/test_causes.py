@@ -9,7 +9,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 import fusionguard
 
-from conftest import PUBLIC, flex_events, needs, qkv, read_jsonl
+from conftest import PUBLIC, flex_events, in_own_process, needs, qkv, read_jsonl
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -92,6 +92,7 @@ def test_force_eager_stance(guard, dynamo_reset):
     assert e["cause"] == "compiler_disabled" and "force_eager" in e["evidence"]["switch"]
 
 
+@in_own_process
 def test_dynamo_config_disable(guard, dynamo_reset, dynamo_config):
     dynamo_config(disable=True)
     guard()

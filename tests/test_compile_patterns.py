@@ -20,7 +20,7 @@ import fusionguard
 from fusionguard import _state, report
 
 from compile_models import Model, tokens
-from conftest import ROOT, flex_events, read_jsonl
+from conftest import ROOT, flex_events, needs, read_jsonl
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -151,6 +151,7 @@ def test_a_cache_hit_is_named_by_the_layer_running_it_now(guard, dynamo_reset, t
     assert report_rows(log) == expected
 
 
+@needs("graph_text")
 def test_a_cache_filled_without_fusionguard_is_named_from_this_compile(guard, dynamo_reset, tmp_path, monkeypatch):
     """Yesterday's job filled Inductor's caches without fusionguard (no sidecar): the names come
     from the FX graph Dynamo traces in this process (it always does; only Inductor's work is
@@ -220,6 +221,7 @@ _BEFORE = textwrap.dedent(
 )
 
 
+@needs("graph_text")
 def test_graphs_compiled_before_enable_are_found_and_counted(tmp_path):
     """enable() finds the compiled graphs living in the process: each is recorded at its first
     run and counted from then on. They carry no module paths: a graph is named by the watched

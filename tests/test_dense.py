@@ -14,7 +14,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import fusionguard
 
-from conftest import flex_events, op_call, qkv, read_jsonl
+from conftest import flex_events, in_own_process, op_call, qkv, read_jsonl
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -229,6 +229,39 @@ def test_nested_tensor_inputs_get_torchs_own_error_unchanged(guard):
         flex_attention(q, k, v)
     except Exception as exc:  # whatever torch raises, it must be torch's, not ours
         assert not isinstance(exc, fusionguard.DenseFallbackError) or exc.event.get("layout") == "nested"
+    assert not fusionguard.events("internal_error")
+
+
+@in_own_process
+def test_dynamos_frame_hook_never_compiles_the_guard(guard, dynamo_reset):
+    """After one call with Dynamo disabled, torch 2.7 runs flex_attention's internal
+    ``torch.compile(fullgraph=True)`` wrapper uncompiled with Dynamo's frame hook still set (until
+    the process ends): every frame below it not seen before is compiled with fullgraph=True. The
+    guard's frames must run there as PyTorch's own do: every later call works and is reported."""
+    q, k, v = qkv()
+    with torch._dynamo.config.patch(disable=True):
+        try:
+            flex_attention(q, k, v)
+        except RuntimeError:  # 2.13: "no compiled frames", PyTorch's own error
+            pass
+    torch._dynamo.reset()
+    guard()
+
+    def jagged():
+        parts = [torch.randn(5, 2, 8), torch.randn(7, 2, 8)]
+        return torch.nested.nested_tensor(parts, layout=torch.jagged).transpose(1, 2)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        flex_attention(q, k, v)
+        try:  # 2.7 to 2.12 run it dense; 2.13+ refuse it (PyTorch's NotImplementedError)
+            flex_attention(jagged(), jagged(), jagged())
+        except NotImplementedError:
+            pass
+        flex_attention(q, k, v)
+    calls = flex_events()
+    assert len(calls) in (2, 3) and calls[-1]["cause"] == "eager_call" and calls[-1].get("layout") is None
+    assert all(e.get("layout") == "nested" for e in calls[1:-1])
     assert not fusionguard.events("internal_error")
 
 

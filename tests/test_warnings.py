@@ -15,7 +15,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 import fusionguard
 
-from conftest import PUBLIC, flex_events, qkv
+from conftest import PUBLIC, flex_events, needs, qkv
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -40,6 +40,7 @@ def test_warn_mode_honours_the_warning_filters(guard):
     assert [e["action"] for e in flex_events()] == ["warn", "warn", "warn"]
 
 
+@needs("debug_flag")
 @pytest.mark.parametrize("strict", [False, True])
 def test_the_debug_flag_is_logged_as_allowed_without_a_warning(guard, monkeypatch, strict):
     """``_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG`` is the user asking for the dense path: no warning
