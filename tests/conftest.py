@@ -216,3 +216,14 @@ def in_own_process(test):
 
     return run
 
+
+
+def child_env(**extra):
+    """The environment for a child Python process of a test: this checkout first on PYTHONPATH,
+    and no FUSIONGUARD / FUSIONGUARD_LOG of the outer shell (each test says what it wants)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    for name in ("FUSIONGUARD_LOG", "FUSIONGUARD"):
+        env.pop(name, None)
+    env.update(extra)
+    return env

@@ -19,7 +19,7 @@ import pytest
 
 from fusionguard import crash
 
-from conftest import ROOT, read_jsonl, run_cli
+from conftest import ROOT, child_env, read_jsonl, run_cli
 
 PY = sys.executable
 
@@ -87,12 +87,6 @@ print(json.dumps({"on": on, "after": faulthandler.is_enabled()}))
 }
 
 
-def _env():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    env.pop("FUSIONGUARD_LOG", None)
-    return env
-
 
 class Runs:
     """The torch subprocesses, started together when the module starts (they run while the
@@ -105,7 +99,7 @@ class Runs:
             script.write_text(textwrap.dedent(code))
             log = base / f"{name}.jsonl"
             proc = subprocess.Popen(
-                [PY, str(script), str(log)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=base
+                [PY, str(script), str(log)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(), cwd=base
             )
             self.procs[name] = (proc, log)
         for name, sig in (("sigterm", signal.SIGTERM), ("sigkill", signal.SIGKILL)):
@@ -169,7 +163,7 @@ def _run(code, tmp_path, timeout=30):
     script = tmp_path / "s.py"
     script.write_text(textwrap.dedent(code))
     log = tmp_path / "log.jsonl"
-    p = subprocess.run([PY, str(script), str(log), crash.__file__], capture_output=True, text=True, env=_env(), timeout=timeout)
+    p = subprocess.run([PY, str(script), str(log), crash.__file__], capture_output=True, text=True, env=child_env(), timeout=timeout)
     return p, (read_jsonl(log) if log.exists() else [])
 
 
@@ -588,7 +582,7 @@ crash.release_native()
 print(json.dumps({"fields": fields, "again": again, "old": str(old), "old_text": old.read_text(),
                   "new_exists": Path(fields["crash_file"]).exists(), "torch": "torch" in sys.modules}))
 """
-    p = subprocess.run([PY, "-c", code, str(tmp_path / "fg.jsonl")], capture_output=True, text=True, env=_env(), timeout=60)
+    p = subprocess.run([PY, "-c", code, str(tmp_path / "fg.jsonl")], capture_output=True, text=True, env=child_env(), timeout=60)
     assert p.returncode == 0, p.stderr
     r = json.loads(p.stdout)
     assert r["fields"]["crash_capture"] == "faulthandler" and r["fields"]["crash_file"].endswith("-1.crash")

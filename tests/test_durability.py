@@ -5,7 +5,6 @@ report`` on what is left."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -15,7 +14,7 @@ import time
 import pytest
 
 import fusionguard
-from conftest import ROOT, qkv, read_jsonl, run_cli
+from conftest import child_env, qkv, read_jsonl, run_cli
 from torch.nn.attention.flex_attention import flex_attention
 
 PY = sys.executable
@@ -41,19 +40,12 @@ os._exit(0)
 """
 
 
-def _env():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    for name in ("FUSIONGUARD_LOG", "FUSIONGUARD"):
-        env.pop(name, None)
-    return env
-
 
 def test_calls_before_a_pause_survive_sigkill_and_os_exit(tmp_path, capsys):
     script = tmp_path / "s.py"
     script.write_text(textwrap.dedent(SCRIPT % {"n": N}))
     procs = {
-        how: subprocess.Popen([PY, str(script), str(tmp_path / f"{how}.jsonl"), how], stderr=subprocess.PIPE, text=True, env=_env())
+        how: subprocess.Popen([PY, str(script), str(tmp_path / f"{how}.jsonl"), how], stderr=subprocess.PIPE, text=True, env=child_env())
         for how in ("sigkill", "os_exit")
     }
     for how, proc in procs.items():

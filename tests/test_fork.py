@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from conftest import ROOT, read_jsonl, run_cli
+from conftest import child_env, read_jsonl, run_cli
 
 PY = sys.executable
 
@@ -99,18 +99,11 @@ print(json.dumps({"parent": os.getpid(), "child": pid, "status": status, "hung":
 """
 
 
-def _env():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    for name in ("FUSIONGUARD_LOG", "FUSIONGUARD"):
-        env.pop(name, None)
-    return env
-
 
 def _start(code, tmp_path, name, arg):
     script = tmp_path / f"{name}.py"
     script.write_text(textwrap.dedent(code))
-    return subprocess.Popen([PY, str(script), str(arg)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=tmp_path)
+    return subprocess.Popen([PY, str(script), str(arg)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(), cwd=tmp_path)
 
 
 def _finish(proc, timeout=180):
