@@ -98,3 +98,11 @@ class Blocks(nn.Module):
         for b in self.blocks:
             q = b(q, k, v)
         return q
+
+
+def blocks_compiled_in_place() -> Blocks:
+    """A ``Blocks`` whose every block was compiled in place (``block.compile()``)."""
+    model = Blocks()
+    for b in model.blocks:
+        b.compile()
+    return model

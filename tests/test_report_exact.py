@@ -21,7 +21,7 @@ import fusionguard
 from fusionguard import report
 from fusionguard.events import KNOWN_EVENTS
 
-from compile_models import Blocks, Two
+from compile_models import Two, blocks_compiled_in_place
 from conftest import ROOT, qkv, run_cli
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -90,9 +90,7 @@ def test_a_model_compiled_whole_and_per_block_counts_each_call_once(guard, capsy
     torch._dynamo.reset()
     log = tmp_path / "blocks.jsonl"
     guard(log_path=str(log))
-    model = Blocks()
-    for b in model.blocks:
-        b.compile()
+    model = blocks_compiled_in_place()
     with fusionguard.watch(model):
         model(q, k, v)
         model(q, k, v)

@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 import fusionguard
 
-from compile_models import Blocks
+from compile_models import blocks_compiled_in_place
 from conftest import flex_events, op_call, read_jsonl
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -443,9 +443,7 @@ def test_blocks_compiled_in_place_add_no_made_up_layer_rows(guard, dynamo_reset)
     counts no row for such a name rather than one row for all blocks."""
     q, k, v = gqa_qkv()
     guard(strict=True)
-    model = Blocks()
-    for b in model.blocks:
-        b.compile()
+    model = blocks_compiled_in_place()
     with fusionguard.watch(model):
         model(q, k, v)
         model(q, k, v)
