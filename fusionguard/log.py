@@ -174,7 +174,8 @@ class EventLog:
             if opener is not None:
                 opener()
 
-    def _header_copy(self) -> Optional[str]:
+    def header_copy(self) -> Optional[str]:
+        """The last header, marked ``rotated``: the first line of a rotated or a forked child's file."""
         header = self._header
         if header is None:
             return None
@@ -204,7 +205,7 @@ class EventLog:
     def open(self, path: str, fsync: Union[bool, str], max_bytes: Optional[int] = None, backups: int = 3, mode: int = DEFAULT_LOG_MODE) -> None:
         self.close()
         self._rank.reset()  # enable() again: torchrun / a spawn may have set RANK since
-        self.attach(FileSink(path, fsync=fsync, max_bytes=max_bytes, backups=backups, preamble=self._header_copy, mode=mode))
+        self.attach(FileSink(path, fsync=fsync, max_bytes=max_bytes, backups=backups, preamble=self.header_copy, mode=mode))
 
     def attach(self, sink: Optional[FileSink]) -> None:
         """Write to ``sink`` from now on (the previous one is left as it is)."""
@@ -212,6 +213,22 @@ class EventLog:
         self.sink = sink
         self._sink_failed = False
         self._sink_reports = 0
+
+    def after_fork_in_child(self) -> Optional[FileSink]:
+        """A forked child starts its own log: free locks, none of the parent's events, ``seq``
+        from 1, a sampler with nothing counted; the parent's file let go and returned (its
+        settings open the child's own file, see ``_state``)."""
+        self._lock = threading.Lock()
+        self._emit_lock = threading.RLock()
+        self.memory.clear()
+        self._seq = 0
+        if self.sampler is not None:
+            self.sampler = self.sampler.fresh()
+        self.open_pending = None
+        sink, self.sink = self.sink, None
+        if sink is not None:
+            sink.after_fork_in_child()
+        return sink
 
     def close(self) -> None:
         self.open_pending = None

@@ -46,7 +46,7 @@ def test_json_lines_are_byte_identical_on_a_fixed_event(tmp_path, monkeypatch):
     log.close()
     assert path.read_bytes() == GOLDEN.encode("utf-8")
     assert returned is log.memory[0] and returned["seq"] == 1, "emit() returns the event kept in memory"
-    assert json.loads(log._header_copy() or "{}")["rotated"] is True
+    assert json.loads(log.header_copy() or "{}")["rotated"] is True
 
 
 HOST = r"""
