@@ -440,6 +440,12 @@ def compiled_graph_text(compiled: Any) -> str:
     return getattr(compiled, "inductor_post_grad_graph_str", None) or getattr(compiled, "runnable_graph_str", None) or ""
 
 
+def graph_cache_key(compiled: Any) -> Optional[str]:
+    """The FX graph cache key of a ``CompiledFxGraph`` (``cache_key``; ``_fx_graph_cache_key`` on
+    older releases), or None."""
+    return getattr(compiled, "cache_key", None) or getattr(compiled, "_fx_graph_cache_key", None)
+
+
 NJT_MODULE = "torch.nested._internal.ops"
 _NJT_CODES: tuple = ()
 
