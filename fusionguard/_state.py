@@ -177,6 +177,11 @@ def count(key: str, n: int = 1) -> None:
         STATE.counts[key] = STATE.counts.get(key, 0) + n
 
 
+def emit(level: str, event: str, **fields: Any) -> dict:
+    """``STATE.log.emit``, for callbacks kept across a test's reset (which replaces ``STATE.log``)."""
+    return STATE.log.emit(level, event, **fields)
+
+
 def write_stderr(text: str, level: int = logging.WARNING) -> None:
     """A human message, through ``logging.getLogger("fusionguard")`` (see ``_logger``): on
     stderr exactly as written unless the user routed or silenced that logger. Never raises."""
