@@ -18,7 +18,7 @@ from ._config import Config
 from ._state import STATE, emit, internal_error, write_stderr
 from .dynamo_signals import SIGNALS
 from .log import header_fields, to_torch_trace
-from .sampler import FusedSampler
+from .sampler import Sampler
 
 
 def _torch_side() -> Any:
@@ -110,7 +110,7 @@ def start(config: Config, log_dir: Optional[str]) -> None:
         _torch_side().new_log_stats()
     STATE.log_dir = log_dir
     STATE.config = config
-    sampler = FusedSampler(
+    sampler = Sampler(
         first=config.fused_first,
         every=config.fused_every,
         keep_all=config.keep_all,

@@ -16,8 +16,8 @@ Why this shape:
   this log's memory and file: stamp, then structlog's ``JSONRenderer``), never
   ``structlog.configure`` nor the process-wide contextvars: the host's structlog and ``logging``
   setup stay theirs (docs/logging.md);
-- the file itself is ``sink.FileSink`` (durability) and the sampling ``sampler.FusedSampler``;
-- bounded volume, both optional: a ``FusedSampler`` keeps the first few fused per-call events per
+- the file itself is ``sink.FileSink`` (durability) and the sampling ``sampler.Sampler``;
+- bounded volume, both optional: a ``Sampler`` keeps the first few fused per-call events per
   (layer, phase), and the first few repeats of one dense call, then writes counter events
   (``fused_calls`` / ``dense_calls``) instead (compile-time records, blocked calls and errors
   are never sampled), and
@@ -44,7 +44,7 @@ from ._logger import logger as human_logger
 from ._version import __version__
 from .distributed import process_group_ready
 from .events import TRACE_EVENTS
-from .sampler import COUNTER_LEVEL, FLUSH_BEFORE, KEEP, FusedSampler
+from .sampler import COUNTER_LEVEL, FLUSH_BEFORE, KEEP, Sampler
 from .sink import DEFAULT_LOG_MODE, FileSink
 from .torch_internals import structured_trace
 
@@ -119,7 +119,7 @@ class EventLog:
         self._sink_failed = False
         self._sink_reports = 0  # failure / recovery messages printed for this sink (at most 6)
         # Optional volume control for fused per-call events (None: every event is written).
-        self.sampler: Optional[FusedSampler] = None
+        self.sampler: Optional[Sampler] = None
         self._header: Optional[dict] = None  # the last header, copied at the top of rotated files
         self._rank = _EventRank()
         self._emit_lock = threading.RLock()
@@ -250,7 +250,7 @@ class EventLog:
     def configure(
         self,
         max_events: int,
-        sampler: Optional[FusedSampler],
+        sampler: Optional[Sampler],
         on_pending: Optional[Callable[[], None]] = None,
         on_sink_error: Optional[Callable[[BaseException], None]] = None,
         on_sink_resume: Optional[Callable[[int], None]] = None,
