@@ -12,7 +12,7 @@ import traceback
 from typing import Any, Dict, Optional, Set, Tuple
 
 from . import crash
-from ._config import OPTIONS, Config, process_log_name  # noqa: F401  (OPTIONS, process_log_name: re-exported)
+from ._config import Config, process_log_name
 from ._logger import say
 from ._tables import Caches, Stats, WatchRegistry
 from .dynamo_signals import SIGNALS
