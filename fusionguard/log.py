@@ -112,7 +112,6 @@ class EventLog:
     """Events in memory (bounded) and, optionally, in a JSON-lines file."""
 
     def __init__(self, max_events: int = 10_000) -> None:
-        self._lock = threading.Lock()
         self._seq = 0
         self.memory: Deque[dict] = collections.deque(maxlen=max_events)
         self.sink: Optional[FileSink] = None
@@ -215,10 +214,9 @@ class EventLog:
         self._sink_reports = 0
 
     def after_fork_in_child(self) -> Optional[FileSink]:
-        """A forked child starts its own log: free locks, none of the parent's events, ``seq``
+        """A forked child starts its own log: a free lock, none of the parent's events, ``seq``
         from 1, a sampler with nothing counted; the parent's file let go and returned (its
         settings open the child's own file, see ``_state``)."""
-        self._lock = threading.Lock()
         self._emit_lock = threading.RLock()
         self.memory.clear()
         self._seq = 0
