@@ -1,6 +1,6 @@
 """Log volume of a long run: 1,000,000 fused per-call events through fusionguard's EventLog.
 
-1. defaults (``FusedSampler()``: first 10 per layer and phase, then one ``fused_calls`` counter
+1. defaults (``Sampler()``: first 10 per layer and phase, then one ``fused_calls`` counter
    per 1000 calls): bytes on disk, time per call, and ``fusionguard report`` still counts every
    call and the true peak;
 2. ``keep_all=True``: every event (what the sampler saves);
@@ -30,12 +30,12 @@ sys.path.insert(0, ROOT)
 
 from fusionguard import report  # noqa: E402
 from fusionguard.log import EventLog  # noqa: E402
-from fusionguard.sampler import DEFAULT_FUSED_EVERY, DEFAULT_FUSED_FIRST, FusedSampler  # noqa: E402
+from fusionguard.sampler import DEFAULT_FUSED_EVERY, DEFAULT_FUSED_FIRST, Sampler  # noqa: E402
 
 LAYERS = 32
 
 
-def run(path: str, calls: int, sampler: FusedSampler, max_bytes=None, backups=3) -> dict:
+def run(path: str, calls: int, sampler: Sampler, max_bytes=None, backups=3) -> dict:
     log = EventLog()
     log.sampler = sampler
     log.open(path, fsync=True, max_bytes=max_bytes, backups=backups)
@@ -96,7 +96,7 @@ def main() -> None:
     try:
         d = os.path.join(work, "sampled")
         os.makedirs(d)
-        res = run(os.path.join(d, "fg.jsonl"), a.calls, FusedSampler())
+        res = run(os.path.join(d, "fg.jsonl"), a.calls, Sampler())
         t = time.perf_counter()
         rep = report.build([d])
         res["report_s"] = time.perf_counter() - t
@@ -109,14 +109,14 @@ def main() -> None:
 
         d = os.path.join(work, "all")
         os.makedirs(d)
-        res = run(os.path.join(d, "fg.jsonl"), a.calls, FusedSampler(keep_all=True))
+        res = run(os.path.join(d, "fg.jsonl"), a.calls, Sampler(keep_all=True))
         out["keep_all"] = res
         print("keep_all:", json.dumps(res), flush=True)
         shutil.rmtree(d)
 
         d = os.path.join(work, "rotated")
         os.makedirs(d)
-        res = run(os.path.join(d, "fg.jsonl"), a.calls, FusedSampler(keep_all=True), max_bytes=50_000_000, backups=3)
+        res = run(os.path.join(d, "fg.jsonl"), a.calls, Sampler(keep_all=True), max_bytes=50_000_000, backups=3)
         rep = report.build([d])
         res["report_fused_calls"] = rep["totals"]["fused_calls"]
         out["keep_all_rotated"] = res

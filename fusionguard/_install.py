@@ -15,7 +15,7 @@ import torch
 
 from . import guard, inductor, rescue, torch_internals as ti, watching
 from ._logger import LOGGER_NAME
-from ._state import STATE, internal_error
+from ._state import STATE, emit, internal_error
 from .dynamo_signals import SIGNALS
 from .patches import PatchRegistry
 
@@ -67,12 +67,8 @@ def _post_compile(reg: PatchRegistry) -> None:
     reg.apply("inductor.CompiledFxGraph.post_compile", vars(cls), "post_compile", inductor.make_post_compile_wrapper, owner=cls)
 
 
-def _emit(level: str, event: str, **fields: Any) -> dict:
-    return STATE.log.emit(level, event, **fields)  # (STATE.log read per call: a test reset replaces it)
-
-
 def _signals(reg: PatchRegistry) -> None:
-    SIGNALS.connect(_emit, internal_error)
+    SIGNALS.connect(emit, internal_error)
     SIGNALS.install(reg)
 
 

@@ -15,10 +15,10 @@ from typing import Any, Optional
 
 from . import crash
 from ._config import Config
-from ._state import STATE, internal_error, write_stderr
+from ._state import STATE, emit, internal_error, write_stderr
 from .dynamo_signals import SIGNALS
 from .log import header_fields, to_torch_trace
-from .sampler import FusedSampler
+from .sampler import Sampler
 
 
 def _torch_side() -> Any:
@@ -89,10 +89,6 @@ def _open_log(config: Config, live: Any) -> None:
         internal_error("header", exc)
 
 
-def _emit(level: str, event: str, **fields: Any) -> dict:
-    return STATE.log.emit(level, event, **fields)  # (STATE.log read per call: a test reset replaces it)
-
-
 def _last_flex() -> Optional[dict]:
     return crash.last_flex(STATE.log.memory)
 
@@ -114,7 +110,7 @@ def start(config: Config, log_dir: Optional[str]) -> None:
         _torch_side().new_log_stats()
     STATE.log_dir = log_dir
     STATE.config = config
-    sampler = FusedSampler(
+    sampler = Sampler(
         first=config.fused_first,
         every=config.fused_every,
         keep_all=config.keep_all,
@@ -135,7 +131,7 @@ def start(config: Config, log_dir: Optional[str]) -> None:
     if live is not None and live[0]:  # (after the header: their records are events of this log)
         _torch_side().adopt_live_graphs(*live)
     try:
-        crash.install(_emit, last_flex_event=_last_flex, summary=_counts, registry=STATE.patches)
+        crash.install(emit, last_flex_event=_last_flex, summary=_counts, registry=STATE.patches)
     except Exception as exc:
         internal_error("crash hooks", exc)
     if not STATE.atexit_registered:  # atexit has no undo we may use (unregister drops every

@@ -12,12 +12,13 @@ import traceback
 from typing import Any, Dict, Optional, Set, Tuple
 
 from . import crash
-from ._config import OPTIONS, Config, process_log_name  # noqa: F401  (OPTIONS, process_log_name: re-exported)
+from ._config import Config, process_log_name
 from ._logger import say
 from ._tables import Caches, Stats, WatchRegistry
 from .dynamo_signals import SIGNALS
-from .log import EventLog
+from .log import EventLog, header_fields
 from .patches import PatchRegistry
+from .sink import FileSink
 
 
 # -- bounded loss of counts: the flusher ---------------------------------------------------------
@@ -138,19 +139,15 @@ class State:
         registry; stats, watch registry and caches emptied in place.
 
         ``child``: a forked child's start, enabled state and patches kept (they are its own
-        copies): it forgets only what the parent counted, wrote and reported, and keeps the
-        watch registry (its modules are the parent's, alive in the child too) and the caches."""
+        copies): it forgets only what the parent counted and reported (the log forgets what the
+        parent wrote: ``EventLog.after_fork_in_child``), and keeps the watch registry (its
+        modules are the parent's, alive in the child too) and the caches."""
         if child:
             self.counts = {}
             self.durable_keys = set()
             self.allow_threads = {}
             self.reported = set()
             self.stats.rows = {}  # the parent's per-layer counts are the parent's
-            log = self.log
-            log.memory.clear()
-            log._seq = 0
-            if log.sampler is not None:
-                log.sampler = log.sampler.fresh()
             return
         self.flusher.stop()
         self.log.close()
@@ -178,6 +175,11 @@ def set_guarding(on: bool) -> None:
 def count(key: str, n: int = 1) -> None:
     with _COUNT_LOCK:
         STATE.counts[key] = STATE.counts.get(key, 0) + n
+
+
+def emit(level: str, event: str, **fields: Any) -> dict:
+    """``STATE.log.emit``, for callbacks kept across a test's reset (which replaces ``STATE.log``)."""
+    return STATE.log.emit(level, event, **fields)
 
 
 def write_stderr(text: str, level: int = logging.WARNING) -> None:
@@ -226,14 +228,7 @@ def _locks_after_fork() -> None:
     global _COUNT_LOCK
     STATE.lock = _reinit(STATE.lock)
     _COUNT_LOCK = _reinit(_COUNT_LOCK)
-    log = STATE.log
-    log._lock = _reinit(log._lock)
-    log._emit_lock = _reinit(log._emit_lock)
-    if log.sink is not None:
-        log.sink._lock = _reinit(log.sink._lock)
-    if log.sampler is not None:
-        log.sampler._lock = _reinit(log.sampler._lock)
-    STATE.patches._lock = _reinit(STATE.patches._lock)
+    STATE.patches.after_fork_in_child()
     STATE.crash.after_fork_in_child()
     STATE.watch.lock = _reinit(STATE.watch.lock)
     STATE.stats.lock = _reinit(STATE.stats.lock)
@@ -247,19 +242,11 @@ def _after_fork_in_child() -> None:
     try:
         _locks_after_fork()
         STATE.flusher.after_fork_in_child()
+        parent_sink = STATE.log.after_fork_in_child()
         STATE.reset(child=True)
-        log = STATE.log
-        parent_sink, log.sink = log.sink, None
-        log.open_pending = None
         crash.release_native(after_fork=True)
         if parent_sink is not None and STATE.enabled:
-            log.open_pending = lambda: _open_child_log(parent_sink)
-        if parent_sink is not None:
-            try:
-                os.close(parent_sink._fd) if parent_sink._fd is not None else None
-            except OSError:
-                pass
-            parent_sink._fd = None
+            STATE.log.open_pending = lambda: _open_child_log(parent_sink)
     except Exception as exc:  # never break the child
         internal_error("after fork (child)", exc)
 
@@ -273,9 +260,6 @@ def _open_child_log(parent_sink: Any) -> None:
 
 
 def _open_child_log_now(parent_sink: Any) -> None:
-    from .log import header_fields
-    from .sink import FileSink
-
     config = STATE.config
     path = parent_sink.path
     if STATE.log_dir is not None:
@@ -283,7 +267,7 @@ def _open_child_log_now(parent_sink: Any) -> None:
         config.log_path = path
     try:
         STATE.log.attach(FileSink(path, fsync=parent_sink.fsync, max_bytes=parent_sink.max_bytes, backups=parent_sink.backups,
-                                  preamble=STATE.log._header_copy, mode=config.log_mode))
+                                  preamble=STATE.log.header_copy, mode=config.log_mode))
     except OSError as exc:
         write_stderr(f"fusionguard: forked process {os.getpid()} cannot open its log {path!r} ({exc}); its events are kept in memory only\n")
         return

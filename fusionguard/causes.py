@@ -16,13 +16,16 @@ The stack tells the story because Dynamo leaves a mark on every frame it runs co
 from __future__ import annotations
 
 import os
+import sys
 import types
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional, Tuple, cast
 
 from . import torch_internals as ti
 from ._state import STATE
 from .dynamo_signals import SIGNALS, is_public_flex, is_torch_file
+from .errors import DenseFallbackWarning
 
 CAUSES: Dict[str, str] = {
     "eager_call": "flex_attention was called with no torch.compile around it",
@@ -336,3 +339,19 @@ def user_call_site(frame: Optional[types.FrameType]) -> Optional[Dict[str, Any]]
 
 def frame_site(f: types.FrameType) -> Dict[str, Any]:
     return {"file": f.f_code.co_filename, "line": f.f_lineno, "function": f.f_code.co_name}
+
+
+def warn_at_user_line(message: str, target: Optional[types.FrameType] = None, category: type = DenseFallbackWarning) -> None:
+    """Point the warning at the user's line (``target``: the call site the diagnosis found, else
+    looked up) so filters by module work and the output is useful. Issued through the warnings
+    machinery: the user's filters decide (``-W error`` makes it an exception, as for any warning)."""
+    if target is None:
+        target = first_user_frame(sys._getframe(1))
+    if target is None:
+        warnings.warn(message, category, stacklevel=1)
+        return
+    # what warnings.warn(stacklevel=...) does with the frame it finds, without walking to it
+    # (no module_globals: with them, warn_explicit reads the module's source on every call)
+    g = target.f_globals
+    registry = g.setdefault("__warningregistry__", {})
+    warnings.warn_explicit(message, category, target.f_code.co_filename, target.f_lineno, g.get("__name__", "<string>"), registry)

@@ -18,7 +18,6 @@ import itertools
 import logging
 import sys
 import threading
-import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -28,7 +27,7 @@ from ._format import human_bytes, site_text
 from ._logger import dense_text
 from ._state import ALLOW_DENSE, STATE, count, internal_error
 from .dynamo_signals import SIGNALS, is_torch_file, reason_summary
-from .errors import DenseFallbackError, DenseFallbackWarning
+from .errors import DenseFallbackError
 from .torch_internals import dynamo_counters, dynamo_skips_frames, eval_frame_callback, is_concrete, is_fullgraph_hook, nested_flex_codes
 from .watching import naming
 
@@ -340,22 +339,6 @@ def _check_dense(phase: str, args: tuple, kwargs: dict, frame: Any) -> Tuple[Opt
     return event, (diagnosis.site if phase == "forward" else None)
 
 
-def _warn(message: str, target: Any = None, category: type = DenseFallbackWarning) -> None:
-    """Point the warning at the user's line (``target``: the call site the diagnosis found, else
-    looked up) so filters by module work and the output is useful. Issued through the warnings
-    machinery: the user's filters decide (``-W error`` makes it an exception, as for any warning)."""
-    if target is None:
-        target = causes.first_user_frame(sys._getframe(1))
-    if target is None:
-        warnings.warn(message, category, stacklevel=1)
-        return
-    # what warnings.warn(stacklevel=...) does with the frame it finds, without walking to it
-    # (no module_globals: with them, warn_explicit reads the module's source on every call)
-    g = target.f_globals
-    registry = g.setdefault("__warningregistry__", {})
-    warnings.warn_explicit(message, category, target.f_code.co_filename, target.f_lineno, g.get("__name__", "<string>"), registry)
-
-
 def make_dense_wrapper(phase: str, original: Callable[..., Any]) -> Callable[..., Any]:
     note = _NOTE[phase]
 
@@ -384,7 +367,7 @@ def make_dense_wrapper(phase: str, original: Callable[..., Any]) -> Callable[...
         if blocked is not None:
             raise blocked
         if warning is not None:
-            _warn(warning, site)  # outside: a warnings filter set to "error" raises on purpose
+            causes.warn_at_user_line(warning, site)  # outside: a warnings filter set to "error" raises on purpose
         return original(*args, **kwargs)
 
     fusionguard_dense_kernel.__wrapped__ = original  # type: ignore[attr-defined]

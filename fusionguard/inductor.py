@@ -23,6 +23,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from . import torch_internals as ti
 from ._state import STATE, internal_error
+from .causes import user_call_site
+from .dynamo_signals import is_torch_file
+from .guard import scores_bytes
 from .compiled import Namer, compile_names, count_runs, fqn_from_source, log_compile_record
 from .watching.naming import clean_name, flex_layer, note_flex_call, resolve_watched_name
 from .torch_internals import compiled_graph_text
@@ -86,8 +89,6 @@ def _ir_tensor_fields(args: tuple) -> Dict[str, Any]:
 
 def _node_call_site() -> Optional[Dict[str, Any]]:
     """The user's line, from the stack trace Dynamo stored on the FX node being lowered."""
-    from .dynamo_signals import is_torch_file
-
     node = ti.lowering_node()
     trace = (getattr(node, "meta", None) or {}).get("stack_trace") or ""
     site = None
@@ -97,8 +98,6 @@ def _node_call_site() -> Optional[Dict[str, Any]]:
     if site is None:
         # torch.compile(flex_attention) compiled directly: the graph holds only torch frames, but
         # the compile runs inside the user's first call, so the live stack has their line.
-        from .causes import user_call_site
-
         site = user_call_site(sys._getframe(1))
     return site
 
@@ -191,8 +190,6 @@ def _parse_graph(text: str) -> List[Dict[str, Any]]:
             tensors.setdefault(name, (_DTYPES.get(dtype, dtype), dims, device))
         fm = _FILE_COMMENT.search(line)
         if fm:
-            from .dynamo_signals import is_torch_file
-
             if not is_torch_file(fm.group(1)):
                 last_site = {"file": fm.group(1), "line": int(fm.group(2)), "function": fm.group(3).strip()}
             continue
@@ -220,8 +217,6 @@ def record_compiled_graph(compiled: Any, source: Optional[str] = None) -> Tuple[
     """Log a ``flex_compile`` record per FlexAttention call of a compiled graph; returns them and
     the graph's run-time namer. ``source``: "lowering" / "cache" (found out here) or
     "before_enable" (a graph found living in the process at ``enable()``)."""
-    from .guard import scores_bytes
-
     found = source == "before_enable"
     text = compiled_graph_text(compiled)
     calls = _parse_graph(text) if "flex_attention" in text else []
@@ -230,7 +225,7 @@ def record_compiled_graph(compiled: Any, source: Optional[str] = None) -> Tuple[
     by_phase: Dict[Optional[str], List[dict]] = {}
     for r in records:
         by_phase.setdefault(r["phase"], []).append(r)
-    graph = getattr(compiled, "cache_key", None) or getattr(compiled, "_fx_graph_cache_key", None)
+    graph = ti.graph_cache_key(compiled)
     if records:
         _save_sidecar(graph, records)
         source = "lowering"
@@ -249,8 +244,6 @@ def record_compiled_graph(compiled: Any, source: Optional[str] = None) -> Tuple[
         calls = [{"phase": "forward"}]  # (no graph text, no lowering seen: a count unknown, one at least)
     # The watched layer around the compile (hooks), if any: names a call nothing else names.
     around = flex_layer() if calls and not found else None
-    from .causes import user_call_site
-
     live_site = user_call_site(sys._getframe(1)) if calls and not found else None  # compiles run inside the user's call
     names, named_from, namer = compile_names(calls, source, around)
     emitted: List[Dict[str, Any]] = []

@@ -16,8 +16,8 @@ Why this shape:
   this log's memory and file: stamp, then structlog's ``JSONRenderer``), never
   ``structlog.configure`` nor the process-wide contextvars: the host's structlog and ``logging``
   setup stay theirs (docs/logging.md);
-- the file itself is ``sink.FileSink`` (durability) and the sampling ``sampler.FusedSampler``;
-- bounded volume, both optional: a ``FusedSampler`` keeps the first few fused per-call events per
+- the file itself is ``sink.FileSink`` (durability) and the sampling ``sampler.Sampler``;
+- bounded volume, both optional: a ``Sampler`` keeps the first few fused per-call events per
   (layer, phase), and the first few repeats of one dense call, then writes counter events
   (``fused_calls`` / ``dense_calls``) instead (compile-time records, blocked calls and errors
   are never sampled), and
@@ -44,7 +44,7 @@ from ._logger import logger as human_logger
 from ._version import __version__
 from .distributed import process_group_ready
 from .events import TRACE_EVENTS
-from .sampler import COUNTER_LEVEL, FLUSH_BEFORE, KEEP, FusedSampler
+from .sampler import COUNTER_LEVEL, FLUSH_BEFORE, KEEP, Sampler
 from .sink import DEFAULT_LOG_MODE, FileSink
 from .torch_internals import structured_trace
 
@@ -112,21 +112,20 @@ class EventLog:
     """Events in memory (bounded) and, optionally, in a JSON-lines file."""
 
     def __init__(self, max_events: int = 10_000) -> None:
-        self._lock = threading.Lock()
         self._seq = 0
         self.memory: Deque[dict] = collections.deque(maxlen=max_events)
         self.sink: Optional[FileSink] = None
         self._sink_failed = False
         self._sink_reports = 0  # failure / recovery messages printed for this sink (at most 6)
         # Optional volume control for fused per-call events (None: every event is written).
-        self.sampler: Optional[FusedSampler] = None
+        self.sampler: Optional[Sampler] = None
         self._header: Optional[dict] = None  # the last header, copied at the top of rotated files
         self._rank = _EventRank()
         self._emit_lock = threading.RLock()
         self.mirror: Optional[Callable[[dict], None]] = None  # e.g. to PyTorch's structured trace
         self.on_sink_error: Optional[Callable[[BaseException], None]] = None
         self.on_sink_resume: Optional[Callable[[int], None]] = None  # with the events not written
-        # Set in a forked child (see _state.after_fork_in_child): opens the child's own file on
+        # Set in a forked child (see _state._after_fork_in_child): opens the child's own file on
         # its first event, so a worker that never logs leaves no file behind.
         self.open_pending: Optional[Callable[[], None]] = None
         # fusionguard's own structlog pipeline (see _Bound): stamp, render; never
@@ -174,7 +173,8 @@ class EventLog:
             if opener is not None:
                 opener()
 
-    def _header_copy(self) -> Optional[str]:
+    def header_copy(self) -> Optional[str]:
+        """The last header, marked ``rotated``: the first line of a rotated or a forked child's file."""
         header = self._header
         if header is None:
             return None
@@ -204,7 +204,7 @@ class EventLog:
     def open(self, path: str, fsync: Union[bool, str], max_bytes: Optional[int] = None, backups: int = 3, mode: int = DEFAULT_LOG_MODE) -> None:
         self.close()
         self._rank.reset()  # enable() again: torchrun / a spawn may have set RANK since
-        self.attach(FileSink(path, fsync=fsync, max_bytes=max_bytes, backups=backups, preamble=self._header_copy, mode=mode))
+        self.attach(FileSink(path, fsync=fsync, max_bytes=max_bytes, backups=backups, preamble=self.header_copy, mode=mode))
 
     def attach(self, sink: Optional[FileSink]) -> None:
         """Write to ``sink`` from now on (the previous one is left as it is)."""
@@ -212,6 +212,21 @@ class EventLog:
         self.sink = sink
         self._sink_failed = False
         self._sink_reports = 0
+
+    def after_fork_in_child(self) -> Optional[FileSink]:
+        """A forked child starts its own log: a free lock, none of the parent's events, ``seq``
+        from 1, a sampler with nothing counted; the parent's file let go and returned (its
+        settings open the child's own file, see ``_state``)."""
+        self._emit_lock = threading.RLock()
+        self.memory.clear()
+        self._seq = 0
+        if self.sampler is not None:
+            self.sampler = self.sampler.fresh()
+        self.open_pending = None
+        sink, self.sink = self.sink, None
+        if sink is not None:
+            sink.after_fork_in_child()
+        return sink
 
     def close(self) -> None:
         self.open_pending = None
@@ -233,7 +248,7 @@ class EventLog:
     def configure(
         self,
         max_events: int,
-        sampler: Optional[FusedSampler],
+        sampler: Optional[Sampler],
         on_pending: Optional[Callable[[], None]] = None,
         on_sink_error: Optional[Callable[[BaseException], None]] = None,
         on_sink_resume: Optional[Callable[[int], None]] = None,

@@ -73,6 +73,10 @@ class PatchRegistry:
         self._lock = threading.RLock()
         self._patches: Dict[str, Entry] = {}
 
+    def after_fork_in_child(self) -> None:
+        """The lock is free in a forked child (the thread holding it in the parent is not there)."""
+        self._lock = threading.RLock()
+
     def apply(
         self,
         name: str,

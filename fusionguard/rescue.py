@@ -24,6 +24,8 @@ from typing import Any, Callable, Iterator, Optional
 
 from . import causes, torch_internals as ti
 from ._state import ALLOW_DENSE, STATE, count, internal_error
+from .guard import tensor_fields
+from .watching.naming import flex_layer
 
 RESCUABLE = ("eager_call", "recompile_limit", "graph_break", "compile_error")
 
@@ -186,9 +188,6 @@ def _log_rescue(record: dict, frame: Any) -> None:
     if compiles:
         count("rescue_compiles", compiles)
         count("rescue_compile_ms", int(seconds * 1000))
-    from .guard import tensor_fields
-    from .watching.naming import flex_layer
-
     local = frame.f_locals if frame is not None else {}
     tensors = tensor_fields(local.get("query"), local.get("key")) if local.get("query") is not None else {}
     STATE.log.emit(

@@ -38,7 +38,7 @@ class _Window:
 _DENSE_KEY_FIELDS = ("cause", "action", "call_site", "traced")
 
 
-class FusedSampler:
+class Sampler:
     """Decides which per-call events are written.
 
     Fused per-call events (``info``, ``path: "fused"``), per (layer, phase): the first ``first``
@@ -87,9 +87,9 @@ class FusedSampler:
         self.pending = False
         self.on_pending: Optional[Callable[[], None]] = None
 
-    def fresh(self) -> "FusedSampler":
+    def fresh(self) -> "Sampler":
         """The same settings, no calls counted (a forked child: the parent's are the parent's)."""
-        new = FusedSampler(self.first, self.every, self.keep_all, self.aggregate, self.max_keys, self.dense_first, self.dense_every)
+        new = Sampler(self.first, self.every, self.keep_all, self.aggregate, self.max_keys, self.dense_first, self.dense_every)
         new.on_pending = self.on_pending
         return new
 

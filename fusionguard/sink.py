@@ -176,6 +176,17 @@ class FileSink:
                 self._write_bytes(data)
                 self._size += len(data)
 
+    def after_fork_in_child(self) -> None:
+        """A forked child lets go of the parent's file: its descriptor closed (no fsync: the
+        file is the parent's), a free lock; the settings stay, for the child's own file."""
+        self._lock = threading.Lock()
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
     def close(self) -> None:
         with self._lock:
             if self._fd is not None:

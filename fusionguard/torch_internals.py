@@ -475,6 +475,12 @@ def is_fullgraph_hook(callback: Any) -> bool:
     return getattr(inner, "_one_graph", None) is True
 
 
+def graph_cache_key(compiled: Any) -> Optional[str]:
+    """The FX graph cache key of a ``CompiledFxGraph`` (``cache_key``; ``_fx_graph_cache_key`` on
+    older releases), or None."""
+    return getattr(compiled, "cache_key", None) or getattr(compiled, "_fx_graph_cache_key", None)
+
+
 NJT_MODULE = "torch.nested._internal.ops"
 _NJT_CODES: tuple = ()
 

@@ -22,7 +22,7 @@ from torch.nn.attention.flex_attention import flex_attention
 from fusionguard import cli, report
 from fusionguard.report import read as report_read
 from fusionguard.log import EventLog
-from fusionguard.sampler import FusedSampler
+from fusionguard.sampler import Sampler
 
 from conftest import ROOT, qkv, read_jsonl, run_cli
 
@@ -347,7 +347,7 @@ def test_empty_file_empty_directory_missing_path(tmp_path, capsys):
 def test_sampler_keeps_first_events_then_counters_and_loses_no_call(tmp_path, capsys):
     path = tmp_path / "fg.jsonl"
     log = EventLog()
-    log.sampler = FusedSampler(first=3, every=100)
+    log.sampler = Sampler(first=3, every=100)
     log.open(str(path), fsync=False)
     log.emit("info", "header", schema=1, hostname="h")
     for i in range(500):
@@ -374,7 +374,7 @@ def test_sampler_keeps_first_events_then_counters_and_loses_no_call(tmp_path, ca
 
     keep = tmp_path / "all.jsonl"
     log = EventLog()
-    log.sampler = FusedSampler(keep_all=True)
+    log.sampler = Sampler(keep_all=True)
     log.open(str(keep), fsync=False)
     for i in range(300):
         log.emit("info", "layer_memory", layer="l", phase="forward", path="fused", alloc_delta=i, peak_delta=i)
@@ -595,7 +595,7 @@ def test_sampled_forwards_never_lend_a_counter_seq_to_their_backward(guard):
 
 def test_the_overflow_bucket_names_no_cause_or_site():
     log = EventLog()
-    log.sampler = FusedSampler(dense_first=1, dense_every=0, max_keys=1)
+    log.sampler = Sampler(dense_first=1, dense_every=0, max_keys=1)
     site = {"file": "x.py", "line": 1, "function": "f"}
     for cause, line in (("eager_call", 1), ("recompile_limit", 2), ("graph_break", 3), ("graph_break", 3)):
         log.emit("warning", "flex_call", path="dense", phase="forward", layer=None, cause=cause, action="warn",

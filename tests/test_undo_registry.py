@@ -20,7 +20,14 @@ def _host_slots() -> dict:
     """The host-visible objects fusionguard replaces or adds to, read directly."""
     from torch._dynamo.callback import callback_handler
 
+    op, op_bw, autograd = ti.hop("flex_attention"), ti.hop("flex_attention_backward"), vars(ti.autograd_op())
     slots = {
+        "dense forward kernel": op.py_kernels.get(ti.dense_key()),
+        "dense backward kernel": op_bw.py_kernels.get(ti.dense_key()),
+        "FlexAttentionAutogradOp": (autograd["forward"], autograd["backward"]),
+        "inductor lowerings": [ti.lowerings().get(o) for o in (torch.ops.higher_order.flex_attention, torch.ops.higher_order.flex_attention_backward)],
+        "CompiledFxGraph.post_compile": vars(ti.compiled_fx_graph())["post_compile"],
+        "TORCH_LOGS=fusionguard": ti.torch_log_registered("fusionguard"),
         "sys.excepthook": sys.excepthook,
         "threading.excepthook": threading.excepthook,
         "signal.SIGTERM": signal.getsignal(signal.SIGTERM),
@@ -35,7 +42,7 @@ def _host_slots() -> dict:
 
 
 def _same(a: object, b: object) -> bool:
-    if isinstance(a, list) and isinstance(b, list):
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(x is y for x, y in zip(a, b))
     return a is b
 
@@ -50,7 +57,9 @@ def test_every_registry_entry_is_undone_by_disable(guard, dynamo_reset):
     expected = {
         "sys.excepthook", "threading.excepthook", "signal.SIGTERM", "OptimizedModule.__init__",
         "logging:torch._dynamo.convert_frame", "torch._dynamo.callback.on_compile_end",
-        "inductor.CompiledFxGraph.post_compile", "FlexAttentionAutogradOp.forward",
+        "inductor.CompiledFxGraph.post_compile", "FlexAttentionAutogradOp.forward", "FlexAttentionAutogradOp.backward",
+        "flex_attention.CompositeExplicitAutograd", "flex_attention_backward.CompositeExplicitAutograd",
+        "torch._logging.register_log(fusionguard)",
     }
     if "setup_compilation_env" in before:
         expected.add("flex_attention.setup_compilation_env")

@@ -26,7 +26,16 @@ def _private_torch_names(path: pathlib.Path) -> list:
             found += [f"{path.name}:{node.lineno} import {a.name}" for a in node.names if a.name.startswith("torch._")]
         elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "torch" and node.attr.startswith("_") and not node.attr.startswith("__"):
             found.append(f"{path.name}:{node.lineno} torch.{node.attr}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr", "setattr") and len(node.args) > 1:
+            name = node.args[1]  # a private attribute read by name: ours, or one of NOT_TORCH
+            if isinstance(name, ast.Constant) and isinstance(name.value, str) and name.value.startswith("_") and not name.value.startswith(("__", "_fusionguard")):
+                if name.value not in NOT_TORCH:
+                    found.append(f"{path.name}:{node.lineno} {node.func.id}(..., {name.value!r})")
     return found
+
+
+#: Private names fusionguard reads that are not PyTorch's.
+NOT_TORCH = {"_at_fork_reinit", "_tmp_path_factory"}  # CPython's lock re-init after fork; pytest's tmp_path factory
 
 
 def test_private_torch_names_live_in_torch_internals_only():

@@ -10,6 +10,7 @@ import torch
 
 from .. import torch_internals as ti
 from .._state import STATE, internal_error
+from ..causes import warn_at_user_line
 from .memory import Measure, tensors
 
 if TYPE_CHECKING:
@@ -177,9 +178,7 @@ def _hooks_traced(slot: "Hooks") -> int:
         if not STATE.stats.told_traced:
             STATE.stats.told_traced = True
             STATE.log.emit("warning", "watch_traced", layer=name or None, advice=WATCH_TRACED_ADVICE)
-            from ..guard import _warn
-
-            _warn(WATCH_TRACED_ADVICE, None, RuntimeWarning)  # at the user's line, not this file
+            warn_at_user_line(WATCH_TRACED_ADVICE, None, RuntimeWarning)  # at the user's line, not this file
     except Warning:  # filters say error: never raised into Dynamo's trace (the event is logged)
         pass
     except Exception as exc:

@@ -141,7 +141,7 @@ def under(raw_name: str, prefixes: List[str]) -> bool:
 
 def watched_name(module: Any) -> Optional[str]:
     """The watched name of ``module`` (``''`` for a watched model itself), None if not watched.
-    Names a compiled frame's ``self`` (``inductor.dynamo_names``): its graph names modules relative to it."""
+    Names a compiled frame's ``self`` (``compiled.dynamo_names``): its graph names modules relative to it."""
     key = id(module)
     w = STATE.watch
     entry = w.modules.get(key)
