@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 import fusionguard
 
 from compile_models import blocks_compiled_in_place
-from conftest import flex_events, op_call, read_jsonl
+from conftest import flex_events, in_own_process, op_call, read_jsonl
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -521,6 +521,10 @@ def test_watch_entered_every_step_around_a_compiled_inner_model_compiles_once(gu
     torch.save(model, tmp_path / "model.pt")
 
 
+# Own process: on torch 2.11 only, after test_dense's autocast/block-mask test and its two-thread
+# test in the same process, Dynamo compiles no frame here (frame_count 0; also with the code from
+# before the #20 restructure; not reproduced outside pytest yet: docs/compatibility.md).
+@in_own_process
 def test_watch_beside_torch_compile_of_the_same_module_hooks_nothing_inside(guard, dynamo_reset, recwarn):
     """compiled = torch.compile(model); watch(model): the wrapper is known (OptimizedModule's
     __init__ notes what it holds), so watch() treats model as inside compile: no hooks for
