@@ -374,13 +374,13 @@ def torch_version() -> str:
 
 
 def setup_compilation_env_home() -> Dict[str, Any]:
-    """The namespace holding ``setup_compilation_env`` (from 2.12), the context manager that
+    """The namespace holding ``setup_compilation_env`` (from 2.11), the context manager that
     yields the backend of PyTorch's eager flex_attention compile: rescue's seam."""
     mod = public_module()
     if mod is None or not callable(mod.__dict__.get("setup_compilation_env")):
         raise Unavailable(
             f"rescue=True is unavailable on torch {torch_version()} "
-            f"({PUBLIC_MODULE}.setup_compilation_env, added in 2.12, is missing)"
+            f"({PUBLIC_MODULE}.setup_compilation_env, added in 2.11, is missing)"
         )
     return mod.__dict__
 
@@ -422,7 +422,7 @@ def _unwrap_backend(callback: Any) -> Any:
 def compiled_code_backend(code: types.CodeType, orig: types.CodeType, entry_frame: Optional[types.FrameType]) -> Any:
     """The backend that compiled ``code`` (Dynamo's transformed version of ``orig``).
 
-    From 2.12 its cache entry says (``CacheEntry.backend``); before, the ``torch.compile``
+    From 2.11 its cache entry says (``CacheEntry.backend``); before, the ``torch.compile``
     wrapper frame that was running it (``entry_frame``, the innermost one outside the compiled
     frame) holds the Dynamo callback around the backend."""
     for entry in cache_entries(orig):
