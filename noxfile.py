@@ -44,8 +44,8 @@ CORE = [
 ]
 PYTHON = "3.11"
 # The other Python versions setup.cfg claims, each with the newest torch that supports it
-# (torch 2.15 needs Python 3.11+; 3.10 gets the floor, the oldest stack).
-PYTHONS = {"3.10": FLOOR, "3.12": NEWEST, "3.13": NEWEST}
+# (torch 2.15 needs Python 3.11+).
+PYTHONS = {"3.12": NEWEST, "3.13": NEWEST}  # 3.10: not claimed (docs/compatibility.md)
 
 nox.options.sessions = ["tests"]
 nox.options.default_venv_backend = "venv"
