@@ -17,7 +17,6 @@ import functools
 import itertools
 import logging
 import sys
-import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -25,7 +24,7 @@ import torch
 from . import causes
 from ._format import human_bytes, site_text
 from ._logger import dense_text
-from ._state import ALLOW_DENSE, STATE, count, internal_error
+from ._state import STATE, count, dense_allowed_here, internal_error
 from .dynamo_signals import SIGNALS, is_torch_file, reason_summary
 from .errors import DenseFallbackError
 from .torch_internals import dynamo_counters, dynamo_skips_frames, eval_frame_callback, is_concrete, is_fullgraph_hook, nested_flex_codes
@@ -144,16 +143,13 @@ def _device_name(index: int) -> str:
 
 
 def _allowed(origin: Optional[dict]) -> bool:
-    if ALLOW_DENSE.get():
+    """Exactly: a call made inside an open ``allow_dense()`` block of this thread / task, or the
+    backward of a forward that was allowed (its verdict rides on the forward's autograd ctx, so
+    it holds on whatever thread autograd runs the backward: CUDA's device threads included).
+    A block open in another thread never allows anything here."""
+    if dense_allowed_here():
         return True
-    if origin is not None:
-        return bool(origin.get("allowed"))  # the forward's verdict decides for its backward
-    # PyTorch runs CUDA backward on its own device threads (not Python threads), where our
-    # context variable is not visible: with no forward record to go by, honour an allow_dense()
-    # block open in any Python thread.
-    if STATE.allow_threads and isinstance(threading.current_thread(), threading._DummyThread):
-        return True
-    return False
+    return origin is not None and bool(origin.get("allowed"))
 
 
 # The last few shapes' fields and the last dense call's message per phase: a training loop
