@@ -17,7 +17,7 @@ import os
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Union
 
 from . import _lifecycle
-from ._config import Config, check_options, resolve_log_path
+from ._config import Config, check_log_path, check_options, resolve_log_path
 from ._state import ALLOW_DENSE, STATE, Allowance
 from ._version import __version__
 from .activate import switched_off
@@ -90,13 +90,20 @@ def enable(
               every N calls and at exit), ``log_mode`` (default 0o600: new log / crash files).
     ``FUSIONGUARD=off`` in the environment makes this a no-op (kill switch; docs/guarantees.md).
     """
+    # Every argument is checked before anything is installed: a bad one raises, naming it, and
+    # leaves the process as it was (also under the kill switch: the call is wrong either way).
     check_options(options)
+    config = Config(strict=strict, **options)
+    check_log_path(log_path)
     if switched_off():  # FUSIONGUARD=off: the kill switch wins over code
         return
     with STATE.lock:
-        config = Config(strict=strict, **options)
         config.log_path, log_dir = resolve_log_path(log_path)
-        _lifecycle.start(config, log_dir)
+        try:
+            _lifecycle.start(config, log_dir)
+        except BaseException as exc:  # never half-enabled: patches in while is_enabled() is False
+            _lifecycle.undo_start(exc)
+            raise
 
 
 def disable() -> None:
