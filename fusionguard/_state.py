@@ -102,8 +102,9 @@ class State:
     ``_locks_after_fork``. Looked-up-once constants of the torch release (``torch_internals``,
     ``dynamo_signals._TORCH_DIR``, ``log._TRACE``) are facts of the process, not state; so are
     counters that only hand out unique numbers (``guard._TOKENS``, ``watching.memory._ORDER``),
-    the wrappers built at install (``guard._WRAPPERS``) and the activation notes said once per
-    process (``activate._told``).
+    the wrappers built at install (``guard._WRAPPERS``), the weak marks of allowed forwards'
+    results (``guard._ALLOWED_FORWARDS``: they live and die with those tensors) and the
+    activation notes said once per process (``activate._told``).
     """
 
     def __init__(self) -> None:

@@ -17,6 +17,7 @@ import functools
 import itertools
 import logging
 import sys
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -140,6 +141,27 @@ def scores_bytes(q_shape: Optional[list], kv_shape: Optional[list]) -> Optional[
 def _device_name(index: int) -> str:
     # get_device_name reads the device properties: not a per-call cost on the dense path.
     return torch.cuda.get_device_name(index)
+
+
+# The logsumexp storages of allowed dense forwards: what marks the forward for a backward that
+# carries no ctx record (an AOTAutograd-compiled backward, e.g. aot_eager, gets that very tensor
+# as its ``logsumexp`` argument). Weak and by identity: a freed storage can never match another.
+_ALLOWED_FORWARDS: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def _mark_allowed(result: Any) -> None:
+    try:
+        _ALLOWED_FORWARDS.add(result[1].untyped_storage())
+    except Exception as exc:
+        internal_error("allowed forward mark", exc)
+
+
+def _of_allowed_forward(args: tuple, kwargs: dict) -> bool:
+    lse = _arg(args, kwargs, 4, "logsumexp")
+    try:
+        return type(lse) is torch.Tensor and lse.untyped_storage() in _ALLOWED_FORWARDS
+    except Exception:  # a layout with no plain storage (nested): no mark to go by
+        return False
 
 
 def _allowed(origin: Optional[dict]) -> bool:
@@ -284,7 +306,11 @@ def _check_dense(phase: str, args: tuple, kwargs: dict, frame: Any) -> Tuple[Opt
     layer = (origin or {}).get("layer") if phase == "backward" and origin else naming.note_flex_call(frame if phase == "forward" else None)
     # The debug flag is the user asking for the dense path, as allow_dense() is: logged, never
     # warned about or blocked.
-    allowed = _allowed(origin) or diagnosis.cause == "debug_flag"
+    allowed = (
+        _allowed(origin)
+        or diagnosis.cause == "debug_flag"
+        or (phase == "backward" and origin is None and _of_allowed_forward(args, kwargs))
+    )
     action = "allow" if allowed else ("raise" if STATE.config.strict else "warn")
     fields: Dict[str, Any] = {
         "phase": phase,
@@ -348,10 +374,12 @@ def make_dense_wrapper(phase: str, original: Callable[..., Any]) -> Callable[...
         if _is_compiling() or not STATE.enabled:
             return original(*args, **kwargs)
         blocked = warning = site = None
+        mark = False
         try:  # the messages are built in here too: a bug in them must not reach the user's call
             event, site = _check_dense(phase, args, kwargs, sys._getframe(1))
             if event is not None:
                 action = event.get("action")
+                mark = phase == "forward" and action == "allow"
                 if action == "raise":
                     blocked = DenseFallbackError(format_message(event), event)
                 elif action == "warn":
@@ -364,6 +392,10 @@ def make_dense_wrapper(phase: str, original: Callable[..., Any]) -> Callable[...
             raise blocked
         if warning is not None:
             causes.warn_at_user_line(warning, site)  # outside: a warnings filter set to "error" raises on purpose
+        if mark:
+            result = original(*args, **kwargs)
+            _mark_allowed(result)
+            return result
         return original(*args, **kwargs)
 
     fusionguard_dense_kernel.__wrapped__ = original  # type: ignore[attr-defined]

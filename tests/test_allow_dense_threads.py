@@ -154,6 +154,34 @@ def test_a_backward_run_inside_the_block_on_its_thread_is_allowed(guard, math_sp
     assert [e["action"] for e in flex_events()] == ["allow"]
 
 
+def test_an_aot_compiled_backward_follows_its_forwards_verdict_on_any_thread(guard, math_spy, dynamo_reset):
+    """AOTAutograd (aot_eager) compiles the backward: no FlexAttentionAutogradOp ctx carries the
+    forward's verdict there; the allowed forward's own logsumexp, which that backward receives,
+    does. Run on a native thread with no block open: allowed; an unallowed forward's: blocked."""
+    attend = torch.compile(lambda q, k, v: op_call(q, k, v)[0], backend="aot_eager")
+    guard(strict=True)
+    q, k, v = qkv(requires_grad=True)
+    with fusionguard.allow_dense():
+        out = attend(q, k, v)
+    got = in_native_thread(lambda: out.sum().backward())
+    assert "error" not in got, got
+    assert q.grad is not None and len(math_spy) == 2
+    fwd, bwd = flex_events()
+    assert (fwd["phase"], fwd["action"], fwd["traced"]) == ("forward", "allow", True)
+    assert (bwd["phase"], bwd["action"], bwd["traced"]) == ("backward", "allow", True)
+
+    guard(strict=False)
+    q2, k2, v2 = qkv(requires_grad=True, seed=1)
+    with pytest.warns(fusionguard.DenseFallbackWarning):
+        out2 = attend(q2, k2, v2)
+    guard(strict=True)
+    with HeldOpen():
+        got = in_native_thread(lambda: out2.sum().backward())
+    assert isinstance(got.get("error"), fusionguard.DenseFallbackError), got
+    assert len(math_spy) == 3 and q2.grad is None
+    assert [e["action"] for e in flex_events()][2:] == ["warn", "raise"]
+
+
 # -- asyncio: a block entered in one context and left in another -------------------------------
 
 
