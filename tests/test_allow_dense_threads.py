@@ -11,7 +11,9 @@ from __future__ import annotations
 import _thread
 import asyncio
 import contextvars
+import gc
 import threading
+import weakref
 
 import pytest
 import torch
@@ -180,6 +182,23 @@ def test_an_aot_compiled_backward_follows_its_forwards_verdict_on_any_thread(gua
     assert isinstance(got.get("error"), fusionguard.DenseFallbackError), got
     assert len(math_spy) == 3 and q2.grad is None
     assert [e["action"] for e in flex_events()][2:] == ["warn", "raise"]
+
+
+def test_the_marks_of_allowed_forwards_keep_nothing_alive(guard):
+    """The weak marks die with the forward's tensors: no memory held, no stale mark left."""
+    from fusionguard import guard as guard_module
+
+    guard(strict=True)
+    gc.collect()
+    before = len(guard_module._ALLOWED_FORWARDS)  # (marks of tensors other tests still hold)
+    q, k, v = qkv(requires_grad=True)
+    with fusionguard.allow_dense():
+        out, lse, *_ = op_call(q, k, v)
+    assert len(guard_module._ALLOWED_FORWARDS) == before + 1
+    gone = weakref.ref(lse)
+    del out, lse, _
+    gc.collect()
+    assert gone() is None and len(guard_module._ALLOWED_FORWARDS) == before
 
 
 # -- asyncio: a block entered in one context and left in another -------------------------------
