@@ -73,6 +73,7 @@ def enable(
     log_path: JSON-lines file (or a directory: one file per rank and process). Default: env
               ``FUSIONGUARD_LOG``, else ``./fusionguard.jsonl`` (``fusionguard.rank{N}.jsonl`` under
               torchrun). ``False``: no file, events only in memory (``fusionguard.events()``).
+              A ``str`` or ``os.PathLike`` of ``str``; bytes, ``""`` and NUL are refused.
     options:  ``fsync`` (default True: the first dense event of each call site, layer and phase
               reaches the disk before the kernel runs, repeats are written but not fsync-ed;
               ``"always"``: every one; False: none),
@@ -89,6 +90,8 @@ def enable(
               within it, so a killed process loses at most that much of its counts; 0: only
               every N calls and at exit), ``log_mode`` (default 0o600: new log / crash files).
     ``FUSIONGUARD=off`` in the environment makes this a no-op (kill switch; docs/guarantees.md).
+    Every argument is checked first (``TypeError`` / ``ValueError`` naming it, nothing installed);
+    a failure part-way undoes everything installed before the error reaches the caller.
     """
     # Every argument is checked before anything is installed: a bad one raises, naming it, and
     # leaves the process as it was (also under the kill switch: the call is wrong either way).
