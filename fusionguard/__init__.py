@@ -14,12 +14,11 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
-import threading
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Union
 
 from . import _lifecycle
-from ._config import Config, check_options, resolve_log_path
-from ._state import ALLOW_DENSE, STATE
+from ._config import Config, check_log_path, check_options, resolve_log_path
+from ._state import ALLOW_DENSE, STATE, Allowance
 from ._version import __version__
 from .activate import switched_off
 from .errors import DenseFallbackError, DenseFallbackWarning
@@ -74,6 +73,7 @@ def enable(
     log_path: JSON-lines file (or a directory: one file per rank and process). Default: env
               ``FUSIONGUARD_LOG``, else ``./fusionguard.jsonl`` (``fusionguard.rank{N}.jsonl`` under
               torchrun). ``False``: no file, events only in memory (``fusionguard.events()``).
+              A ``str`` or ``os.PathLike`` of ``str``; bytes, ``""`` and NUL are refused.
     options:  ``fsync`` (default True: the first dense event of each call site, layer and phase
               reaches the disk before the kernel runs, repeats are written but not fsync-ed;
               ``"always"``: every one; False: none),
@@ -90,14 +90,23 @@ def enable(
               within it, so a killed process loses at most that much of its counts; 0: only
               every N calls and at exit), ``log_mode`` (default 0o600: new log / crash files).
     ``FUSIONGUARD=off`` in the environment makes this a no-op (kill switch; docs/guarantees.md).
+    Every argument is checked first (``TypeError`` / ``ValueError`` naming it, nothing installed);
+    a failure part-way undoes everything installed before the error reaches the caller.
     """
+    # Every argument is checked before anything is installed: a bad one raises, naming it, and
+    # leaves the process as it was (also under the kill switch: the call is wrong either way).
     check_options(options)
+    config = Config(strict=strict, **options)
+    check_log_path(log_path)
     if switched_off():  # FUSIONGUARD=off: the kill switch wins over code
         return
     with STATE.lock:
-        config = Config(strict=strict, **options)
         config.log_path, log_dir = resolve_log_path(log_path)
-        _lifecycle.start(config, log_dir)
+        try:
+            _lifecycle.start(config, log_dir)
+        except BaseException as exc:  # never half-enabled: patches in while is_enabled() is False
+            _lifecycle.undo_start(exc)
+            raise
 
 
 def disable() -> None:
@@ -118,22 +127,23 @@ def is_enabled() -> bool:
 def allow_dense() -> Iterator[None]:
     """Inside this block strict mode does not raise; dense events say ``allowed: true``.
 
-    A backward whose forward ran inside the block is allowed too, wherever it runs.
+    Allowed: the dense calls made inside the block, in this thread or asyncio task (and in
+    contexts copied from it while it is open, e.g. ``asyncio.to_thread``); and the backward of a
+    forward made inside it, wherever autograd runs that backward. Never another thread's calls.
+    Leaving the block in another asyncio context than the one that entered it is fine.
     """
-    token = ALLOW_DENSE.set(True)
-    tid = threading.get_ident()
-    with STATE.lock:
-        STATE.allow_threads[tid] = STATE.allow_threads.get(tid, 0) + 1
+    block = Allowance(ALLOW_DENSE.get())
+    ALLOW_DENSE.set(block)
     try:
         yield
     finally:
-        ALLOW_DENSE.reset(token)
-        with STATE.lock:
-            n = STATE.allow_threads.get(tid, 1) - 1
-            if n <= 0:
-                STATE.allow_threads.pop(tid, None)
-            else:
-                STATE.allow_threads[tid] = n
+        block.open = False  # closed in every context that holds it, this one or not
+        inner = ALLOW_DENSE.get()
+        while inner is not None and not inner.open:  # this context's innermost, if it is ours
+            if inner is block:  # (or inside it, closed elsewhere): back to what was outside it
+                ALLOW_DENSE.set(block.outer)
+                break
+            inner = inner.outer
 
 
 def events(kind: Optional[str] = None) -> List[Dict[str, Any]]:

@@ -67,6 +67,32 @@ def check_options(options: Dict[str, Any]) -> None:
         raise TypeError(f"fusionguard.enable() got unknown option(s) {sorted(unknown)}; known: {list(OPTIONS)}")
 
 
+def check_log_path(log_path: Any) -> None:
+    """``log_path`` is None or True (the default file), False (no file), or a non-empty path
+    (``str`` or ``os.PathLike`` of ``str``) without NUL: checked before anything is installed, so a
+    bad one never fails half-way through ``enable()``."""
+    if log_path is None or isinstance(log_path, bool):
+        return
+    what = "fusionguard.enable(): log_path must be a path (str or os.PathLike), None for the default, or False for no file"
+    if isinstance(log_path, (bytes, bytearray, memoryview)):
+        raise TypeError(f"{what}; got bytes {bytes(log_path)!r}: decode it first (os.fsdecode)")
+    if not isinstance(log_path, (str, os.PathLike)):
+        raise TypeError(f"{what}; got {type(log_path).__name__} {log_path!r}")
+    try:
+        path = os.fspath(log_path)
+    except Exception as exc:
+        raise TypeError(f"{what}; its __fspath__() failed: {type(exc).__name__}: {exc}") from None
+    if not isinstance(path, str):
+        raise TypeError(f"{what}; got an os.PathLike whose __fspath__() returns {type(path).__name__}: decode it first (os.fsdecode)")
+    if not path:
+        raise ValueError(
+            "fusionguard.enable(): log_path is empty; give a file or directory (\".\" for one file per process in the "
+            "working directory), None for the default, or False for no file"
+        )
+    if "\0" in path:
+        raise ValueError(f"fusionguard.enable(): log_path contains a NUL character, which no file name can hold: {path!r}")
+
+
 def process_log_name() -> str:
     """This process's file in a log directory."""
     return f"fusionguard.rank{rank_info()['rank']}.pid{os.getpid()}.jsonl"

@@ -139,6 +139,22 @@ def start(config: Config, log_dir: Optional[str]) -> None:
         STATE.atexit_registered = True
 
 
+def undo_start(exc: BaseException) -> None:
+    """``start()`` failed part-way: take out everything it may have put in (patches, hooks, the
+    log), so the process is never half-enabled (patches in while ``is_enabled()`` is False); the
+    next ``enable()`` starts as a first one. Each step on its own: one failing stops none."""
+    STATE.enabled = False
+    steps = (STATE.patches.remove_all, SIGNALS.remove, crash.uninstall, STATE.flusher.stop, STATE.log.close, crash.release_native)
+    for step in steps:
+        try:
+            step()
+        except Exception as undo_exc:
+            internal_error("undoing a failed enable()", undo_exc)
+    STATE.config = Config()
+    if isinstance(exc, Exception):
+        exc.add_note("fusionguard.enable() failed and undid itself: nothing of fusionguard is installed (is_enabled() is False)")
+
+
 def stop() -> None:
     """``disable()``: every patch, hook and handler undone (newest first), the log ended and closed."""
     if not STATE.enabled and not STATE.patches.entries():

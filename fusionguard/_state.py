@@ -102,8 +102,9 @@ class State:
     ``_locks_after_fork``. Looked-up-once constants of the torch release (``torch_internals``,
     ``dynamo_signals._TORCH_DIR``, ``log._TRACE``) are facts of the process, not state; so are
     counters that only hand out unique numbers (``guard._TOKENS``, ``watching.memory._ORDER``),
-    the wrappers built at install (``guard._WRAPPERS``) and the activation notes said once per
-    process (``activate._told``).
+    the wrappers built at install (``guard._WRAPPERS``), the weak marks of allowed forwards'
+    results (``guard._ALLOWED_FORWARDS``: they live and die with those tensors) and the
+    activation notes said once per process (``activate._told``).
     """
 
     def __init__(self) -> None:
@@ -127,9 +128,6 @@ class State:
         self.counts: Dict[str, int] = {}
         # dense-event keys already fsync-ed to the current log file (see guard._check_dense)
         self.durable_keys: Set[tuple] = set()
-        # threads currently inside allow_dense(): lets a backward that PyTorch runs on its own
-        # autograd device thread (CUDA) see a block opened by the thread that called backward().
-        self.allow_threads: Dict[int, int] = {}
         self.log_dir: Optional[str] = None  # log_path was a directory: one file per process in it
         self.crash_fields: Dict[str, Any] = {}  # crash_capture / crash_file, for the header
         self.flusher = Flusher()
@@ -145,7 +143,6 @@ class State:
         if child:
             self.counts = {}
             self.durable_keys = set()
-            self.allow_threads = {}
             self.reported = set()
             self.stats.rows = {}  # the parent's per-layer counts are the parent's
             return
@@ -159,8 +156,38 @@ class State:
 
 STATE = State()
 
-# True inside ``allow_dense()`` (per thread / task, via contextvars).
-ALLOW_DENSE: contextvars.ContextVar[bool] = contextvars.ContextVar("fusionguard_allow_dense", default=False)
+class Allowance:
+    """One open ``allow_dense()`` block: ``ALLOW_DENSE`` holds the innermost one of the context.
+
+    Closed by flipping ``open`` at the block's exit, never by resetting a context-variable token:
+    an asyncio block may end in another context (an async yield fixture's teardown), where a
+    token cannot be reset; a closed block then allows nothing in any context that still holds it.
+    """
+
+    __slots__ = ("open", "outer")
+    open: bool
+    outer: Optional["Allowance"]
+
+    def __init__(self, outer: Optional["Allowance"]) -> None:
+        while outer is not None and not outer.open:  # (a closed block's place is its outer's)
+            outer = outer.outer
+        self.open = True
+        self.outer = outer
+
+
+# The innermost allow_dense() block of this thread / task (contextvars: a thread, or an asyncio
+# task, sees only the blocks it entered or inherited in a copied context; see dense_allowed_here).
+ALLOW_DENSE: contextvars.ContextVar[Optional[Allowance]] = contextvars.ContextVar("fusionguard_allow_dense", default=None)
+
+
+def dense_allowed_here() -> bool:
+    """True inside an open ``allow_dense()`` block of this context: the dense path only."""
+    block = ALLOW_DENSE.get()
+    while block is not None:
+        if block.open:
+            return True
+        block = block.outer
+    return False
 
 
 _COUNT_LOCK = threading.Lock()

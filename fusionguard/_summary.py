@@ -44,6 +44,8 @@ def summary(all_ranks: bool = False) -> Summary:
     """Per layer and phase: calls, dense and fused calls, causes seen, allocated and peak deltas
     (last, max) in bytes. Also written to the log. ``all_ranks=True`` gathers every rank's rows to
     rank 0 through torch.distributed (other ranks get their own rows)."""
+    if not isinstance(all_ranks, bool):
+        raise TypeError(f"fusionguard.summary(): all_ranks must be True or False, not {all_ranks!r}")
     rows = STATE.stats.summary()
     rank = 0
     try:

@@ -17,7 +17,7 @@ import functools
 import itertools
 import logging
 import sys
-import threading
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -25,7 +25,7 @@ import torch
 from . import causes
 from ._format import human_bytes, site_text
 from ._logger import dense_text
-from ._state import ALLOW_DENSE, STATE, count, internal_error
+from ._state import STATE, count, dense_allowed_here, internal_error
 from .dynamo_signals import SIGNALS, is_torch_file, reason_summary
 from .errors import DenseFallbackError
 from .torch_internals import dynamo_counters, dynamo_skips_frames, eval_frame_callback, is_concrete, is_fullgraph_hook, nested_flex_codes
@@ -143,17 +143,35 @@ def _device_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
 
 
+# The logsumexp storages of allowed dense forwards: what marks the forward for a backward that
+# carries no ctx record (an AOTAutograd-compiled backward, e.g. aot_eager, gets that very tensor
+# as its ``logsumexp`` argument). Weak and by identity: a freed storage can never match another.
+_ALLOWED_FORWARDS: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def _mark_allowed(result: Any) -> None:
+    try:
+        _ALLOWED_FORWARDS.add(result[1].untyped_storage())
+    except Exception as exc:
+        internal_error("allowed forward mark", exc)
+
+
+def _of_allowed_forward(args: tuple, kwargs: dict) -> bool:
+    lse = _arg(args, kwargs, 4, "logsumexp")
+    try:
+        return type(lse) is torch.Tensor and lse.untyped_storage() in _ALLOWED_FORWARDS
+    except Exception:  # a layout with no plain storage (nested): no mark to go by
+        return False
+
+
 def _allowed(origin: Optional[dict]) -> bool:
-    if ALLOW_DENSE.get():
+    """Exactly: a call made inside an open ``allow_dense()`` block of this thread / task, or the
+    backward of a forward that was allowed (its verdict rides on the forward's autograd ctx, so
+    it holds on whatever thread autograd runs the backward: CUDA's device threads included).
+    A block open in another thread never allows anything here."""
+    if dense_allowed_here():
         return True
-    if origin is not None:
-        return bool(origin.get("allowed"))  # the forward's verdict decides for its backward
-    # PyTorch runs CUDA backward on its own device threads (not Python threads), where our
-    # context variable is not visible: with no forward record to go by, honour an allow_dense()
-    # block open in any Python thread.
-    if STATE.allow_threads and isinstance(threading.current_thread(), threading._DummyThread):
-        return True
-    return False
+    return origin is not None and bool(origin.get("allowed"))
 
 
 # The last few shapes' fields and the last dense call's message per phase: a training loop
@@ -288,7 +306,11 @@ def _check_dense(phase: str, args: tuple, kwargs: dict, frame: Any) -> Tuple[Opt
     layer = (origin or {}).get("layer") if phase == "backward" and origin else naming.note_flex_call(frame if phase == "forward" else None)
     # The debug flag is the user asking for the dense path, as allow_dense() is: logged, never
     # warned about or blocked.
-    allowed = _allowed(origin) or diagnosis.cause == "debug_flag"
+    allowed = (
+        _allowed(origin)
+        or diagnosis.cause == "debug_flag"
+        or (phase == "backward" and origin is None and _of_allowed_forward(args, kwargs))
+    )
     action = "allow" if allowed else ("raise" if STATE.config.strict else "warn")
     fields: Dict[str, Any] = {
         "phase": phase,
@@ -352,10 +374,12 @@ def make_dense_wrapper(phase: str, original: Callable[..., Any]) -> Callable[...
         if _is_compiling() or not STATE.enabled:
             return original(*args, **kwargs)
         blocked = warning = site = None
+        mark = False
         try:  # the messages are built in here too: a bug in them must not reach the user's call
             event, site = _check_dense(phase, args, kwargs, sys._getframe(1))
             if event is not None:
                 action = event.get("action")
+                mark = phase == "forward" and action == "allow"
                 if action == "raise":
                     blocked = DenseFallbackError(format_message(event), event)
                 elif action == "warn":
@@ -368,6 +392,10 @@ def make_dense_wrapper(phase: str, original: Callable[..., Any]) -> Callable[...
             raise blocked
         if warning is not None:
             causes.warn_at_user_line(warning, site)  # outside: a warnings filter set to "error" raises on purpose
+        if mark:
+            result = original(*args, **kwargs)
+            _mark_allowed(result)
+            return result
         return original(*args, **kwargs)
 
     fusionguard_dense_kernel.__wrapped__ = original  # type: ignore[attr-defined]

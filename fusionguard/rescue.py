@@ -23,7 +23,7 @@ import time
 from typing import Any, Callable, Iterator, Optional
 
 from . import causes, torch_internals as ti
-from ._state import ALLOW_DENSE, STATE, count, internal_error
+from ._state import STATE, count, dense_allowed_here, internal_error
 from .guard import tensor_fields
 from .watching.naming import flex_layer
 
@@ -116,7 +116,7 @@ def _user_disabled(frame: Any) -> bool:
 
 def decide(frame: Any) -> Optional[causes.Diagnosis]:
     """The diagnosis if this eager call may be rescued, else None."""
-    if not STATE.config.rescue or ALLOW_DENSE.get():
+    if not STATE.config.rescue or dense_allowed_here():
         return None
     if ti.debug_flag_on() or _user_disabled(frame):
         return None

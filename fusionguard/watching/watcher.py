@@ -20,6 +20,21 @@ def _builtin(module: torch.nn.Module) -> bool:
     return mod.startswith(("torch.nn.", "torch.ao.")) and mod != "torch.nn.utils.parametrize"
 
 
+def _layers(layers: Any) -> List[Union[type, str]]:
+    """``layers=``, checked (read once: a generator is fine): module classes and qualified names."""
+    what = 'fusionguard.watch(): layers must be a list of module classes or qualified names (e.g. layers=[MyAttention] or layers=["layers.0.attn"])'
+    if isinstance(layers, (str, bytes)) or isinstance(layers, type):
+        raise TypeError(f"{what}; got the single {type(layers).__name__} {layers!r}: put it in a list")
+    try:
+        items = list(layers)
+    except TypeError:
+        raise TypeError(f"{what}; got {type(layers).__name__} {layers!r}") from None
+    for x in items:
+        if not (isinstance(x, str) or (isinstance(x, type) and issubclass(x, torch.nn.Module))):
+            raise TypeError(f"{what}; got {type(x).__name__} {x!r} in it")
+    return items
+
+
 class Watch:
     """``with fusionguard.watch(model): ...`` or ``@fusionguard.watch(model)``."""
 
@@ -29,10 +44,13 @@ class Watch:
         for m in models:
             if not isinstance(m, torch.nn.Module):
                 raise TypeError(f"fusionguard.watch() takes nn.Module objects, got {type(m).__name__}")
+        if not isinstance(memory, bool):
+            raise TypeError(f"fusionguard.watch(): memory must be True or False, not {memory!r}")
+        chosen = _layers(layers)
         self.models = models
         self.memory = memory
-        self.layer_types = tuple(x for x in layers if isinstance(x, type))
-        self.layer_names = {x for x in layers if isinstance(x, str)}
+        self.layer_types = tuple(x for x in chosen if isinstance(x, type))
+        self.layer_names = {x for x in chosen if isinstance(x, str)}
         self._slots: List["Hooks"] = []
         self._names: List[str] = []
         self._ids: List[int] = []

@@ -1,0 +1,298 @@
+"""``allow_dense()`` allows exactly two things (issue #27, part 1): the dense calls made inside the
+block, in its own thread or asyncio task; and the backward of a forward that was allowed, by the
+verdict on that forward's autograd ctx, whatever thread runs it. Never another thread's calls: a
+thread ``threading`` did not create (``_thread.start_new_thread``, a native or C-extension worker)
+is no exception. Real threads, a real backward through the operator call (CPU), real asyncio.
+The CUDA side (autograd's device threads) is in tests/gpu/test_allow_dense_threads_cuda.py.
+"""
+
+from __future__ import annotations
+
+import _thread
+import asyncio
+import contextvars
+import gc
+import threading
+import weakref
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import flex_attention
+
+import fusionguard
+
+from conftest import flex_events, op_call, qkv
+
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+
+def in_native_thread(fn):
+    """Run ``fn()`` on a thread made by ``_thread.start_new_thread`` (``threading`` knows it only
+    as a dummy): what it returned, or the exception it raised."""
+    box = {}
+    done = threading.Event()
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # handed back to the test's thread
+            box["error"] = exc
+        finally:
+            done.set()
+
+    _thread.start_new_thread(run, ())
+    assert done.wait(120), "the native thread hung"
+    return box
+
+
+class HeldOpen:
+    """Another ``threading.Thread`` that sits inside ``allow_dense()`` until released: the
+    reference computation of the issue's report."""
+
+    def __init__(self):
+        self.inside = threading.Event()
+        self.release = threading.Event()
+        self.thread = threading.Thread(target=self._hold, name="fg-holds-allow-dense")
+
+    def _hold(self):
+        with fusionguard.allow_dense():
+            self.inside.set()
+            self.release.wait(120)
+
+    def __enter__(self):
+        self.thread.start()
+        assert self.inside.wait(30)
+        return self
+
+    def __exit__(self, *exc):
+        self.release.set()
+        self.thread.join(30)
+        assert not self.thread.is_alive()
+
+
+def dense_forward():
+    q, k, v = qkv()
+    with torch.no_grad():
+        flex_attention(q, k, v)
+    return "ran"
+
+
+def test_a_native_thread_is_blocked_while_another_thread_holds_allow_dense(guard, math_spy):
+    guard(strict=True)
+    with HeldOpen():
+        got = in_native_thread(dense_forward)
+    assert isinstance(got.get("error"), fusionguard.DenseFallbackError), got
+    assert math_spy == [], "the dense math ran in a thread that never entered allow_dense()"
+    (event,) = flex_events()
+    assert (event["action"], event["allowed"]) == ("raise", False)
+
+
+def test_a_native_thread_is_allowed_inside_its_own_block(guard, math_spy):
+    guard(strict=True)
+
+    def own_block():
+        with fusionguard.allow_dense():
+            return dense_forward()
+
+    assert in_native_thread(own_block) == {"value": "ran"}
+    assert len(math_spy) == 1
+    assert [e["action"] for e in flex_events()] == ["allow"]
+    with pytest.raises(fusionguard.DenseFallbackError):  # and nothing is left open behind it
+        dense_forward()
+
+
+def test_the_backward_of_an_allowed_forward_is_allowed_on_any_thread(guard, math_spy):
+    guard(strict=True)
+    q, k, v = qkv(requires_grad=True)
+    with fusionguard.allow_dense():
+        out, *_ = op_call(q, k, v)
+    got = in_native_thread(lambda: out.sum().backward())  # no block open anywhere
+    assert "error" not in got, got
+    assert q.grad is not None and len(math_spy) == 2
+    fwd, bwd = flex_events()
+    assert (fwd["action"], bwd["action"]) == ("allow", "allow")
+    assert bwd["forward_seq"] == fwd["seq"]
+    assert bwd["thread"] != fwd["thread"]
+
+
+def test_the_backward_of_an_unallowed_forward_is_blocked_on_a_native_thread(guard, math_spy):
+    """A forward that warned (not allowed), then strict mode: its backward, run by a native
+    thread while another thread holds allow_dense() open, is blocked."""
+    guard(strict=False)
+    q, k, v = qkv(requires_grad=True)
+    with pytest.warns(fusionguard.DenseFallbackWarning):
+        out, *_ = op_call(q, k, v)
+    guard(strict=True)
+    with HeldOpen():
+        got = in_native_thread(lambda: out.sum().backward())
+    assert isinstance(got.get("error"), fusionguard.DenseFallbackError), got
+    assert len(math_spy) == 1 and q.grad is None
+    assert [e["action"] for e in flex_events()] == ["warn", "raise"]
+
+
+def test_a_backward_with_no_forward_record_is_blocked_on_a_native_thread(guard, math_spy):
+    """The forward ran before enable(): no verdict on its ctx. Another thread's open block must
+    not allow its backward (it did: the old rule for threads ``threading`` did not create)."""
+    q, k, v = qkv(requires_grad=True)
+    out, *_ = op_call(q, k, v)
+    guard(strict=True)
+    with HeldOpen():
+        got = in_native_thread(lambda: out.sum().backward())
+    assert isinstance(got.get("error"), fusionguard.DenseFallbackError), got
+    assert len(math_spy) == 1 and q.grad is None
+    (event,) = flex_events()
+    assert (event["phase"], event["action"]) == ("backward", "raise")
+
+
+def test_a_backward_run_inside_the_block_on_its_thread_is_allowed(guard, math_spy):
+    """A call made inside the block: the backward that this thread runs there (CPU autograd runs
+    it on the calling thread), whatever its forward's verdict."""
+    q, k, v = qkv(requires_grad=True)
+    out, *_ = op_call(q, k, v)
+    guard(strict=True)
+    with fusionguard.allow_dense():
+        out.sum().backward()
+    assert q.grad is not None and len(math_spy) == 2
+    assert [e["action"] for e in flex_events()] == ["allow"]
+
+
+def test_an_aot_compiled_backward_follows_its_forwards_verdict_on_any_thread(guard, math_spy, dynamo_reset):
+    """AOTAutograd (aot_eager) compiles the backward: no FlexAttentionAutogradOp ctx carries the
+    forward's verdict there; the allowed forward's own logsumexp, which that backward receives,
+    does. Run on a native thread with no block open: allowed; an unallowed forward's: blocked."""
+    attend = torch.compile(lambda q, k, v: op_call(q, k, v)[0], backend="aot_eager")
+    guard(strict=True)
+    q, k, v = qkv(requires_grad=True)
+    with fusionguard.allow_dense():
+        out = attend(q, k, v)
+    got = in_native_thread(lambda: out.sum().backward())
+    assert "error" not in got, got
+    assert q.grad is not None and len(math_spy) == 2
+    fwd, bwd = flex_events()
+    assert (fwd["phase"], fwd["action"], fwd["traced"]) == ("forward", "allow", True)
+    assert (bwd["phase"], bwd["action"], bwd["traced"]) == ("backward", "allow", True)
+
+    guard(strict=False)
+    q2, k2, v2 = qkv(requires_grad=True, seed=1)
+    with pytest.warns(fusionguard.DenseFallbackWarning):
+        out2 = attend(q2, k2, v2)
+    guard(strict=True)
+    with HeldOpen():
+        got = in_native_thread(lambda: out2.sum().backward())
+    assert isinstance(got.get("error"), fusionguard.DenseFallbackError), got
+    assert len(math_spy) == 3 and q2.grad is None
+    assert [e["action"] for e in flex_events()][2:] == ["warn", "raise"]
+
+
+def test_the_marks_of_allowed_forwards_keep_nothing_alive(guard):
+    """The weak marks die with the forward's tensors: no memory held, no stale mark left."""
+    from fusionguard import guard as guard_module
+
+    guard(strict=True)
+    gc.collect()
+    before = len(guard_module._ALLOWED_FORWARDS)  # (marks of tensors other tests still hold)
+    q, k, v = qkv(requires_grad=True)
+    with fusionguard.allow_dense():
+        out, lse, *_ = op_call(q, k, v)
+    assert len(guard_module._ALLOWED_FORWARDS) == before + 1
+    gone = weakref.ref(lse)
+    del out, lse, _
+    gc.collect()
+    assert gone() is None and len(guard_module._ALLOWED_FORWARDS) == before
+
+
+# -- asyncio: a block entered in one context and left in another -------------------------------
+
+
+async def allowing_fixture():
+    """The shape of an async yield fixture: set-up and teardown run in different tasks."""
+    with fusionguard.allow_dense():
+        yield
+
+
+def test_a_block_left_in_another_asyncio_context_raises_nothing_and_ends(guard, math_spy):
+    guard(strict=True)
+    setup_ctx = contextvars.copy_context()
+    outcomes = []
+
+    async def call():
+        try:
+            dense_forward()
+            outcomes.append("ran")
+        except fusionguard.DenseFallbackError:
+            outcomes.append("blocked")
+
+    async def main():
+        fixture = allowing_fixture()
+        await asyncio.create_task(anext(fixture), context=setup_ctx)  # enter, in setup's context
+        await asyncio.create_task(call(), context=setup_ctx)  # inside the block: allowed
+        with pytest.raises(StopAsyncIteration):  # teardown in a context of its own
+            await asyncio.create_task(anext(fixture), context=contextvars.copy_context())
+        await asyncio.create_task(call(), context=setup_ctx)  # after the block: blocked again
+        await asyncio.create_task(call())
+
+    asyncio.run(main())
+    assert outcomes == ["ran", "blocked", "blocked"]
+    assert len(math_spy) == 1
+    assert [e["action"] for e in flex_events()] == ["allow", "raise", "raise"]
+
+
+def test_tasks_see_only_their_own_blocks(guard, math_spy):
+    """A task's block allows that task's calls (and a thread it hands work to with
+    asyncio.to_thread, which copies its context) while open; a sibling task is blocked; a
+    child task that outlives the block is blocked once the block is closed."""
+    guard(strict=True)
+    outcomes = {}
+
+    async def attempt(name, fn=dense_forward):
+        try:
+            fn()
+            outcomes[name] = "ran"
+        except fusionguard.DenseFallbackError:
+            outcomes[name] = "blocked"
+
+    async def main():
+        opened, closed = asyncio.Event(), asyncio.Event()
+        late = {}
+
+        async def holder():
+            with fusionguard.allow_dense():
+                await attempt("holder")
+                outcomes["to_thread"] = await asyncio.to_thread(dense_forward)
+                late["task"] = asyncio.create_task(wait_then(closed, "late child"))
+                opened.set()
+                await asyncio.sleep(0.01)
+            closed.set()
+
+        async def wait_then(event, name):
+            await event.wait()
+            await attempt(name)
+
+        async def sibling():
+            await opened.wait()
+            await attempt("sibling")
+
+        await asyncio.gather(holder(), sibling())
+        await late["task"]
+
+    asyncio.run(main())
+    assert outcomes == {"holder": "ran", "to_thread": "ran", "sibling": "blocked", "late child": "blocked"}
+    assert len(math_spy) == 2
+
+
+def test_nested_blocks_and_an_inner_one_left_elsewhere(guard, math_spy):
+    """Leaving an inner block in another context closes that block only: the outer one still
+    allows, and closing it ends the allowance."""
+    guard(strict=True)
+    outer = fusionguard.allow_dense()
+    outer.__enter__()
+    try:
+        inner = fusionguard.allow_dense()
+        inner.__enter__()
+        contextvars.copy_context().run(inner.__exit__, None, None, None)  # left elsewhere
+        dense_forward()  # the outer block is still open
+    finally:
+        outer.__exit__(None, None, None)
+    with pytest.raises(fusionguard.DenseFallbackError):
+        dense_forward()
+    assert [e["action"] for e in flex_events()] == ["allow", "raise"]
