@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -225,9 +226,6 @@ def test_the_plot_draws_the_html_charts_numbers(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
 
-    from fusionguard.report import plot as plot_fn  # noqa: F401  (the package's function)
-    import sys
-
     plot_module = sys.modules["fusionguard.report.plot"]
     rep = build([str(crash_run(tmp_path))])
     page = DOM(report_html.render_html(rep)).root
@@ -312,3 +310,44 @@ def test_hostile_flood_stays_within_the_stated_bounds(tmp_path, capsys):
 def test_unwritable_html_path_is_a_usage_error(tmp_path, capsys):
     rc, _, err = run_cli(capsys, crash_run(tmp_path), "--html", tmp_path / "no" / "such" / "dir" / "r.html")
     assert rc == 2 and "cannot write --html" in err
+
+
+ENDING_SCRIPT = """
+import sys, warnings
+import torch
+import fusionguard
+from torch.nn.attention.flex_attention import flex_attention
+warnings.simplefilter("ignore")
+fusionguard.enable(log_path=sys.argv[1])
+q = torch.randn(1, 2, 16, 8)
+flex_attention(q, q, q)
+"""
+ENDINGS = {
+    "clean": ("", "clean: every process shut down (exit)"),
+    "crash": ("raise RuntimeError('boom </style><script>x()</script>')", "crash with RuntimeError: boom </style><script>x()</script> on rank 0"),
+    "native": ("import faulthandler; faulthandler._sigsegv()", "native crash: native crash (SIGSEGV) on rank 0"),
+    "stopped": ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", "stopped without shutdown (rank 0): SIGKILL and the OOM killer leave the same log"),
+}
+
+
+def test_the_banner_says_how_real_runs_ended(tmp_path, capsys):
+    """Real processes: a clean exit, an uncaught exception, a real SIGSEGV, a SIGKILL."""
+    from conftest import child_env
+
+    procs = {}
+    for kind, (tail, _) in ENDINGS.items():
+        log = tmp_path / kind / "fg.jsonl"
+        log.parent.mkdir()
+        cmd = [sys.executable, "-c", ENDING_SCRIPT + tail, str(log)]
+        procs[kind] = (log, subprocess.Popen(cmd, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for kind, (log, p) in procs.items():
+        _, err = p.communicate(timeout=300)
+        page = tmp_path / f"{kind}.html"
+        rc, _, cli_err = run_cli(capsys, log, "--html", page)
+        assert rc == 0, (kind, cli_err, err[-2000:])
+        root = DOM(page.read_text(encoding="utf-8")).root
+        banner = next(root.all("header", id="verdict"))
+        assert banner.attrs["data-ending"] == kind, (kind, banner.text(), err[-2000:])
+        assert ENDINGS[kind][1] in banner.text(), banner.text()
+        assert banner.text().startswith("DENSE: 1 dense FlexAttention call")
+        assert [n.tag for n in root.all() if n.tag in ("script", "img")] == []
