@@ -12,6 +12,8 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional
 
 PHASES = ("forward", "backward")
+MAX_LAYERS = 200  # layers drawn (a hostile log may name 10^4): the rest are counted in a note
+MAX_LABEL = 40  # characters of a layer's axis label
 
 
 def layers(rows: List[Dict[str, Any]]) -> List[str]:
@@ -20,6 +22,16 @@ def layers(rows: List[Dict[str, Any]]) -> List[str]:
     for r in rows:
         seen.setdefault(r["layer"], None)
     return list(seen)
+
+
+def shown(rows: List[Dict[str, Any]]) -> List[str]:
+    """The layers drawn: the first ``MAX_LAYERS`` of ``layers``."""
+    return layers(rows)[:MAX_LAYERS]
+
+
+def label(text: str) -> str:
+    """A layer's axis label, cut to ``MAX_LABEL`` characters."""
+    return text if len(text) <= MAX_LABEL else text[: MAX_LABEL - 1] + "…"
 
 
 def kind(rep: Dict[str, Any]) -> str:
@@ -31,12 +43,12 @@ def kind(rep: Dict[str, Any]) -> str:
 
 
 def memory_bars(rep: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """One bar per (layer, phase) row with a figure: ``layer``, ``index`` (the layer's position),
+    """One bar per (layer, phase) row with a figure (of the ``shown`` layers): ``layer``, ``index`` (the layer's position),
     ``phase``, ``value`` (bytes), ``estimated`` (the score-matrix size, no measured peak),
     ``dense``, ``cause`` (the row's most frequent cause, or None)."""
     by = {(r["layer"], r["phase"]): r for r in rep["rows"]}
     out = []
-    for i, layer in enumerate(layers(rep["rows"])):
+    for i, layer in enumerate(shown(rep["rows"])):
         for phase in PHASES:
             r = by.get((layer, phase))
             if r is None:
@@ -57,7 +69,7 @@ def count_bars(rep: Dict[str, Any]) -> List[Dict[str, Any]]:
     """Per layer and (phase, fused / dense): ``layer``, ``index``, ``phase``, ``what``, ``value`` (calls)."""
     by = {(r["layer"], r["phase"]): r for r in rep["rows"]}
     out = []
-    for i, layer in enumerate(layers(rep["rows"])):
+    for i, layer in enumerate(shown(rep["rows"])):
         for phase in PHASES:
             for what in ("fused", "dense"):
                 value = (by.get((layer, phase)) or {}).get(what) or 0

@@ -32,7 +32,7 @@ from .render import MAX_CRASHES_SHOWN, fmt_duration, fmt_ts, rank_ranges
 MAX_TEXT = 300  # characters of one string from a log in a cell (crash messages: MAX_MESSAGE)
 MAX_MESSAGE = 2000
 MAX_TABLE_ROWS = 2000
-MAX_CHART_LAYERS = 200
+MAX_CHART_LAYERS = chart.MAX_LAYERS
 MAX_RANK_COLUMNS = 64
 MAX_PROCESSES = 256
 MAX_CRASHES = max(16, MAX_CRASHES_SHOWN)
@@ -64,6 +64,7 @@ pre{background:#fff;border:1px solid #ddd;padding:6px;white-space:pre-wrap;word-
 td{word-break:break-word;max-width:40em}
 td.n,td.phase{white-space:nowrap;word-break:normal}
 td.layer{min-width:14em}
+td.causes span{white-space:nowrap}
 .scroll{overflow-x:auto}
 svg text{font:11px system-ui,sans-serif;fill:#333}
 svg .dense-label{fill:#b3261e;font-weight:600}
@@ -168,6 +169,10 @@ def _others(n: int) -> str:
 # -- sections --------------------------------------------------------------------------------------
 
 
+def _count(n: int, what: str) -> str:
+    return f"{n:,} {what}{'' if n == 1 else 's'}"
+
+
 def _banner(rep: Dict[str, Any]) -> str:
     totals = rep["totals"]
     kind, sentence = ending(rep)
@@ -187,9 +192,9 @@ def _banner(rep: Dict[str, Any]) -> str:
         css = "b-crash"
     elif kind == "stopped" and css == "b-ok":
         css = "b-stopped"
-    also = f"{totals['fused_calls']:,} fused calls, {totals['compiles']:,} compiled graphs"
+    also = f"{_count(totals['fused_calls'], 'fused call')}, {_count(totals['compiles'], 'compiled graph')}"
     if totals["allowed_dense_calls"]:
-        also += f", {totals['allowed_dense_calls']:,} allowed dense calls (allow_dense(): on purpose)"
+        also += f", {_count(totals['allowed_dense_calls'], 'allowed dense call')} (allow_dense(): on purpose)"
     if totals["causes"]:
         causes = list(totals["causes"].items())
         also += "; causes: " + ", ".join(f"{k} ×{v:,}" for k, v in causes[:MAX_LIST]) + (" …" if len(causes) > MAX_LIST else "")
@@ -278,11 +283,11 @@ def _chart(rep: Dict[str, Any]) -> str:
 
     rows = rep["rows"]
     all_layers = chart.layers(rows)
-    names = all_layers[:MAX_CHART_LAYERS]
+    names = chart.shown(rows)
     if not names:
         return ""
     memory = chart.kind(rep) == "memory"
-    bars = [b for b in (chart.memory_bars(rep) if memory else chart.count_bars(rep)) if b["index"] < len(names)]
+    bars = chart.memory_bars(rep) if memory else chart.count_bars(rep)
     labels, pattern = short_labels(names)
     slot = 44 if memory else 56
     longest = max((len(str(label)) for label in labels), default=1)
@@ -345,7 +350,7 @@ def _chart(rep: Dict[str, Any]) -> str:
     for i, label in enumerate(labels):
         x = left + 10 + i * slot + slot / 2
         cls = ' class="dense-label"' if names[i] in dense_layers else ""
-        svg.append(f'<text x="{x:.1f}" y="{y0 + 12}" text-anchor="end" transform="rotate(-40 {x:.1f} {y0 + 12})"{cls}>{_t(label, 40)}</text>')
+        svg.append(f'<text x="{x:.1f}" y="{y0 + 12}" text-anchor="end" transform="rotate(-40 {x:.1f} {y0 + 12})"{cls}>{_t(chart.label(label))}</text>')
     svg.append("</svg>")
     what = (
         "peak memory the layer added per call, max over calls; red, outlined: dense (D); dashed: no memory record, the dense score-matrix size"

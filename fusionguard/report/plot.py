@@ -7,6 +7,7 @@ plot is asked for (``pip install 'fusionguard[plot]'``).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 from . import chart
@@ -74,13 +75,21 @@ def figure(rep: Dict[str, Any]) -> Tuple[Any, str]:
     return fig, "; no memory data in the log (CPU run or watch(memory=False)): dense and fused calls per layer plotted instead"
 
 
+def _left_out(rows: List[Dict[str, Any]]) -> str:
+    """The note on layers beyond ``chart.MAX_LAYERS`` (not drawn), or ""."""
+    n = len(chart.layers(rows)) - chart.MAX_LAYERS
+    return f"; +{n:,} more layers not drawn (all in --format json)" if n > 0 else ""
+
+
 def _finish_plot(fig: Any, ax: Any, rows: list) -> Any:
     """What both charts end with: the empty-input note, the grid and the layout."""
     if not rows:
         ax.text(0.5, 0.5, "no FlexAttention layers in the input", ha="center", va="center", transform=ax.transAxes)
     ax.grid(axis="y", alpha=0.3)
     ax.set_axisbelow(True)
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    with warnings.catch_warnings():  # long labels: "tight layout not applied" is no news to the reader
+        warnings.simplefilter("ignore", UserWarning)
+        fig.tight_layout(rect=(0, 0.03, 1, 1))
     return fig
 
 
@@ -89,8 +98,9 @@ def _plot_counts(rep: Dict[str, Any]) -> Any:
     from matplotlib.patches import Patch
 
     rows = rep["rows"]
-    layers = chart.layers(rows)
+    layers = chart.shown(rows)
     labels, pattern = short_labels(layers)
+    labels = [chart.label(x) for x in labels]
     n = max(1, len(layers))
     fig, ax = plt.subplots(figsize=(min(20.0, max(8.5, 0.6 * n + 5)), 5.4))
     width = 0.2
@@ -107,7 +117,7 @@ def _plot_counts(rep: Dict[str, Any]) -> Any:
     ax.set_ylabel("FlexAttention calls")
     t = rep["totals"]
     ax.set_title(f"fusionguard: calls per attention layer ({t['dense_calls']:,} dense, {t['fused_calls']:,} fused)", fontsize=11, loc="left")
-    fig.text(0.01, 0.01, "no memory data in the log (CPU run or watch(memory=False)): call counts shown", fontsize=7, color="#444444")
+    fig.text(0.01, 0.01, "no memory data in the log (CPU run or watch(memory=False)): call counts shown" + _left_out(rows), fontsize=7, color="#444444")
     handles = [Patch(color=color, label=f"{phase}, {what}") for phase, what, color in bars]
     ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, frameon=False)
     return _finish_plot(fig, ax, rows)
@@ -118,13 +128,14 @@ def _plot_memory(rep: Dict[str, Any]) -> Any:
     from matplotlib.patches import Patch
 
     rows = rep["rows"]
-    layers = chart.layers(rows)
+    layers = chart.shown(rows)
     by = {(r["layer"], r["phase"]): r for r in rows}
     bars = chart.memory_bars(rep)
     top = max((b["value"] for b in bars), default=0)
     unit, scale = chart.unit(top)
     n = max(1, len(layers))
     labels, pattern = short_labels(layers)
+    labels = [chart.label(x) for x in labels]
     fig, ax = plt.subplots(figsize=(min(20.0, max(8.5, (0.6 if pattern is None else 0.3) * n + 5)), 5.4))
     width = 0.38
     colors = {
@@ -176,7 +187,7 @@ def _plot_memory(rep: Dict[str, Any]) -> Any:
     sub = f"torch {v.get('torch', '?')}, ranks {rank_ranges(run['ranks'])}, {fmt_duration(run['duration_s'])}"
     if dense_labels:
         sub += "; dense: " + ", ".join(dense_labels[:8]) + (" ..." if len(dense_labels) > 8 else "")
-    fig.text(0.01, 0.01, sub, fontsize=7, color="#444444")
+    fig.text(0.01, 0.01, sub + _left_out(rows), fontsize=7, color="#444444")
     handles = [
         Patch(color=colors[("forward", False)], label="forward, fused"),
         Patch(color=colors[("backward", False)], label="backward, fused"),
