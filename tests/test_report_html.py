@@ -358,3 +358,9 @@ def test_the_banner_says_how_real_runs_ended(tmp_path, capsys):
         assert ENDINGS[kind][1] in banner.text(), banner.text()
         assert banner.text().startswith("DENSE: 1 dense FlexAttention call")
         assert [n.tag for n in root.all() if n.tag in ("script", "img")] == []
+        rc, out, _ = run_cli(capsys, log, "--format", "json")  # the real log's table: --format json's
+        rows = [tr for tr in root.all("tr") if tr.has_class("row")]
+        cells = [{td.attrs["data-col"]: td.attrs["data-value"] for td in tr.all("td") if "data-col" in td.attrs} for tr in rows]
+        assert [(tr.attrs["data-layer"], int(c["dense"]), int(c["fused"]), int(c["blocked"])) for tr, c in zip(rows, cells)] == [
+            (r["layer"], r["dense"], r["fused"], r["blocked"]) for r in json.loads(out)["rows"]
+        ]
