@@ -7,7 +7,7 @@ Exit status, the same contract for every command (``docs/cli.md``):
   1 a gate flag failed (``--fail-on-dense``: a dense call that was not allowed;
   ``--expect-fused`` / ``--expect-calls N``: fewer fused calls than expected); 2 usage or input
   error (a bad option, a missing path, no fusionguard event in the input, an unwritable
-  ``-o`` / ``--plot`` path, ``--plot`` without matplotlib).
+  ``-o`` / ``--plot`` / ``--html`` path, ``--plot`` without matplotlib).
 - ``doctor``: 0 every compiled case ran fused; 1 something ran dense or an experiment failed;
   2 usage error (a bad ``--shape``, ``--device``, ``--backend``).
 """
@@ -37,6 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("paths", nargs="+", metavar="PATH", help="log file or directory (several: ranks, runs)")
     r.add_argument("--format", choices=("text", "json", "csv"), default="text", help="text (default) for people; json / csv for scripts")
     r.add_argument("--plot", metavar="FILE.png", help="also write per-layer forward/backward peak-memory bars (needs matplotlib)")
+    r.add_argument("--html", metavar="FILE.html", help="also write the report as one self-contained HTML page (verdict, layers, memory chart, ranks, timeline, versions)")
     r.add_argument("--last", type=int, default=10, metavar="N", help="events shown before a crash or stop (default 10)")
     r.add_argument("-o", "--output", metavar="FILE", help="write the report here instead of stdout")
     r.add_argument("--fail-on-dense", action="store_true", help="exit status 1 when the logs hold a dense FlexAttention call that was not allowed (allow_dense() calls never fail it)")
@@ -125,6 +126,20 @@ def _gates(args: argparse.Namespace, totals: Dict[str, Any]) -> List[str]:
     return failed
 
 
+def _write_html(rep: Dict[str, Any], path: str) -> Optional[str]:
+    """Write ``--html``; the problem when it cannot be written (None: written)."""
+    from .report.html import render_html
+
+    page = render_html(rep)
+    try:
+        with open(path, "w", encoding="utf-8", newline="\n") as fh:
+            fh.write(page)
+    except OSError as exc:
+        return f"cannot write --html {path}: {exc.strerror or exc}"
+    sys.stderr.write(f"fusionguard report: HTML report written to {path}\n")
+    return None
+
+
 def _report(args: argparse.Namespace) -> int:
     from . import report
 
@@ -154,6 +169,10 @@ def _report(args: argparse.Namespace) -> int:
         except BrokenPipeError:  # `fusionguard report ... | head`
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())
+    if args.html:
+        problem = _write_html(rep, args.html)
+        if problem:
+            return _fail("report", problem)
     if args.plot:
         try:
             note = report.plot(rep, args.plot)

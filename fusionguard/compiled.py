@@ -10,6 +10,7 @@ import weakref
 from collections.abc import MutableMapping
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
+from . import profiling
 from . import torch_internals as ti
 from ._state import STATE, count, internal_error
 from .watching.naming import clean_name, flex_layer, in_backward, resolve_watched_name, watched_name, is_watching
@@ -307,17 +308,27 @@ def count_runs(compiled: Any, records: List[Dict[str, Any]], namer: Optional[Nam
         namer = None
     unlogged = [r["record"] for r in records if r.get("record", {}).get("source") == "before_enable"]
 
+    def run_names(n: int, names: Tuple[Any, ...]) -> Tuple[Any, ...]:
+        if namer is not None:
+            if is_watching():
+                return namer.run(names)
+        elif n == 1:
+            return _hook_names(names)
+        return names
+
+    def range_name() -> str:  # (named before the run, as the bookkeeping below names it after)
+        return profiling.fused_name((fields["phase"], run_names(n, names)) for _, n, fields, names, _ in runs)
+
     def counted(*args: Any, **kwargs: Any) -> Any:
-        out = fn(*args, **kwargs)
+        if profiling.recording() and STATE.enabled:  # a range in the profiler's timeline, every run
+            out = profiling.in_range(range_name, fn, *args, **kwargs)
+        else:
+            out = fn(*args, **kwargs)
         if STATE.enabled:
             try:
                 for key, n, fields, names, cache in runs:
                     count(key, n)
-                    if namer is not None:
-                        if is_watching():
-                            names = namer.run(names)
-                    elif n == 1:
-                        names = _hook_names(names)
+                    names = run_names(n, names)
                     hit = cache.get(names)
                     if hit is None:
                         if len(cache) > 10_000:

@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from . import causes
+from . import causes, profiling
 from ._format import human_bytes, site_text
 from ._logger import dense_text
 from ._state import STATE, count, dense_allowed_here, internal_error
@@ -375,6 +375,7 @@ def make_dense_wrapper(phase: str, original: Callable[..., Any]) -> Callable[...
             return original(*args, **kwargs)
         blocked = warning = site = None
         mark = False
+        event: Optional[Dict[str, Any]] = None
         try:  # the messages are built in here too: a bug in them must not reach the user's call
             event, site = _check_dense(phase, args, kwargs, sys._getframe(1))
             if event is not None:
@@ -389,14 +390,18 @@ def make_dense_wrapper(phase: str, original: Callable[..., Any]) -> Callable[...
         except Exception as exc:
             internal_error(f"dense {phase} check", exc)
         if blocked is not None:
+            if event is not None and profiling.recording():  # where it stopped, in the timeline
+                profiling.mark(functools.partial(profiling.dense_name, event))
             raise blocked
         if warning is not None:
             causes.warn_at_user_line(warning, site)  # outside: a warnings filter set to "error" raises on purpose
-        if mark:
+        if event is not None and profiling.recording():  # a range in the profiler's timeline, every call
+            result = profiling.in_range(functools.partial(profiling.dense_name, event), original, *args, **kwargs)
+        else:
             result = original(*args, **kwargs)
+        if mark:
             _mark_allowed(result)
-            return result
-        return original(*args, **kwargs)
+        return result
 
     fusionguard_dense_kernel.__wrapped__ = original  # type: ignore[attr-defined]
     fusionguard_dense_kernel.__name__ = getattr(original, "__name__", "dense_kernel")

@@ -561,3 +561,23 @@ def inductor_cache_dir() -> str:
     except ImportError:  # older layout
         from torch._inductor.runtime.runtime_utils import cache_dir
     return str(cache_dir())
+
+
+def profiler_check() -> Callable[[], bool]:
+    """A cheap "is a profiler recording?" for the run-time wrappers (fusionguard.profiling):
+    ``torch.autograd.profiler._is_profiler_enabled``, the flag ``torch.profiler`` sets (a module
+    attribute read, about 0.06 us; an idle ``record_function`` costs about 13 us), else the C
+    function behind it (``torch._C._autograd._profiler_enabled``), else never (no ranges)."""
+    try:
+        prof = module("torch.autograd.profiler")
+    except ImportError:
+        prof = None
+    if prof is not None and isinstance(getattr(prof, "_is_profiler_enabled", None), bool):
+        return lambda: prof._is_profiler_enabled
+    try:
+        fn = module("torch._C._autograd")._profiler_enabled
+        if callable(fn) and isinstance(fn(), bool):
+            return fn
+    except (ImportError, AttributeError):
+        pass
+    return lambda: False

@@ -33,7 +33,7 @@ ROW_KEYS = {
     "alloc_delta_median", "alloc_delta_max", "peak_delta_median", "peak_delta_max", "memory_samples",
     "scores_bytes_max", "templates", "first_dense", "first_dense_call_site", "dense_ranks", "fused_ranks",
 }
-TOP_KEYS = {"report_version", "run", "totals", "rows", "ranks", "disagreements", "endings", "crashes", "files", "ignored", "warnings"}
+TOP_KEYS = {"report_version", "run", "totals", "rows", "ranks", "disagreements", "endings", "crashes", "files", "ignored", "warnings", "first_events"}
 SITE = {"file": "train.py", "line": 7, "function": "attention"}
 
 
@@ -452,7 +452,7 @@ def test_python_dash_m_and_console_script(tmp_path):
     assert p.returncode == 1 and "DENSE: 1 dense FlexAttention call in 1 layer/phase pair" in p.stdout
 
 
-REPORT_MODULES = ("read", "aggregate", "build", "render", "plot")
+REPORT_MODULES = ("read", "aggregate", "build", "render", "chart", "plot", "html")
 # Each module imported first and alone: the package's __init__ (which imports them all, in order)
 # is replaced by a bare package, so a module needing one that needs it back fails here.
 _IMPORT_ALONE = """
@@ -469,7 +469,7 @@ print([m for m in ("torch", "matplotlib") if m in sys.modules])
 
 def test_each_report_module_imports_alone_and_none_imports_torch():
     """No import cycle inside fusionguard.report: each module imports in a fresh interpreter
-    with only the modules before it (read < aggregate < build < render < plot); the whole
+    with only the modules before it (read < aggregate < build < render < chart < plot < html); the whole
     package too, and none of it imports torch or matplotlib (``fusionguard report`` starts fast)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     runs = {name: [sys.executable, "-c", _IMPORT_ALONE, name] for name in REPORT_MODULES}

@@ -7,7 +7,9 @@ One module per job, each importing only those before it (no cycle; nothing here 
 - ``aggregate``: fold the events into bounded per-process and per-(layer, phase) counts;
 - ``build``: the report dict (``build(paths)``, also ``--format json``);
 - ``render``: text, CSV and JSON writers, every string from a log escaped;
-- ``plot``: the ``--plot`` chart (matplotlib, imported only then).
+- ``chart``: the per-layer chart's numbers, once, for ``--plot`` and ``--html``;
+- ``plot``: the ``--plot`` chart (matplotlib, imported only then);
+- ``html``: the ``--html`` page (self-contained, no script; every log string escaped).
 
 ``fusionguard.report.build`` and ``fusionguard.report.plot`` are the functions (as before the
 split); their modules are ``sys.modules["fusionguard.report.build"]`` and ``...plot``.
@@ -35,6 +37,7 @@ from .aggregate import MAX_KEYS, NO_LAYER, OTHER_LAYERS, RESERVOIR, Aggregator, 
 from .._format import site_text
 from .build import REPORT_VERSION, build, build_report, natural_key
 from .plot import plot, short_labels
+from .html import render_html
 from .read import MAX_LINE, SUPPORTED_SCHEMA, FileStats, ReportError, find_logs, read_events
 from .render import CSV_COLUMNS, MAX_CRASHES_SHOWN, fmt_duration, fmt_ts, rank_ranges, render_csv, render_json, render_text
 
@@ -66,6 +69,7 @@ __all__ = [
     "rank_ranges",
     "read_events",
     "render_csv",
+    "render_html",
     "render_json",
     "render_text",
     "short_labels",

@@ -193,6 +193,7 @@ class Aggregator:
         self.notes: List[str] = []
         self.ignored: List[Dict[str, str]] = []  # inputs that are not fusionguard logs, and why
         self.errors = 0  # events the aggregation could not take (counted as corrupt lines)
+        self.firsts: Dict[str, Dict[str, Any]] = {}  # per known event kind, its earliest event (compacted)
 
     # keys
     def _key(self, e: dict) -> Tuple[str, str]:
@@ -289,6 +290,9 @@ class Aggregator:
         if kind not in KNOWN_EVENTS:
             self.unknown[kind] = self.unknown.get(kind, 0) + 1
             return
+        first = self.firsts.get(kind)
+        if first is None or (ts is not None and (first.get("ts") is None or ts < first["ts"])):
+            self.firsts[kind] = {**compact(e), "rank": s.rank, "pid": s.pid, "host": s.host}
         if kind == "crash":
             s.crash_count += 1
             if len(s.crashes) < 3:

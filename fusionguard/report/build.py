@@ -243,6 +243,7 @@ def build_report(agg: Aggregator) -> Dict[str, Any]:
         "files": [f.to_dict() for f in agg.files if f.known],
         "ignored": list(agg.ignored),
         "warnings": warnings,
+        "first_events": sorted(agg.firsts.values(), key=lambda e: (e.get("ts") is None, e.get("ts") or 0.0, str(e.get("event")))),
     }
 
 

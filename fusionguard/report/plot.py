@@ -7,8 +7,10 @@ plot is asked for (``pip install 'fusionguard[plot]'``).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
+from . import chart
 from .aggregate import NO_LAYER, OTHER_LAYERS
 from .render import escaped, fmt_duration, rank_ranges
 
@@ -43,7 +45,20 @@ def plot(rep: Dict[str, Any], path: str) -> str:
     layer instead. Returns a note on what is missing ("" when nothing is). Layer names and
     causes are drawn as they are (no mathtext: a ``$`` is a dollar sign). Needs matplotlib
     (``pip install 'fusionguard[plot]'``); raises ImportError otherwise, OSError for a path
-    that cannot be written."""
+    that cannot be written. The bars' numbers are ``chart``'s, as ``--html``'s chart."""
+    import matplotlib.pyplot as plt
+
+    fig, note = figure(rep)
+    try:
+        fig.savefig(path, dpi=120)
+    finally:
+        plt.close(fig)
+    return note
+
+
+def figure(rep: Dict[str, Any]) -> Tuple[Any, str]:
+    """The chart as a matplotlib figure (each bar's ``gid``: ``index|phase`` of ``chart.memory_bars``
+    or ``index|phase|what`` of ``chart.count_bars``) and ``plot``'s note; the caller closes it."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -51,56 +66,50 @@ def plot(rep: Dict[str, Any], path: str) -> str:
 
     rep = escaped(rep)
     measured = any(r["peak_delta_max"] is not None for r in rep["rows"])
-    estimated = any(r["dense"] and r["scores_bytes_max"] is not None for r in rep["rows"])
     with plt.rc_context({"text.parse_math": False}):
-        if measured or estimated:
-            _plot_memory(rep, path)
-        else:
-            _plot_counts(rep, path)
+        fig = _plot_memory(rep) if chart.kind(rep) == "memory" else _plot_counts(rep)
     if measured:
-        return ""
-    if estimated:
-        return "; no measured memory in the log (CPU run or watch(memory=False)): dense bars show the score-matrix size"
-    return "; no memory data in the log (CPU run or watch(memory=False)): dense and fused calls per layer plotted instead"
+        return fig, ""
+    if chart.kind(rep) == "memory":
+        return fig, "; no measured memory in the log (CPU run or watch(memory=False)): dense bars show the score-matrix size"
+    return fig, "; no memory data in the log (CPU run or watch(memory=False)): dense and fused calls per layer plotted instead"
 
 
-def _layers(rows: List[Dict[str, Any]]) -> List[str]:
-    """The rows' layers, each once, in the report's order."""
-    layers: List[str] = []
-    for r in rows:
-        if r["layer"] not in layers:
-            layers.append(r["layer"])
-    return layers
+def _left_out(rows: List[Dict[str, Any]]) -> str:
+    """The note on layers beyond ``chart.MAX_LAYERS`` (not drawn), or ""."""
+    n = len(chart.layers(rows)) - chart.MAX_LAYERS
+    return f"; +{n:,} more layers not drawn (all in --format json)" if n > 0 else ""
 
 
-def _finish_plot(plt: Any, fig: Any, ax: Any, rows: list, path: str) -> None:
-    """What both charts end with: the empty-input note, the grid, and the file (figure closed)."""
+def _finish_plot(fig: Any, ax: Any, rows: list) -> Any:
+    """What both charts end with: the empty-input note, the grid and the layout."""
     if not rows:
         ax.text(0.5, 0.5, "no FlexAttention layers in the input", ha="center", va="center", transform=ax.transAxes)
     ax.grid(axis="y", alpha=0.3)
     ax.set_axisbelow(True)
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    try:
-        fig.savefig(path, dpi=120)
-    finally:
-        plt.close(fig)
+    with warnings.catch_warnings():  # long labels: "tight layout not applied" is no news to the reader
+        warnings.simplefilter("ignore", UserWarning)
+        fig.tight_layout(rect=(0, 0.03, 1, 1))
+    return fig
 
 
-def _plot_counts(rep: Dict[str, Any], path: str) -> None:
+def _plot_counts(rep: Dict[str, Any]) -> Any:
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     rows = rep["rows"]
-    layers = _layers(rows)
+    layers = chart.shown(rows)
     labels, pattern = short_labels(layers)
-    by = {(r["layer"], r["phase"]): r for r in rows}
+    labels = [chart.label(x) for x in labels]
     n = max(1, len(layers))
     fig, ax = plt.subplots(figsize=(min(20.0, max(8.5, 0.6 * n + 5)), 5.4))
     width = 0.2
     bars = [("forward", "fused", "#7fa7d6"), ("forward", "dense", "#f08a7e"), ("backward", "fused", "#2c5d94"), ("backward", "dense", "#b3261e")]
-    for j, (phase, kind, color) in enumerate(bars):
-        xs = [i + (j - 1.5) * width for i in range(len(layers))]
-        ys = [(by.get((name, phase)) or {}).get(kind) or 0 for name in layers]
-        ax.bar(xs, ys, width=width, color=color, label=f"{phase}, {kind}")
+    series = {(phase, what): j for j, (phase, what, _) in enumerate(bars)}
+    for b in chart.count_bars(rep):
+        j = series[(b["phase"], b["what"])]
+        (rect,) = ax.bar([b["index"] + (j - 1.5) * width], [b["value"]], width=width, color=bars[j][2])
+        rect.set_gid(f"{b['index']}|{b['phase']}|{b['what']}")
     ax.set_xticks(range(len(layers)))
     ax.set_xticklabels(labels, rotation=35 if len(layers) > 8 else 0, ha="right" if len(layers) > 8 else "center", fontsize=8)
     if pattern is not None:
@@ -108,23 +117,25 @@ def _plot_counts(rep: Dict[str, Any], path: str) -> None:
     ax.set_ylabel("FlexAttention calls")
     t = rep["totals"]
     ax.set_title(f"fusionguard: calls per attention layer ({t['dense_calls']:,} dense, {t['fused_calls']:,} fused)", fontsize=11, loc="left")
-    fig.text(0.01, 0.01, "no memory data in the log (CPU run or watch(memory=False)): call counts shown", fontsize=7, color="#444444")
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, frameon=False)
-    _finish_plot(plt, fig, ax, rows, path)
+    fig.text(0.01, 0.01, "no memory data in the log (CPU run or watch(memory=False)): call counts shown" + _left_out(rows), fontsize=7, color="#444444")
+    handles = [Patch(color=color, label=f"{phase}, {what}") for phase, what, color in bars]
+    ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, frameon=False)
+    return _finish_plot(fig, ax, rows)
 
 
-def _plot_memory(rep: Dict[str, Any], path: str) -> None:
+def _plot_memory(rep: Dict[str, Any]) -> Any:
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
     rows = rep["rows"]
-    layers = _layers(rows)
+    layers = chart.shown(rows)
     by = {(r["layer"], r["phase"]): r for r in rows}
-    values = [v for r in rows for v in (r["peak_delta_max"], r["scores_bytes_max"] if r["dense"] else None) if v is not None]
-    top = max(values, default=0)
-    unit, scale = ("GB", 1e9) if top >= 1e9 else (("MB", 1e6) if top >= 1e6 else ("KB", 1e3))
+    bars = chart.memory_bars(rep)
+    top = max((b["value"] for b in bars), default=0)
+    unit, scale = chart.unit(top)
     n = max(1, len(layers))
     labels, pattern = short_labels(layers)
+    labels = [chart.label(x) for x in labels]
     fig, ax = plt.subplots(figsize=(min(20.0, max(8.5, (0.6 if pattern is None else 0.3) * n + 5)), 5.4))
     width = 0.38
     colors = {
@@ -133,38 +144,28 @@ def _plot_memory(rep: Dict[str, Any], path: str) -> None:
         ("forward", True): "#f08a7e",
         ("backward", True): "#b3261e",
     }
-    estimated = False
+    estimated = any(b["estimated"] for b in bars)
     dense_labels = []
-    for i, layer in enumerate(layers):
-        for j, phase in enumerate(("forward", "backward")):
-            r = by.get((layer, phase))
-            if r is None:
-                continue
-            dense = bool(r["dense"])
-            value = r["peak_delta_max"]
-            est = False
-            if value is None and dense and r["scores_bytes_max"] is not None:
-                value, est = r["scores_bytes_max"], True
-                estimated = True
-            if value is None:
-                continue
-            x = i + (j - 0.5) * width
-            ax.bar(
-                x, value / scale, width=width, color=colors[(phase, dense)],
-                edgecolor="black" if dense else "none", linewidth=1.2 if dense else 0,
-                hatch="//" if est else None, alpha=0.6 if est else 1.0,
-            )
-            if dense:
-                cause = f" ({next(iter(r['causes']))})" if r["causes"] else ""
-                label = f"DENSE {value / scale:.2f} {unit}{cause}"
-                if top and value >= 0.45 * top:  # tall bar: the label fits inside it
-                    ink = "white" if phase == "backward" and not est else "#5c0d08"
-                    ax.text(x, 0.02 * top / scale, label, rotation=90, ha="center", va="bottom", fontsize=7,
-                            color=ink, fontweight="bold", clip_on=True)
-                else:
-                    ax.annotate(label, (x, value / scale), xytext=(0, 4), textcoords="offset points", rotation=90,
-                                ha="center", va="bottom", fontsize=7, color="#b3261e", fontweight="bold")
-                dense_labels.append(f"{layer} {'fwd' if phase == 'forward' else 'bwd'}")
+    for b in bars:
+        layer, phase, value, est, dense = b["layer"], b["phase"], b["value"], b["estimated"], b["dense"]
+        x = b["index"] + (chart.PHASES.index(phase) - 0.5) * width
+        (rect,) = ax.bar(
+            [x], [value / scale], width=width, color=colors[(phase, dense)],
+            edgecolor="black" if dense else "none", linewidth=1.2 if dense else 0,
+            hatch="//" if est else None, alpha=0.6 if est else 1.0,
+        )
+        rect.set_gid(f"{b['index']}|{phase}")
+        if dense:
+            cause = f" ({b['cause']})" if b["cause"] else ""
+            label = f"DENSE {value / scale:.2f} {unit}{cause}"
+            if top and value >= 0.45 * top:  # tall bar: the label fits inside it
+                ink = "white" if phase == "backward" and not est else "#5c0d08"
+                ax.text(x, 0.02 * top / scale, label, rotation=90, ha="center", va="bottom", fontsize=7,
+                        color=ink, fontweight="bold", clip_on=True)
+            else:
+                ax.annotate(label, (x, value / scale), xytext=(0, 4), textcoords="offset points", rotation=90,
+                            ha="center", va="bottom", fontsize=7, color="#b3261e", fontweight="bold")
+            dense_labels.append(f"{layer} {'fwd' if phase == 'forward' else 'bwd'}")
     ax.set_xticks(range(n))
     crowded = sum(len(str(label)) + 1 for label in labels) * 6.5 > 72 * (fig.get_figwidth() - 3)
     ax.set_xticklabels(labels, rotation=35 if crowded else 0, ha="right" if crowded else "center", fontsize=8)
@@ -186,7 +187,7 @@ def _plot_memory(rep: Dict[str, Any], path: str) -> None:
     sub = f"torch {v.get('torch', '?')}, ranks {rank_ranges(run['ranks'])}, {fmt_duration(run['duration_s'])}"
     if dense_labels:
         sub += "; dense: " + ", ".join(dense_labels[:8]) + (" ..." if len(dense_labels) > 8 else "")
-    fig.text(0.01, 0.01, sub, fontsize=7, color="#444444")
+    fig.text(0.01, 0.01, sub + _left_out(rows), fontsize=7, color="#444444")
     handles = [
         Patch(color=colors[("forward", False)], label="forward, fused"),
         Patch(color=colors[("backward", False)], label="backward, fused"),
@@ -196,4 +197,4 @@ def _plot_memory(rep: Dict[str, Any], path: str) -> None:
     if estimated:
         handles.append(Patch(facecolor="white", edgecolor="black", hatch="//", label="no memory record: dense score-matrix size"))
     ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, frameon=False)
-    _finish_plot(plt, fig, ax, rows, path)
+    return _finish_plot(fig, ax, rows)
