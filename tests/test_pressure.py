@@ -14,7 +14,7 @@ from torch.nn.attention.flex_attention import flex_attention
 import fusionguard
 from fusionguard.pressure import threshold
 
-from conftest import flex_events, needs, qkv, read_jsonl
+from conftest import flex_events, needs, qkv, read_jsonl, run_cli
 
 pytestmark = needs("pressure")
 
@@ -52,7 +52,7 @@ def test_bad_recompile_warn_at_is_refused(bad):
     assert not fusionguard.is_enabled()
 
 
-def test_pressure_arrives_before_the_limit_with_dynamos_logs_silenced(guard, dynamo_reset, dynamo_config, dynamo_silenced):
+def test_pressure_arrives_before_the_limit_with_dynamos_logs_silenced(guard, dynamo_reset, dynamo_config, dynamo_silenced, capsys):
     dynamo_config(recompile_limit=4)
     log = guard()
     compiled = torch.compile(attend, backend="aot_eager", dynamic=False)
@@ -82,6 +82,41 @@ def test_pressure_arrives_before_the_limit_with_dynamos_logs_silenced(guard, dyn
     assert kinds.count("recompile_pressure") == 1 and kinds.count("recompile_limit") == 1
     first_dense_by_limit = next(i for i, e in enumerate(read_jsonl(log)) if e.get("cause") == "recompile_limit")
     assert kinds.index("recompile_pressure") < kinds.index("recompile_limit") < first_dense_by_limit
+
+    # report: a line of its own; --fail-on-recompile-pressure fails on it
+    rc, out, err = run_cli(capsys, log)
+    assert rc == 0, err
+    assert re.search(r"^recompile pressure: 1 frame at 2 of 4 compiles \([qkv] dim 2 varies\)$", out, re.M), out
+    assert "fix: mark the dim dynamic" in out
+    rc, out, err = run_cli(capsys, log, "--fail-on-recompile-pressure")
+    assert rc == 1 and "--fail-on-recompile-pressure: 1 frame" in err + out
+
+
+def test_report_gates_on_pressure_alone(tmp_path, capsys):
+    """A log with pressure and no dense call: --fail-on-dense passes, the new gate fails."""
+    import json
+
+    lines = [
+        {"event": "header", "level": "info", "ts": 1.0, "seq": 1, "pid": 1, "rank": 0, "schema": 1, "hostname": "h"},
+        {"event": "flex_compile", "level": "info", "ts": 2.0, "seq": 2, "pid": 1, "rank": 0, "path": "fused", "phase": "forward", "template": "cpp"},
+        {"event": "recompile_pressure", "level": "warning", "ts": 3.0, "seq": 3, "pid": 1, "rank": 0, "function": "step",
+         "file": "train.py", "line": 12, "compiles": 4, "limit": 8, "varies": "q dim 2 varies", "reason": "x", "fix": "mark it"},
+        {"event": "recompile_pressure", "level": "warning", "ts": 4.0, "seq": 4, "pid": 1, "rank": 0, "function": "block",
+         "file": "model.py", "line": 40, "compiles": 5, "limit": 8, "varies": "n varies"},
+        {"event": "recompile_pressure", "level": "warning", "ts": 5.0, "seq": 5, "pid": 1, "rank": 0, "function": ["hostile"],
+         "file": 3, "line": "x", "compiles": "many", "limit": None, "varies": {"a": 1}},
+    ]
+    log = tmp_path / "fg.jsonl"
+    log.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    rc, out, err = run_cli(capsys, log, "--fail-on-dense")
+    assert rc == 0, err
+    assert "recompile pressure: 2 frames up to 5 of 8 compiles (n varies; q dim 2 varies)" in out
+    assert "1 corrupt line skipped" in out  # the hostile one
+    rc, out, err = run_cli(capsys, log, "--fail-on-recompile-pressure")
+    assert rc == 1
+    rc, out, err = run_cli(capsys, log, "--format", "json")
+    rep = json.loads(out)
+    assert rep["totals"]["recompile_pressure_frames"] == 2 and rep["recompile_pressure"][0]["compiles"] == 5
 
 
 def test_closure_value_names_the_function_and_its_fix(guard, dynamo_reset):
