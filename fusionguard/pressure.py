@@ -81,6 +81,8 @@ def check(code: Any) -> None:
             table.clear()
         record = table[key] = {"code": code, "warned": False}
     compiles = compiles_of(code)
+    if compiles < record.get("compiles", 0):
+        record["warned"] = False  # fewer than before: Dynamo's caches were reset, the count starts over
     record["compiles"], record["limit"] = compiles, limit  # (the limit: read by causes at a dense call)
     warn_at = threshold(limit, STATE.config.recompile_warn_at)
     if warn_at is None or compiles < warn_at or record["warned"]:

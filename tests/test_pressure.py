@@ -156,6 +156,16 @@ def test_python_scalar_names_the_value(guard, dynamo_reset):
     assert event["varies"] == "w varies" and "as a tensor" in event["fix"]
 
 
+def test_after_a_dynamo_reset_the_count_starts_over(guard, dynamo_reset, dynamo_config):
+    dynamo_config(recompile_limit=4)
+    guard()
+    compiled = torch.compile(attend, backend="aot_eager", dynamic=False)
+    assert [len(w) for w in _calls(compiled, [16, 24, 32])] == [0, 1, 0]
+    torch._dynamo.reset()
+    assert [len(w) for w in _calls(compiled, [16, 24])] == [0, 1]
+    assert [e["compiles"] for e in flex_events("recompile_pressure")] == [2, 2]
+
+
 def test_frames_without_flex_are_not_counted(guard, dynamo_reset, dynamo_config):
     dynamo_config(recompile_limit=4)
     guard()
