@@ -49,9 +49,9 @@ def make_trace_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
         out = original(self, tx, *args, **kwargs)
         if STATE.enabled:
             try:
-                code = ti.compiling_code()
-                if code is not None:
-                    check(code)
+                found = ti.compiling_frame()
+                if found is not None:
+                    check(found[1], found[0])
             except Warning:  # the user's filters made our warning an error: never into Dynamo (the event is logged)
                 pass
             except Exception as exc:
@@ -61,16 +61,19 @@ def make_trace_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     return traced
 
 
-def compiles_of(code: Any) -> int:
-    """How many times Dynamo compiled ``code``, this compile included: its cache entries (the
-    entry of the compile now running is added when it ends; counted either way)."""
+def compiles_of(code: Any, f_locals: Any = None) -> int:
+    """How many times Dynamo compiled ``code`` for these locals, this compile included: its
+    cache entries, counted as Dynamo's recompile limit counts them (entries made for other
+    objects, e.g. other layers sharing one ``forward``, are not recompiles); the entry of the
+    compile now running is added when it ends (counted either way)."""
     entries = ti.cache_entries(code)
     current = ti.current_compile_id()
     has_current = current is not None and any(ti.entry_compile_id(e) == current for e in entries)
-    return len(entries) + (0 if has_current else 1)
+    same = ti.same_object_entries(entries, f_locals) if f_locals is not None else None
+    return (len(entries) if same is None else same) + (0 if has_current else 1)
 
 
-def check(code: Any) -> None:
+def check(code: Any, f_locals: Any = None) -> None:
     """Count this compile of ``code`` (a frame holding FlexAttention); warn at the threshold."""
     limit = ti.recompile_limit_value()
     table = STATE.stats.pressure
@@ -80,7 +83,7 @@ def check(code: Any) -> None:
         if len(table) > 10_000:
             table.clear()
         record = table[key] = {"code": code, "warned": False}
-    compiles = compiles_of(code)
+    compiles = compiles_of(code, f_locals)
     if compiles < record.get("compiles", 0):
         record["warned"] = False  # fewer than before: Dynamo's caches were reset, the count starts over
     record["compiles"], record["limit"] = compiles, limit  # (the limit: read by causes at a dense call)

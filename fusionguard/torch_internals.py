@@ -354,10 +354,30 @@ def flex_trace_method() -> Tuple[type, str]:
     raise LookupError("FlexAttentionHigherOrderVariable defines neither _call_function nor call_function")
 
 
-def compiling_code() -> Optional[types.CodeType]:
-    """The code object of the frame Dynamo is compiling on this thread, or None."""
+def compiling_frame() -> Optional[Tuple[Any, types.CodeType]]:
+    """``(frame locals, code)`` of the frame Dynamo is compiling on this thread, or None."""
     found = dynamo_frame_graph()
-    return found[1] if found is not None else None
+    return (found[0], found[1]) if found is not None else None
+
+
+def same_object_entries(entries: list, f_locals: Any) -> Optional[int]:
+    """How many of a frame's cache entries Dynamo's recompile limit counts for these locals: those
+    whose ID_MATCH'd objects (``guard_manager.id_matched_objs``, by local name) are the frame's
+    own (``torch._dynamo.cache_size``): 32 layers sharing one ``forward`` with an entry each are
+    no recompile. None where the entries do not say."""
+    n = 0
+    for entry in entries:
+        objs = getattr(getattr(entry, "guard_manager", None), "id_matched_objs", None)
+        if not isinstance(objs, dict):
+            return None
+        same = True
+        for name, ref in objs.items():
+            obj = ref() if callable(ref) else None
+            if obj is not None and (not isinstance(f_locals, dict) or f_locals.get(name) is not obj):
+                same = False
+                break
+        n += same
+    return n
 
 
 def compile_callbacks() -> Any:
