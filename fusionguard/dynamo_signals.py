@@ -143,12 +143,13 @@ def reason_fix(reason: Optional[str], fallback: str) -> str:
     return fallback
 
 
-def latest_reasons(code: Any, compiles: int) -> list:
+def latest_reasons(code: Any, entries: int) -> list:
     """Dynamo's guard-failure reasons of the latest recompile of ``code`` (one per cache entry
-    that failed, the newest entry first), cleaned and without repeats."""
+    that failed, the newest entry first; ``entries``: how many it had then), cleaned and without
+    repeats."""
     failures = ti.guard_failures(code)
-    if compiles > 1:
-        failures = failures[-(compiles - 1):]
+    if entries > 0:
+        failures = failures[-entries:]
     out: list = []
     for text in failures:
         r = clean_reason(text)

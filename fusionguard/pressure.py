@@ -18,7 +18,7 @@ import os
 import sys
 import sysconfig
 import types
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from . import torch_internals as ti
 from ._state import STATE, internal_error
@@ -61,16 +61,17 @@ def make_trace_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     return traced
 
 
-def compiles_of(code: Any, f_locals: Any = None) -> int:
-    """How many times Dynamo compiled ``code`` for these locals, this compile included: its
-    cache entries, counted as Dynamo's recompile limit counts them (entries made for other
-    objects, e.g. other layers sharing one ``forward``, are not recompiles); the entry of the
-    compile now running is added when it ends (counted either way)."""
+def compiles_of(code: Any, f_locals: Any = None) -> Tuple[int, int]:
+    """(how many times Dynamo compiled ``code`` for these locals, this compile included; how many
+    cache entries it had before this compile). Counted as Dynamo's recompile limit counts them:
+    entries made for other objects (e.g. other layers sharing one ``forward``) are not
+    recompiles. The entry of the compile now running is added when it ends (counted either way)."""
     entries = ti.cache_entries(code)
     current = ti.current_compile_id()
-    has_current = current is not None and any(ti.entry_compile_id(e) == current for e in entries)
-    same = ti.same_object_entries(entries, f_locals) if f_locals is not None else None
-    return (len(entries) if same is None else same) + (0 if has_current else 1)
+    mine = [e for e in entries if current is not None and ti.entry_compile_id(e) == current]
+    before = [e for e in entries if not any(e is m for m in mine)]
+    same = ti.same_object_entries(before, f_locals) if f_locals is not None else None
+    return (len(before) if same is None else same) + 1, len(before)
 
 
 def check(code: Any, f_locals: Any = None) -> None:
@@ -83,7 +84,7 @@ def check(code: Any, f_locals: Any = None) -> None:
         if len(table) > 10_000:
             table.clear()
         record = table[key] = {"code": code, "warned": False}
-    compiles = compiles_of(code, f_locals)
+    compiles, entries_before = compiles_of(code, f_locals)
     if compiles < record.get("compiles", 0):
         record["warned"] = False  # fewer than before: Dynamo's caches were reset, the count starts over
     record["compiles"], record["limit"] = compiles, limit  # (the limit: read by causes at a dense call)
@@ -91,7 +92,7 @@ def check(code: Any, f_locals: Any = None) -> None:
     if warn_at is None or compiles < warn_at or record["warned"]:
         return
     record["warned"] = True
-    reasons = latest_reasons(code, compiles)
+    reasons = latest_reasons(code, entries_before)
     reason = reasons[0] if reasons else None
     target = user_frame(sys._getframe(1))
     fields: Dict[str, Any] = {
@@ -117,8 +118,8 @@ _STDLIB = sysconfig.get_paths().get("stdlib", "\0") + os.sep
 
 def user_frame(f: Optional[types.FrameType]) -> Optional[types.FrameType]:
     """The user's frame around Dynamo's compile (the line that called the compiled function):
-    the first one outside torch, fusionguard and the standard library (``contextlib`` runs
-    Dynamo's callbacks)."""
+    the first one outside torch, fusionguard and the standard library (Dynamo's own frames
+    pass through ``contextlib``)."""
     first = f = first_user_frame(f)
     while f is not None and _in_stdlib(f.f_code.co_filename):
         f = first_user_frame(f.f_back)
