@@ -88,7 +88,10 @@ def enable(
               kernels; logged as ``path: "rescued"``; strict mode then raises only for calls that
               cannot be rescued), ``flush_interval`` (default 0.5 s: counted calls reach the file
               within it, so a killed process loses at most that much of its counts; 0: only
-              every N calls and at exit), ``log_mode`` (default 0o600: new log / crash files).
+              every N calls and at exit), ``log_mode`` (default 0o600: new log / crash files),
+              ``recompile_warn_at`` (default None: half of Dynamo's recompile limit, rounded up,
+              always below it; 0: off): a frame holding FlexAttention compiled that many times
+              gets one ``recompile_pressure`` event and warning, before the limit turns it dense.
     ``FUSIONGUARD=off`` in the environment makes this a no-op (kill switch; docs/guarantees.md).
     Every argument is checked first (``TypeError`` / ``ValueError`` naming it, nothing installed);
     a failure part-way undoes everything installed before the error reaches the caller.

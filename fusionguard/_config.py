@@ -34,6 +34,9 @@ class Config:
     # pending dense_calls / fused_calls counters are written this often (seconds; 0: only every
     # N calls and at exit): a killed process loses at most the counts of its last interval
     flush_interval: float = 0.5
+    # recompile pressure: warn when a frame holding FlexAttention reaches this many compiles
+    # (None: half of Dynamo's recompile limit, rounded up; always below the limit; 0: never)
+    recompile_warn_at: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.fsync != "always" and not isinstance(self.fsync, bool):
@@ -51,6 +54,13 @@ class Config:
             raise ValueError(f"fusionguard.enable(): log_mode must be a file mode the owner can read and write (0o600 ... 0o777), not {self.log_mode!r}")
         if isinstance(self.flush_interval, bool) or not isinstance(self.flush_interval, (int, float)) or not 0 <= self.flush_interval <= 3600:
             raise ValueError(f"fusionguard.enable(): flush_interval must be a number of seconds between 0 and 3600, not {self.flush_interval!r}")
+
+        warn_at = self.recompile_warn_at
+        if warn_at is not None and (isinstance(warn_at, bool) or not isinstance(warn_at, int) or warn_at < 0 or warn_at == 1):
+            raise ValueError(
+                f"fusionguard.enable(): recompile_warn_at must be None (half the recompile limit), 0 (off) "
+                f"or a number of compiles >= 2, not {warn_at!r}"
+            )
 
     def public(self) -> Dict[str, Any]:
         return asdict(self)

@@ -13,7 +13,7 @@ from typing import Any, Callable, List, Tuple
 
 import torch
 
-from . import guard, inductor, rescue, torch_internals as ti, watching
+from . import guard, inductor, pressure, rescue, torch_internals as ti, watching
 from ._logger import LOGGER_NAME
 from ._state import STATE, emit, internal_error
 from .dynamo_signals import SIGNALS
@@ -72,6 +72,13 @@ def _signals(reg: PatchRegistry) -> None:
     SIGNALS.install(reg)
 
 
+def _pressure(reg: PatchRegistry) -> None:
+    """Recompile pressure: Dynamo's FlexAttention tracing method counts the compiles of the frame
+    being compiled (compile time only)."""
+    cls, name = ti.flex_trace_method()
+    reg.apply(f"FlexAttentionHigherOrderVariable.{name}", vars(cls), name, pressure.make_trace_wrapper, owner=cls)
+
+
 def _compile_wrappers(reg: PatchRegistry) -> None:
     cls = ti.optimized_module()
     reg.apply("OptimizedModule.__init__", vars(cls), "__init__", watching.make_wrapper_init, owner=cls)
@@ -97,6 +104,7 @@ PATCHES: Tuple[Tuple[str, Callable[[PatchRegistry], None]], ...] = (
     ("inductor lowerings", _lowerings),
     ("inductor CompiledFxGraph.post_compile", _post_compile),
     ("dynamo signals", _signals),
+    ("recompile pressure (dynamo)", _pressure),
     ("torch.compile module wrapper (watch)", _compile_wrappers),
     ("rescue (setup_compilation_env)", _rescue),
     ("torch._logging (TORCH_LOGS=fusionguard)", _torch_logs),

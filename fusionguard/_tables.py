@@ -77,6 +77,10 @@ class Stats:
         self.peak: Dict[int, int] = {}  # device -> true peak allocated, across our resets
         self.warned_reset = False
         self.told_traced = False  # watch_traced said (once per process)
+        # recompile pressure: frames holding FlexAttention, by id(code): code, compiles, warned
+        self.pressure: Dict[int, Dict[str, Any]] = {}
+        # no_flex_calls: watched models already told about (once per model), by id: a weakref
+        self.no_flex_told: Dict[int, Any] = {}
 
     def new_log(self) -> None:
         """A new log file starts: its rows count from zero. Why: a log's ``summary`` event (and

@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, Optional, Tuple, cast
 
 from . import torch_internals as ti
 from ._state import STATE
-from .dynamo_signals import SIGNALS, is_public_flex, is_torch_file
+from .dynamo_signals import SIGNALS, clean_reason, is_public_flex, is_torch_file
 from .errors import DenseFallbackWarning
 
 CAUSES: Dict[str, str] = {
@@ -145,6 +145,21 @@ def _cache_entry_count(code: types.CodeType) -> int:
         return len(ti.cache_entries(code))
     except Exception:
         return 0
+
+
+def _last_reason(code: types.CodeType) -> Optional[str]:
+    """Dynamo's newest guard-failure reason for ``code`` (recorded whatever its logs say)."""
+    try:
+        failures = ti.guard_failures(code)
+        return clean_reason(failures[-1]) if failures else None
+    except Exception:
+        return None
+
+
+def _compiled_limit(code: types.CodeType) -> Optional[int]:
+    """The recompile limit in force when a frame holding FlexAttention last compiled (``pressure``)."""
+    record = STATE.stats.pressure.get(id(code))
+    return record.get("limit") if record is not None and record.get("code") is code else None
 
 
 def _recompile_limit_value() -> Optional[int]:
@@ -278,6 +293,11 @@ def diagnose_forward(frame: Optional[types.FrameType]) -> Diagnosis:
         return Diagnosis(False, "compiler_disabled", switch, site)
     if disabled_fn is not None and disabled_in_compile:
         return Diagnosis(False, "compiler_disabled", {"switch": "torch.compiler.disable", "function": disabled_fn}, site)
+    if live:
+        try:
+            SIGNALS.refresh()  # a recompile-limit hit Dynamo recorded but did not log (logs silenced)
+        except Exception:
+            pass
     for uf in live:
         code = uf.f_code
         cause, info = SIGNALS.lookup(code.co_filename, code.co_firstlineno)
@@ -285,12 +305,23 @@ def diagnose_forward(frame: Optional[types.FrameType]) -> Diagnosis:
             return Diagnosis(False, cause, dict(info or {}, frame=_frame_where(uf)), site)
     limit = _recompile_limit_value() if live else None
     for uf in live:
-        n = _cache_entry_count(uf.f_code)
-        if limit and n >= limit:
+        code = uf.f_code
+        n = _cache_entry_count(code)
+        # the limit its compiles ran under (PyTorch's own flex compile raises the limit around
+        # the eager call), else the current one
+        lim = _compiled_limit(code) or limit
+        if lim and n >= lim:
+            reason = _last_reason(code)
+            info = {"function": code.co_name, "file": code.co_filename, "line": code.co_firstlineno, "limit": lim,
+                    "reason": reason, "source": "cache_entries"}
+            try:
+                SIGNALS.note_limit(info)  # the recompile_limit event, once per frame, if Dynamo's log was not heard
+            except Exception:
+                pass
             return Diagnosis(
                 False,
                 "recompile_limit",
-                {"frame": _frame_where(uf), "cache_entries": n, "limit": limit, "reason": None},
+                {"frame": _frame_where(uf), "cache_entries": n, "limit": lim, "reason": reason},
                 site,
             )
     if internal == "compiled":

@@ -5,6 +5,7 @@ Exit status, the same contract for every command (``docs/cli.md``):
 
 - ``report``: 0 the report was written (also when it lists dense calls: only a gate flag fails);
   1 a gate flag failed (``--fail-on-dense``: a dense call that was not allowed;
+  ``--fail-on-recompile-pressure``: a frame holding FlexAttention near the recompile limit;
   ``--expect-fused`` / ``--expect-calls N``: fewer fused calls than expected); 2 usage or input
   error (a bad option, a missing path, no fusionguard event in the input, an unwritable
   ``-o`` / ``--plot`` / ``--html`` path, ``--plot`` without matplotlib).
@@ -41,6 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--last", type=int, default=10, metavar="N", help="events shown before a crash or stop (default 10)")
     r.add_argument("-o", "--output", metavar="FILE", help="write the report here instead of stdout")
     r.add_argument("--fail-on-dense", action="store_true", help="exit status 1 when the logs hold a dense FlexAttention call that was not allowed (allow_dense() calls never fail it)")
+    r.add_argument("--fail-on-recompile-pressure", action="store_true", help="exit status 1 when the logs hold a recompile_pressure event: a frame holding FlexAttention that Dynamo recompiled up to half its recompile limit (--fail-on-dense does not fail on it)")
     r.add_argument("--expect-fused", action="store_true", help="exit status 1 unless the logs hold at least one fused FlexAttention call (a gate never passes on silence)")
     r.add_argument("--expect-calls", type=int, metavar="N", help="exit status 1 when the logs hold fewer than N fused FlexAttention calls")
     d = sub.add_parser(
@@ -119,6 +121,9 @@ def _gates(args: argparse.Namespace, totals: Dict[str, Any]) -> List[str]:
     if args.fail_on_dense and dense:
         allowed = f" ({totals['allowed_dense_calls']:,} allowed ones not counted)" if totals["allowed_dense_calls"] else ""
         failed.append(f"--fail-on-dense: {dense:,} dense FlexAttention call{'s' if dense != 1 else ''}{allowed}")
+    frames = totals.get("recompile_pressure_frames") or 0
+    if args.fail_on_recompile_pressure and frames:
+        failed.append(f"--fail-on-recompile-pressure: {frames:,} frame{'s' if frames != 1 else ''} holding FlexAttention near Dynamo's recompile limit")
     expected = max(1 if args.expect_fused else 0, args.expect_calls or 0)
     if expected and totals["fused_calls"] < expected:
         flag = f"--expect-calls {args.expect_calls}" if args.expect_calls else "--expect-fused"

@@ -74,6 +74,103 @@ def reason_summary(text: object, limit: int = 300) -> str:
     return out[:limit]
 
 
+_COMPILE_PREFIX = re.compile(r"^\s*\d+/\d+(?:/\d+)?:\s*")
+_SIZE = re.compile(r"tensor '(?P<name>.+?)' (?P<what>size|stride) mismatch at index (?P<index>\d+)")
+_SOURCE = re.compile(r"^[LG]\[['\"](?P<name>[^'\"]+)['\"]\]")
+_EQUALS = re.compile(r"^(?P<lhs>\S.*?) == (?P<rhs>.+)$")
+
+
+def clean_reason(text: object, limit: int = 300) -> Optional[str]:
+    """One guard-failure reason of Dynamo's as one line: no compile-id prefix ("0/1: "), no
+    trailing source comment, no user stack."""
+    if not text:
+        return None
+    line = _COMPILE_PREFIX.sub("", str(text).strip().splitlines()[0])
+    line = re.split(r"\s{2,}#", line, maxsplit=1)[0].strip()
+    return line[:limit] or None
+
+
+def _source_name(source: str) -> str:
+    """``L['q']`` -> ``q``, ``G['n']`` -> ``n``, ``L['self'].n`` -> ``self.n``."""
+    m = _SOURCE.match(source)
+    return m.group("name") + source[m.end():] if m else source
+
+
+def reason_varies(reason: Optional[str]) -> Optional[str]:
+    """What changes between compiles, in a few words: ``q dim 2 varies``."""
+    if not reason:
+        return None
+    m = _SIZE.search(reason)
+    if m:
+        name = _source_name(m.group("name"))
+        if m.group("what") == "size":
+            return f"{name} dim {m.group('index')} varies"
+        return f"{name} stride {m.group('index')} varies"
+    m = re.match(r"(?P<fn>\S+?)\.__closure__", reason)
+    if m:
+        return f"a value {_source_name(m.group('fn'))} closes over varies"
+    if "cell_contents" in reason:
+        return "a value a function closes over varies"
+    if "___check_obj_id" in reason or "__code__" in reason:
+        return "a new function object each call"
+    m = _EQUALS.match(reason)
+    if m:
+        return f"{_source_name(m.group('lhs'))} varies"
+    return reason[:80]
+
+
+def reason_fix(reason: Optional[str], fallback: str) -> str:
+    """The fix for what Dynamo says changes (``fallback`` when the reason is not recognised)."""
+    if not reason:
+        return fallback
+    m = _SIZE.search(reason)
+    if m and m.group("what") == "size":
+        name, index = _source_name(m.group("name")), m.group("index")
+        return (
+            f"mark the dim dynamic: torch._dynamo.mark_dynamic({name}, {index}) before the call, or "
+            "torch.compile(..., dynamic=True); or bucket / pad the lengths to a few sizes"
+        )
+    if "__closure__" in reason or "cell_contents" in reason or "___check_obj_id" in reason or "__code__" in reason:
+        return (
+            "build the BlockMask and define mask_mod / score_mod once, outside the step (a new "
+            "function or a new closed-over value is a new graph); pass values that change as tensors"
+        )
+    if _EQUALS.match(reason):
+        return (
+            "pass the changing Python value as a tensor (its value is not guarded) or keep it "
+            "constant; a mask_mod / score_mod that closes over it should read a tensor instead"
+        )
+    return fallback
+
+
+def latest_reasons(code: Any, entries: int) -> list:
+    """Dynamo's guard-failure reasons of the latest recompile of ``code`` (one per cache entry
+    that failed, the newest entry first; ``entries``: how many it had then), cleaned and without
+    repeats."""
+    failures = ti.guard_failures(code)
+    if entries > 0:
+        failures = failures[-entries:]
+    out: list = []
+    for text in failures:
+        r = clean_reason(text)
+        if r and r not in out:
+            out.append(r)
+    return out[:5]
+
+
+def _is_limit_hit(fail_type: object, fail_reason: object) -> bool:
+    """A compilation-metrics record of a recompile-limit hit (2.7 names the exception after it;
+    later releases raise ``Unsupported`` "Dynamo recompile limit exceeded")."""
+    text = f"{fail_type} {fail_reason}".lower()
+    return "recompilelimit" in text or "cachelimitexceeded" in text or "recompile limit exceeded" in text or "cache_size_limit" in text
+
+
+def _limit_in(fail_reason: object) -> Optional[int]:
+    """The limit Dynamo's limit-hit explanation states ("currently set to 8"), or None."""
+    m = re.search(r"currently set to (\d+)", str(fail_reason or ""))
+    return int(m.group(1)) if m else None
+
+
 class Signals:
     """What Dynamo said, per code location."""
 
@@ -83,6 +180,8 @@ class Signals:
         self.compile_error: Dict[Key, dict] = {}
         self.frame_failure: Dict[Key, dict] = {}
         self._seen_ids: Dict[int, Any] = {}
+        self._last_metric: Any = None  # the newest metrics record read (the dense path's quick check)
+        self._frames: Dict[str, Tuple[Any, Any, Any]] = {}  # frame part of a compile id -> (name, file, line)
         self._handler: Optional[logging.Handler] = None
         self._end_callback: Optional[Callable[..., None]] = None
         self.emit: Callable[..., Any] = lambda *a, **k: None
@@ -125,8 +224,11 @@ class Signals:
             except Exception:
                 pass
         try:
-            for m in ti.compilation_metrics():
+            metrics = ti.compilation_metrics()
+            for m in metrics:
                 self._mark_seen(m)
+                self._note_frame(m)
+            self._last_metric = metrics[-1] if metrics else None
         except Exception:
             pass
         return installed
@@ -204,17 +306,33 @@ class Signals:
             if _reportable(info):
                 self.emit("warning", "compile_error", **info)
 
+    def refresh(self) -> None:
+        """``read_metrics`` if Dynamo recorded anything since the last look (one comparison
+        otherwise): the dense path's way to hear of a recompile-limit hit with Dynamo's logs
+        silenced (no compile-end callback runs for one)."""
+        last = ti.last_compilation_metric()
+        if last is not None and last is not self._last_metric:
+            self.read_metrics()
+
     def read_metrics(self) -> None:
         """Pick up frames Dynamo failed on or skipped since the last look."""
         try:
             metrics = ti.compilation_metrics()
         except Exception:
             return
+        if metrics:
+            self._last_metric = metrics[-1]
         for m in metrics:
             if not self._mark_seen(m):
                 continue
             fail_type = getattr(m, "fail_type", None)
             filename = getattr(m, "co_filename", None)
+            frame_id = self._note_frame(m)
+            if fail_type and _is_limit_hit(fail_type, getattr(m, "fail_reason", None)):
+                # (2.13 records a limit hit before naming the frame: named from its frame's
+                # earlier records, by the frame part of the compile id)
+                self._limit_from_metrics(m, self._frames.get(frame_id))
+                continue
             if not fail_type or not filename:
                 continue
             info = {
@@ -232,6 +350,45 @@ class Signals:
                 self.frame_failure[key] = info
             if not is_torch_file(filename) and fail_type not in ("RecompileLimitExceeded",):
                 self.emit("warning", "graph_break", **info)
+
+    def _note_frame(self, m: Any) -> str:
+        """Remember which frame a compile id's frame part names; returns that part."""
+        frame_id = str(getattr(m, "compile_id", "")).split("/")[0]
+        filename = getattr(m, "co_filename", None)
+        if filename and frame_id:
+            self._frames[frame_id] = (getattr(m, "co_name", None), filename, getattr(m, "co_firstlineno", None))
+            while len(self._frames) > 4096:
+                self._frames.pop(next(iter(self._frames)))
+        return frame_id
+
+    def _limit_from_metrics(self, m: Any, named: Optional[Tuple[Any, Any, Any]]) -> None:
+        """A recompile-limit hit read from Dynamo's metrics (also with its logs silenced)."""
+        name, filename, line = named or (None, None, None)
+        filename = getattr(m, "co_filename", None) or filename
+        if not filename:
+            return  # the frame's earlier records are gone: the dense path's cache-entry count says it
+        self.note_limit(
+            {
+                "function": getattr(m, "co_name", None) or name,
+                "file": filename,
+                "line": getattr(m, "co_firstlineno", None) or line,
+                "limit_type": ti.recompile_limit_option(),
+                "limit": _limit_in(getattr(m, "fail_reason", None)),
+                "reason": clean_reason(getattr(m, "recompile_reason", None)),
+                "source": "compilation_metrics",
+            }
+        )
+
+    def note_limit(self, info: Dict[str, Any]) -> None:
+        """A recompile-limit hit heard elsewhere than Dynamo's log: kept and logged, unless its
+        log record was heard first (one ``recompile_limit`` event per frame)."""
+        key = (info["file"], info["line"])
+        with self.lock:
+            if key in self.recompile_limit:
+                return
+            self.recompile_limit[key] = info
+        if _reportable(info):
+            self.emit("warning", "recompile_limit", **info)
 
     def lookup(self, filename: str, firstlineno: int) -> Tuple[Optional[str], Optional[dict]]:
         key = (filename, firstlineno)

@@ -10,11 +10,14 @@ KNOWN_EVENTS = frozenset(
         "header", "flex_call", "flex_compile", "flex_inlined", "recompile_limit", "compile_error",
         "graph_break", "internal_error", "shutdown", "layer_memory", "fused_calls", "summary", "crash",
         "flex_run", "rescue_failed", "dense_calls", "watch_traced", "compiled_before_enable",
+        "recompile_pressure", "no_flex_calls",
     }
 )
 #: About one FlexAttention call, compile or layer: the "last FlexAttention event" of a crash.
 FLEX_EVENTS = frozenset({"flex_call", "flex_compile", "flex_inlined", "layer_memory", "fused_calls", "dense_calls", "flex_run"})
 #: Verdicts also put into PyTorch's structured trace (TORCH_TRACE, tlparse).
-TRACE_EVENTS = frozenset({"flex_call", "flex_compile", "flex_inlined", "recompile_limit", "compile_error", "graph_break", "rescue_failed"})
+TRACE_EVENTS = frozenset(
+    {"flex_call", "flex_compile", "flex_inlined", "recompile_limit", "recompile_pressure", "compile_error", "graph_break", "rescue_failed"}
+)
 
 assert FLEX_EVENTS <= KNOWN_EVENTS and TRACE_EVENTS <= KNOWN_EVENTS

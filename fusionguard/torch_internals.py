@@ -300,6 +300,86 @@ def compilation_metrics() -> list:
     return list(_dynamo_attr("torch._dynamo.utils", "_compilation_metrics") or ())
 
 
+def last_compilation_metric() -> Any:
+    """The newest record of Dynamo's compilation metrics, or None (one look, no copy: the dense
+    path asks it whether anything new was recorded)."""
+    metrics = _dynamo_attr("torch._dynamo.utils", "_compilation_metrics")
+    try:
+        return metrics[-1] if metrics else None
+    except Exception:
+        return None
+
+
+def guard_failures(code: types.CodeType) -> list:
+    """Dynamo's guard-failure reasons recorded for ``code`` (``torch._dynamo.utils.guard_failures``:
+    one string per failed cache entry at each recompile, also with Dynamo's logs silenced),
+    oldest first; [] where unavailable."""
+    table = _dynamo_attr("torch._dynamo.utils", "guard_failures")
+    try:
+        return list(table.get(code, ())) if table is not None else []
+    except Exception:
+        return []
+
+
+def current_compile_id() -> Any:
+    """The id of the Dynamo compile running on this thread (``CompileContext``), or None."""
+    context = _dynamo_attr("torch._guards", "CompileContext")
+    try:
+        return context.current_compile_id() if context is not None else None
+    except Exception:
+        return None
+
+
+def entry_compile_id(entry: Any) -> Any:
+    """The compile id of one of Dynamo's cache entries (2.5+), or None."""
+    return getattr(entry, "compile_id", None)
+
+
+FLEX_VARIABLE_MODULE = "torch._dynamo.variables.higher_order_ops"
+
+
+def flex_trace_method() -> Tuple[type, str]:
+    """``(class, method name)``: the method Dynamo runs each time it puts a FlexAttention call
+    into a graph (``FlexAttentionHigherOrderVariable._call_function``; ``call_function`` before
+    the HOP-context wrapper existed). Runs at trace time only, never when a graph runs."""
+    cls = module(FLEX_VARIABLE_MODULE).__dict__.get("FlexAttentionHigherOrderVariable")
+    if not isinstance(cls, type):
+        raise Unavailable(
+            f"recompile pressure is unavailable on torch {torch_version()} "
+            f"({FLEX_VARIABLE_MODULE}.FlexAttentionHigherOrderVariable not found)"
+        )
+    for name in ("_call_function", "call_function"):
+        if callable(vars(cls).get(name)):
+            return cls, name
+    raise LookupError("FlexAttentionHigherOrderVariable defines neither _call_function nor call_function")
+
+
+def compiling_frame() -> Optional[Tuple[Any, types.CodeType]]:
+    """``(frame locals, code)`` of the frame Dynamo is compiling on this thread, or None."""
+    found = dynamo_frame_graph()
+    return (found[0], found[1]) if found is not None else None
+
+
+def same_object_entries(entries: list, f_locals: Any) -> Optional[int]:
+    """How many of a frame's cache entries Dynamo's recompile limit counts for these locals: those
+    whose ID_MATCH'd objects (``guard_manager.id_matched_objs``, by local name) are the frame's
+    own (``torch._dynamo.cache_size``): 32 layers sharing one ``forward`` with an entry each are
+    no recompile. None where the entries do not say."""
+    n = 0
+    for entry in entries:
+        objs = getattr(getattr(entry, "guard_manager", None), "id_matched_objs", None)
+        if not isinstance(objs, dict):
+            return None
+        same = True
+        for name, ref in objs.items():
+            obj = ref() if callable(ref) else None
+            if obj is not None and (not isinstance(f_locals, dict) or f_locals.get(name) is not obj):
+                same = False
+                break
+        n += same
+    return n
+
+
 def compile_callbacks() -> Any:
     """Dynamo's compile start/end callback registry (``register_end_callback``), or None."""
     return _dynamo_attr("torch._dynamo.callback", "callback_handler")

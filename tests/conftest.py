@@ -132,7 +132,15 @@ def _lacks_graph_text():
     )
 
 
-FEATURES = {"rescue": _lacks_rescue, "debug_flag": _lacks_debug_flag, "graph_text": _lacks_graph_text}
+def _lacks_pressure():
+    try:
+        torch_internals.flex_trace_method()
+    except torch_internals.Unavailable as exc:
+        return str(exc)
+    return None
+
+
+FEATURES = {"rescue": _lacks_rescue, "debug_flag": _lacks_debug_flag, "graph_text": _lacks_graph_text, "pressure": _lacks_pressure}
 
 
 def lacks(feature):
@@ -164,6 +172,16 @@ def dynamo_config():
 
     yield patch
     stack.close()
+
+
+@pytest.fixture
+def dynamo_silenced():
+    """Dynamo's logs silenced as a host may do (``set_logs(dynamo=logging.ERROR)``), undone after."""
+    import logging
+
+    torch._logging.set_logs(dynamo=logging.ERROR)
+    yield
+    torch._logging.set_logs()
 
 
 @pytest.fixture

@@ -69,6 +69,27 @@ def test_recompile_limit_with_dynamos_reason(guard, dynamo_reset, dynamo_config)
     assert kinds.index("recompile_limit") < len(kinds) - 1 - kinds[::-1].index("flex_call")
 
 
+def test_recompile_limit_with_dynamos_logs_silenced(guard, dynamo_reset, dynamo_config, dynamo_silenced):
+    """A host that silences Dynamo's logs (set_logs(dynamo=logging.ERROR)): the limit hit is
+    read from Dynamo's own records (compilation metrics, cache entries, guard failures)."""
+    dynamo_config(recompile_limit=1)
+    log = guard()
+
+    def attend(q, k, v):
+        return flex_attention(q, k, v)
+
+    compiled = torch.compile(attend, backend="aot_eager", dynamic=False)
+    compiled(*qkv(L=16))
+    compiled(*qkv(L=24))
+    e = flex_events()[-1]
+    assert e["cause"] == "recompile_limit" and e["traced"] is False
+    assert "size mismatch" in e["evidence"]["reason"] and "expected 16, actual 24" in e["evidence"]["reason"]
+    (limit,) = [x for x in read_jsonl(log) if x["event"] == "recompile_limit"]
+    assert limit["function"] == "attend" and limit["limit"] == 1 and "size mismatch" in limit["reason"]
+    kinds = [x["event"] for x in read_jsonl(log)]
+    assert kinds.index("recompile_limit") < len(kinds) - 1 - kinds[::-1].index("flex_call")
+
+
 def test_compiler_disable_inside_a_compiled_function(guard, dynamo_reset):
     guard()
 

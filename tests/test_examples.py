@@ -25,7 +25,23 @@ def run(script, *args, cwd, expect_rc=0):
 
 
 def test_every_example_has_a_smoke_test():
-    assert sorted(p.name for p in EXAMPLES.glob("*.py")) == ["drafter.py", "quickstart.py"]
+    assert sorted(p.name for p in EXAMPLES.glob("*.py")) == ["drafter.py", "early_warnings.py", "quickstart.py"]
+
+
+def test_early_warnings(tmp_path):
+    """Part 1 and 3 of #25 as a user sees them (aot_eager: the same Dynamo compiles, quicker)."""
+    out = run("early_warnings.py", "--backend", "aot_eager", cwd=tmp_path)
+    assert "-> recompile_pressure: attention_step compiled 4 of 8 times (q dim 2 varies)" in out
+    assert "fix: mark the dim dynamic: torch._dynamo.mark_dynamic(q, 2)" in out
+    assert "6 lengths: 1 compile(s), 1 recompile_pressure event" in out
+    assert "3 forwards, 1 warning, 1 no_flex_calls event" in out
+    events = read_jsonl(tmp_path / "fusionguard.jsonl")
+    assert [e["event"] for e in events].count("recompile_pressure") == 1
+    from fusionguard import report
+
+    text = report.render_text(report.build([str(tmp_path / "fusionguard.jsonl")]))
+    assert "recompile pressure: 1 frame at 4 of 8 compiles (q dim 2 varies)" in text
+    assert "no FlexAttention: 1 watched model ran a forward without any FlexAttention call" in text
 
 
 def test_quickstart(tmp_path):

@@ -33,7 +33,10 @@ ROW_KEYS = {
     "alloc_delta_median", "alloc_delta_max", "peak_delta_median", "peak_delta_max", "memory_samples",
     "scores_bytes_max", "templates", "first_dense", "first_dense_call_site", "dense_ranks", "fused_ranks",
 }
-TOP_KEYS = {"report_version", "run", "totals", "rows", "ranks", "disagreements", "endings", "crashes", "files", "ignored", "warnings", "first_events"}
+TOP_KEYS = {
+    "report_version", "run", "totals", "rows", "ranks", "disagreements", "endings", "crashes", "files", "ignored", "warnings",
+    "first_events", "recompile_pressure", "no_flex_calls",
+}
 SITE = {"file": "train.py", "line": 7, "function": "attention"}
 
 

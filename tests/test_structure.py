@@ -124,6 +124,7 @@ def _tables(state: _state.State) -> Dict[str, int]:
     """Every registry, cache and count of the state, by size."""
     tables = {**state.watch.tables(), **{f"caches.{k}": t for k, t in vars(state.caches).items()}}
     tables.update(rows=state.stats.rows, flex_classes=state.stats.flex_classes, peak=state.stats.peak, counts=state.counts)
+    tables.update(pressure=state.stats.pressure, no_flex_told=state.stats.no_flex_told)
     tables.update(reported=state.reported, durable_keys=state.durable_keys, events=state.log.memory)
     return {k: len(t) for k, t in tables.items()}
 

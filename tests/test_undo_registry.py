@@ -35,6 +35,8 @@ def _host_slots() -> dict:
         "dynamo log handlers": list(logging.getLogger("torch._dynamo.convert_frame").handlers),
         "dynamo end callbacks": list(callback_handler.end_callbacks),
     }
+    cls, name = ti.flex_trace_method()
+    slots["Dynamo's FlexAttention tracing (recompile pressure)"] = vars(cls)[name]
     mod = ti.public_module()
     if mod is not None and "setup_compilation_env" in mod.__dict__:
         slots["setup_compilation_env"] = mod.__dict__["setup_compilation_env"]
@@ -59,7 +61,7 @@ def test_every_registry_entry_is_undone_by_disable(guard, dynamo_reset):
         "logging:torch._dynamo.convert_frame", "torch._dynamo.callback.on_compile_end",
         "inductor.CompiledFxGraph.post_compile", "FlexAttentionAutogradOp.forward", "FlexAttentionAutogradOp.backward",
         "flex_attention.CompositeExplicitAutograd", "flex_attention_backward.CompositeExplicitAutograd",
-        "torch._logging.register_log(fusionguard)",
+        "torch._logging.register_log(fusionguard)", f"FlexAttentionHigherOrderVariable.{ti.flex_trace_method()[1]}",
     }
     if "setup_compilation_env" in before:
         expected.add("flex_attention.setup_compilation_env")

@@ -80,6 +80,16 @@ class Reservoir:
         return int(value) if float(value).is_integer() else value
 
 
+def _text(x: Any, n: int = 300) -> Optional[str]:
+    """A string field of a log line (anything else: None), cut to ``n``."""
+    return x[:n] if isinstance(x, str) else None
+
+
+def _count(x: Any) -> Optional[int]:
+    """A non-negative integer field of a log line (anything else: None)."""
+    return x if isinstance(x, int) and not isinstance(x, bool) and x >= 0 else None
+
+
 def _short(x: Any, n: int = 200) -> Any:
     if isinstance(x, str) and len(x) > n:
         return x[: n - 3] + "..."
@@ -161,6 +171,8 @@ _EXTRA = {
     "crash": ("exc_type", "diagnosis", "where"),
     "internal_error": ("where", "error"),
     "recompile_limit": ("function", "reason"),
+    "recompile_pressure": ("function", "compiles", "limit", "varies"),
+    "no_flex_calls": ("model", "attn_implementation"),
     "graph_break": ("function", "reason"),
     "compile_error": ("function", "error"),
     "flex_compile": ("template", "source"),
@@ -194,6 +206,8 @@ class Aggregator:
         self.ignored: List[Dict[str, str]] = []  # inputs that are not fusionguard logs, and why
         self.errors = 0  # events the aggregation could not take (counted as corrupt lines)
         self.firsts: Dict[str, Dict[str, Any]] = {}  # per known event kind, its earliest event (compacted)
+        self.pressure: Dict[Tuple[Any, Any, Any], Dict[str, Any]] = {}  # recompile_pressure, per frame
+        self.no_flex: Dict[Tuple[Any, Any], Dict[str, Any]] = {}  # no_flex_calls, per model and implementation
 
     # keys
     def _key(self, e: dict) -> Tuple[str, str]:
@@ -374,10 +388,41 @@ class Aggregator:
             rows = e.get("rows")
             if rows is not None:
                 s.summary_rows = rows[:MAX_KEYS]
+        elif kind == "recompile_pressure":
+            self._pressure(e)
+        elif kind == "no_flex_calls":
+            self._no_flex(e)
         elif kind == "shutdown":
             s.last_shutdown = str(e.get("reason"))
         elif kind == "header":
             s.header = {k: e.get(k) for k in ("schema", "fusionguard", "torch", "triton", "python", "hostname", "cuda", "world_size", "local_rank", "crash_file", "forked_from")}
+
+    def _pressure(self, e: dict) -> None:
+        """A frame near Dynamo's recompile limit: one entry per frame (file, line, function),
+        its highest compile count across processes."""
+        key = (_text(e.get("file")), _count(e.get("line")), _text(e.get("function")))
+        old = self.pressure.get(key)
+        if old is None and len(self.pressure) >= MAX_KEYS:
+            return
+        compiles = _count(e.get("compiles"))
+        if old is not None and (old["compiles"] or 0) >= (compiles or 0):
+            old["processes"] += 1
+            return
+        self.pressure[key] = {
+            "function": key[2], "file": key[0], "line": key[1], "compiles": compiles, "limit": _count(e.get("limit")),
+            "varies": _text(e.get("varies")), "reason": _text(e.get("reason")), "fix": _text(e.get("fix")),
+            "processes": (old["processes"] + 1) if old else 1,
+        }
+
+    def _no_flex(self, e: dict) -> None:
+        """A watched model whose forward made no FlexAttention call: one entry per model class
+        and attention implementation."""
+        key = (_text(e.get("model")), _text(e.get("attn_implementation")))
+        old = self.no_flex.get(key)
+        if old is not None:
+            old["processes"] += 1
+        elif len(self.no_flex) < MAX_KEYS:
+            self.no_flex[key] = {"model": key[0], "attn_implementation": key[1], "processes": 1}
 
     def _runs(self, s: Stream, e: dict, n: int) -> None:
         """Fused calls of graph runs, to their layer. A graph holding several layers' calls names

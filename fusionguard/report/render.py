@@ -125,6 +125,10 @@ def render_text(rep: Dict[str, Any]) -> str:
         out.append(f"  warning:  {w}")
     out.append("")
 
+    early = _early_lines(rep)
+    if early:
+        out.extend(early + [""])
+
     allowed = totals["allowed_dense_calls"]
     allowed_text = (
         f"{allowed:,} allowed dense call{'s' if allowed != 1 else ''} (allow_dense() or the debug flag: on purpose, not counted as dense)"
@@ -233,6 +237,43 @@ def render_text(rep: Dict[str, Any]) -> str:
             for e in c["last_events"]:
                 out.append("    " + _event_line(e, t0 if isinstance(t0, (int, float)) else None))
     return "\n".join(out) + "\n"
+
+
+def pressure_line(frames: List[Dict[str, Any]]) -> str:
+    """``recompile pressure: 1 frame at 4 of 8 compiles (q dim 2 varies)``."""
+    n = len(frames)
+    counts = {(f.get("compiles"), f.get("limit")) for f in frames}
+    top = frames[0]
+    at = f"at {top.get('compiles') or '?'} of {top.get('limit') or '?'} compiles"
+    if len(counts) > 1:
+        at = "up to " + at[3:]
+    varies = "; ".join(dict.fromkeys(str(f["varies"]) for f in frames if f.get("varies")))
+    return f"recompile pressure: {n} frame{'s' if n != 1 else ''} {at}" + (f" ({varies})" if varies else "")
+
+
+def _early_lines(rep: Dict[str, Any]) -> List[str]:
+    """What was seen coming before any dense call: recompile pressure, models that never called
+    FlexAttention (strings already escaped)."""
+    out: List[str] = []
+    frames = rep.get("recompile_pressure") or []
+    if frames:
+        out.append(pressure_line(frames))
+        for f in frames[:10]:
+            out.append(
+                f"  {f.get('function')} ({f.get('file')}:{f.get('line')}): {f.get('compiles') or '?'} of "
+                f"{f.get('limit') or '?'} compiles; {f.get('reason') or 'reason unknown'}"
+            )
+            if f.get("fix"):
+                out.append(f"    fix: {f['fix']}")
+        if len(frames) > 10:
+            out.append(f"  ... and {len(frames) - 10} more frame(s)")
+    models = rep.get("no_flex_calls") or []
+    if models:
+        out.append(f"no FlexAttention: {len(models)} watched model{'s' if len(models) != 1 else ''} ran a forward without any FlexAttention call")
+        for m in models[:10]:
+            impl = f" (config._attn_implementation={m['attn_implementation']!r})" if m.get("attn_implementation") else ""
+            out.append(f"  {m.get('model')}{impl}")
+    return out
 
 
 def _devices_text(names: List[str]) -> str:

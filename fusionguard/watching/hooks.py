@@ -37,7 +37,7 @@ def span_inputs(args: Any, kwargs: Any) -> List[torch.Tensor]:
 
 
 class Frame:
-    __slots__ = ("owner", "name", "token", "measure", "recompute", "grad_inputs", "dense_before")
+    __slots__ = ("owner", "name", "token", "measure", "recompute", "grad_inputs", "dense_before", "flex_before", "root")
     owner: "Watch"
     name: str
     token: Any
@@ -45,6 +45,8 @@ class Frame:
     recompute: bool
     grad_inputs: Optional[List[torch.Tensor]]
     dense_before: int
+    flex_before: int  # FlexAttention calls counted when a watched model's forward began (-1: not checked)
+    root: Any  # that watched model
 
 
 class Hooks:

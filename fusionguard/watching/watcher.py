@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import functools
+import sys
 import threading
-from typing import Any, Callable, Dict, Iterable, List, Sequence, Union
+import weakref
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
 
 from .. import torch_internals as ti
 from .._state import STATE, internal_error
+from ..causes import warn_at_user_line
 from .hooks import Frame, Hooks, frames_of, span_inputs
 from .memory import cuda_device, cuda_ready, dense_count, measure_start, measure_stop, record, tensors
 from .naming import LAYER, bw_pop, bw_push, clean_name, compiled_inside, decrement, in_backward, name_module, under, unname_modules
@@ -38,7 +41,9 @@ def _layers(layers: Any) -> List[Union[type, str]]:
 class Watch:
     """``with fusionguard.watch(model): ...`` or ``@fusionguard.watch(model)``."""
 
-    def __init__(self, *models: torch.nn.Module, memory: bool = True, layers: Iterable[Union[type, str]] = ()) -> None:
+    def __init__(
+        self, *models: torch.nn.Module, memory: bool = True, layers: Iterable[Union[type, str]] = (), expect_flex: bool = True
+    ) -> None:
         if not models:
             raise TypeError("fusionguard.watch() needs at least one torch.nn.Module")
         for m in models:
@@ -46,9 +51,13 @@ class Watch:
                 raise TypeError(f"fusionguard.watch() takes nn.Module objects, got {type(m).__name__}")
         if not isinstance(memory, bool):
             raise TypeError(f"fusionguard.watch(): memory must be True or False, not {memory!r}")
+        if not isinstance(expect_flex, bool):
+            raise TypeError(f"fusionguard.watch(): expect_flex must be True or False, not {expect_flex!r}")
         chosen = _layers(layers)
         self.models = models
         self.memory = memory
+        self.expect_flex = expect_flex
+        self._roots: Dict[int, torch.nn.Module] = {}  # id(hook slot) -> the watched model it checks (expect_flex)
         self.layer_types = tuple(x for x in chosen if isinstance(x, type))
         self.layer_names = {x for x in chosen if isinstance(x, str)}
         self._slots: List["Hooks"] = []
@@ -103,6 +112,7 @@ class Watch:
             # eagerly (layer_from_stack).
             wrapped: List[str] = []  # prefixes inside torch.compile wrappers
             held: List[str] = []  # prefixes of modules held by a wrapper or compiled in place
+            root_slot: Optional[Hooks] = None
             for raw_name, module in model.named_modules():
                 name = clean_name(raw_name)
                 if under(raw_name, wrapped):
@@ -127,6 +137,29 @@ class Watch:
                     # a hook would make Dynamo trace their whole __call__ under torch.compile
                     continue
                 self._slots.append(Hooks.attach(module, self, name, compiled))
+                if not raw_name:
+                    root_slot = self._slots[-1]
+            if self.expect_flex and not told_no_flex(model):
+                self._check_root(model, root_slot)
+
+    def _check_root(self, model: torch.nn.Module, slot: Optional[Hooks]) -> None:
+        """Check each forward of ``model`` for FlexAttention calls (``expect_flex``): on its own
+        hooks, or, when it runs inside a ``torch.compile`` wrapper (no hooks inside), on the
+        wrapper's, which run outside the graph. A module compiled in place (``module.compile()``)
+        runs its hooks inside its graph: not checked."""
+        if slot is None:
+            target: Optional[torch.nn.Module] = model
+            if compiled_inside(model):
+                ref = STATE.watch.compiled_inside.get(model)
+                target = ref() if ref is not None else None
+            elif ti.compiled_in_place(model):
+                target = None
+            if target is None:
+                return
+            slot = Hooks.attach(target, self, "", target is not model)
+            self._slots.append(slot)
+        inner = ti.wrapped_module(model) if ti.is_compile_wrapper(model) else None
+        self._roots[id(slot)] = inner if isinstance(inner, torch.nn.Module) else model
 
     def _name(self, module: torch.nn.Module, name: str) -> None:
         key = name_module(module, name)
@@ -141,6 +174,7 @@ class Watch:
         for hs in pending.values():
             for h in hs:
                 h.remove()
+        self._roots = {}
         ids, self._ids = self._ids, []
         unname_modules(ids)
         names, self._names = self._names, []
@@ -159,7 +193,13 @@ class Watch:
         frame.recompute = in_backward()
         frame.grad_inputs = None
         frame.dense_before = dense_count(name, "forward")
+        frame.flex_before = -1
+        frame.root = None
         try:
+            if self._roots and not frame.recompute:
+                root = self._roots.get(id(slot))
+                if root is not None and not told_no_flex(root):
+                    frame.root, frame.flex_before = root, flex_calls()
             if self._is_layer(mod, name):
                 inputs = span_inputs(args, kwargs)
                 if self.memory:
@@ -178,6 +218,8 @@ class Watch:
             cur = LAYER.get()
             LAYER.set(cur[:-1] if cur and cur[-1][0] == name else cur)
         try:
+            if frame.flex_before >= 0 and sys.exc_info()[0] is None and flex_calls() == frame.flex_before:
+                no_flex_calls(frame.root)  # (a forward that raised is not a completed one)
             if frame.measure is not None or self._is_layer(mod, name):
                 alloc, peak = measure_stop(frame.measure)
                 record(name, "forward", alloc, peak, frame.recompute, frame.dense_before)
@@ -229,11 +271,60 @@ class Watch:
         pending[key] = handles
 
 
-def watch(*models: torch.nn.Module, memory: bool = True, layers: Iterable[Union[type, str]] = ()) -> Watch:
+def watch(
+    *models: torch.nn.Module, memory: bool = True, layers: Iterable[Union[type, str]] = (), expect_flex: bool = True
+) -> Watch:
     """Attribute FlexAttention events to layers and measure each attention layer's memory.
 
     Use as a context manager (``with fusionguard.watch(model): ...``) around a step or the whole
     training loop, or as a decorator. ``layers``: module classes or qualified names to measure
     from the first call (by default, classes are measured once seen calling FlexAttention).
+    ``expect_flex`` (default True): the first forward of a watched model that completes without
+    any FlexAttention call writes one ``no_flex_calls`` event and one warning (its attention ran
+    another way, e.g. SDPA), once per model; False for models that may skip attention.
     """
-    return Watch(*models, memory=memory, layers=layers)
+    return Watch(*models, memory=memory, layers=layers, expect_flex=expect_flex)
+
+
+NO_FLEX_FIX = (
+    "make the model use FlexAttention (for a Hugging Face model: load it with "
+    "attn_implementation=\"flex_attention\"), or, if this model may run without attention, "
+    "watch it with fusionguard.watch(model, expect_flex=False)"
+)
+
+
+def flex_calls() -> int:
+    """FlexAttention forward calls so far, all paths (dense, fused graph runs, rescued): three
+    dictionary reads, once per watched model's forward."""
+    counts = STATE.counts
+    return counts.get("dense_forward", 0) + counts.get("fused_runs_forward", 0) + counts.get("rescued", 0)
+
+
+def told_no_flex(model: torch.nn.Module) -> bool:
+    ref = STATE.stats.no_flex_told.get(id(model))
+    return ref is not None and ref() is model
+
+
+def no_flex_calls(model: torch.nn.Module) -> None:
+    """A forward of ``model`` completed without any FlexAttention call: say it once per model."""
+    if told_no_flex(model):
+        return
+    try:
+        STATE.stats.no_flex_told[id(model)] = weakref.ref(model)
+    except TypeError:  # a module class without weak references: told once per process then
+        STATE.stats.no_flex_told[id(model)] = lambda: model
+    config = getattr(model, "config", None)
+    impl = getattr(config, "_attn_implementation", None) if config is not None else None
+    impl = impl if isinstance(impl, str) else None
+    name = type(model).__qualname__
+    fields: Dict[str, Any] = {"model": name, "module": type(model).__module__, "attn_implementation": impl, "fix": NO_FLEX_FIX}
+    STATE.log.emit("warning", "no_flex_calls", **fields)
+    hf = f" Its config._attn_implementation is {impl!r}." if impl is not None else ""
+    message = (
+        f"fusionguard: a forward of the watched model {name} completed without any FlexAttention "
+        f"call: its attention ran another way (SDPA, eager), not through FlexAttention.{hf} Fix: {NO_FLEX_FIX}."
+    )
+    try:
+        warn_at_user_line(message, None, RuntimeWarning)
+    except Warning:  # the user's filters made it an error: the forward already ran; the event is logged
+        pass
