@@ -23,7 +23,9 @@ def _builtin(module: torch.nn.Module) -> bool:
 class Watch:
     """``with fusionguard.watch(model): ...`` or ``@fusionguard.watch(model)``."""
 
-    def __init__(self, *models: torch.nn.Module, memory: bool = True, layers: Iterable[Union[type, str]] = ()) -> None:
+    def __init__(
+        self, *models: torch.nn.Module, memory: bool = True, layers: Iterable[Union[type, str]] = (), hooks: bool = True
+    ) -> None:
         if not models:
             raise TypeError("fusionguard.watch() needs at least one torch.nn.Module")
         for m in models:
@@ -31,6 +33,10 @@ class Watch:
                 raise TypeError(f"fusionguard.watch() takes nn.Module objects, got {type(m).__name__}")
         self.models = models
         self.memory = memory
+        # hooks=False: names only, every module treated as compiled (no hooks Dynamo could trace):
+        # for a caller that knows the model will be compiled after watch() starts (a framework
+        # that compiles it itself, e.g. TrainingArguments(torch_compile=True))
+        self.hooks = hooks
         self.layer_types = tuple(x for x in layers if isinstance(x, type))
         self.layer_names = {x for x in layers if isinstance(x, str)}
         self._slots: List["Hooks"] = []
@@ -104,7 +110,7 @@ class Watch:
                 if not compiled and (not name or not _builtin(module)):  # (roots: see watched_name)
                     self._name(module, name)
                 asked = bool(self.layer_types and isinstance(module, self.layer_types)) or name in self.layer_names
-                if not asked and (_builtin(module) or under(raw_name, held)):
+                if not self.hooks or (not asked and (_builtin(module) or under(raw_name, held))):
                     # torch.nn's own modules (Linear, norms, containers) never call FlexAttention;
                     # a hook would make Dynamo trace their whole __call__ under torch.compile
                     continue
