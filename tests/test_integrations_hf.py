@@ -195,7 +195,15 @@ def test_attach_reaches_earlier_callbacks_and_tensorboard(tmp_path, cleanup, mon
         trainer.evaluate()
     assert rec.seen[-1]["fusionguard/dense_calls"] == 2 * BATCHES
     assert trainer.state.log_history[-1]["fusionguard/dense_calls"] == 2 * BATCHES
-    trainer.callback_handler.on_train_end(trainer.args, trainer.state, trainer.control)  # closes the writer
+    summary = Lines()
+    logging.getLogger("transformers.integrations.fusionguard").addHandler(summary)
+    try:
+        trainer.callback_handler.on_train_end(trainer.args, trainer.state, trainer.control)  # closes the writer
+    finally:
+        logging.getLogger("transformers.integrations.fusionguard").removeHandler(summary)
+    [text] = summary.lines  # the summary table, through transformers' logger tree
+    assert text.startswith("fusionguard summary:") and "model.layers.1.self_attn" in text
+    assert fusionguard.is_enabled()  # disable() waits for the process's exit
     files = list((tmp_path / "tb").rglob("events.out.tfevents.*"))
     acc = EventAccumulator(str(files[0].parent))
     acc.Reload()

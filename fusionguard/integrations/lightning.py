@@ -10,7 +10,8 @@ first use, so this module imports with either package alone.
   rank 0; ``stop_on_dense=True`` (warn mode) sets ``trainer.should_stop``;
 - ``fusionguard/dense_calls``, ``fusionguard/fused_calls`` (``fusionguard/peak_layer_bytes`` when
   measured) go through ``pl_module.log``, so every Lightning logger gets them;
-- ``on_exception``: the crash record, with the exception, before Lightning tears down;
+- ``on_exception``: the crash record, with the exception, before Lightning tears down (then
+  summary and disable, as ``teardown``: Lightning calls no callback teardown after an exception);
 - ``teardown``: the summary on rank 0, then disable (if this callback enabled).
 """
 
@@ -60,6 +61,9 @@ class _Mixin:
             self.setup(trainer, pl_module, "fit")
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._finish(trainer)
+
+    def _finish(self, trainer: Any) -> None:
         try:
             if trainer.is_global_zero and self.session.watch is not None:
                 ok = not self.session.dense_seen()
@@ -82,6 +86,8 @@ class _Mixin:
             STATE.log.flush_sampler()
         except Exception as exc:
             internal_error("lightning flush", exc)
+        # Lightning calls no callback teardown after an exception: ours runs here
+        self._finish(trainer)
 
     # batches
     def _batch(self, trainer: Any, pl_module: Any, label: str, on_step: bool, log: bool = True) -> None:
