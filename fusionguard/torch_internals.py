@@ -561,3 +561,10 @@ def inductor_cache_dir() -> str:
     except ImportError:  # older layout
         from torch._inductor.runtime.runtime_utils import cache_dir
     return str(cache_dir())
+
+
+def attn_implementation(model: Any) -> Optional[str]:
+    """A Hugging Face model's attention backend (``config._attn_implementation``: transformers has
+    no public name for it), or None. Kept here with the other private names."""
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    return impl if isinstance(impl, str) else None

@@ -33,9 +33,11 @@ def unwrap(model: Any) -> Any:
         wrappers += (FullyShardedDataParallel,)
     except Exception:
         pass
-    seen = 0
-    while isinstance(model, wrappers) and isinstance(getattr(model, "module", None), torch.nn.Module) and seen < 8:
-        model, seen = model.module, seen + 1
+    for _ in range(8):
+        inner = getattr(model, "module", None)
+        if not (isinstance(model, wrappers) and isinstance(inner, torch.nn.Module)):
+            break
+        model = inner
     return model
 
 
@@ -139,14 +141,10 @@ class Session:
         return str(fusionguard.summary())
 
 
-def attn_implementation(model: Any) -> Optional[str]:
-    config = getattr(model, "config", None)
-    impl = getattr(config, "_attn_implementation", None)
-    return impl if isinstance(impl, str) else None
-
-
 def _verdict(label: str, rows: List[Dict[str, Any]], dense_total: int, model: Any) -> Tuple[str, bool]:
     layers = sorted({r["layer"] for r in rows})
+    from ..torch_internals import attn_implementation
+
     impl = attn_implementation(model)
     impl_text = f" (config._attn_implementation={impl!r})" if impl else ""
     if not layers:

@@ -19,13 +19,17 @@ from __future__ import annotations
 
 import importlib
 import logging
-from typing import Any, Dict
+from typing import TYPE_CHECKING, Any, Dict
 
 from ._common import DENSE, FUSED, PEAK, Session, log_at, missing
 from .._logger import say
 from .._state import internal_error
 
 __all__ = ["FusionGuardCallback", "PLFusionGuardCallback", "callback_class"]
+
+if TYPE_CHECKING:  # built on first use (module __getattr__ below)
+    FusionGuardCallback: type
+    PLFusionGuardCallback: type
 
 _PACKAGES = {"lightning": "lightning.pytorch", "pytorch_lightning": "pytorch_lightning"}
 _BUILT: Dict[str, type] = {}

@@ -31,7 +31,7 @@ __all__ = ["FusionGuardCallback"]
 logger = hf_logging.get_logger("transformers.integrations.fusionguard")
 
 
-class FusionGuardCallback(TrainerCallback):  # type: ignore[misc]
+class FusionGuardCallback(TrainerCallback):
     """fusionguard inside the Hugging Face ``Trainer``.
 
     strict:       raise ``DenseFallbackError`` before a dense FlexAttention kernel allocates (when this
@@ -119,9 +119,9 @@ class FusionGuardCallback(TrainerCallback):  # type: ignore[misc]
             history = state.log_history
             # Trainer.log appended {**logs, "step": ...} before calling us: the same entry gets the keys
             last = history[-1] if history else None
-            same = isinstance(last, dict) and all(last.get(k) == v for k, v in logs.items())
+            logs_before = dict(logs)
             logs.update(values)
-            if same:
+            if isinstance(last, dict) and all(last.get(k) == v for k, v in logs_before.items()):
                 last.update(values)
         except Exception as exc:
             internal_error("transformers on_log", exc)
