@@ -55,7 +55,8 @@ class Session:
         self.model: Any = None
         self.base: Dict[str, int] = {}  # counts when the callback started (the metrics)
         self.marked: Dict[str, int] = {}  # counts at the last mark() (the verdict)
-        self.rows_base: Dict[Tuple[str, str], Tuple[int, int]] = {}
+        self.rows_base: Dict[Tuple[str, str], Tuple[int, int]] = {}  # at the last mark()
+        self.rows_start: Dict[Tuple[str, str], Tuple[int, int]] = {}  # when the callback started
 
     def start(self, model: Any, hooks: bool = True) -> None:
         if not fusionguard.is_enabled():
@@ -80,6 +81,7 @@ class Session:
             internal_error("integration watch", exc)
         self.base = dict(STATE.counts)
         self.mark()
+        self.rows_start = dict(self.rows_base)
 
     def mark(self) -> None:
         """Counts and rows start from here (what ran before the framework's run is not its)."""
@@ -114,14 +116,16 @@ class Session:
             out[PEAK] = float(max(peaks))
         return out
 
-    def rows(self) -> List[Dict[str, Any]]:
-        """Per (layer, phase): dense and fused calls since ``mark()``."""
+    def rows(self, since_start: bool = False) -> List[Dict[str, Any]]:
+        """Per (layer, phase): dense and fused calls since ``mark()`` (or since the start)."""
+        base = self.rows_start if since_start else self.rows_base
         out = []
         for r in STATE.stats.summary():
-            d0, f0 = self.rows_base.get((r["layer"], r["phase"]), (0, 0))
+            d0, f0 = base.get((r["layer"], r["phase"]), (0, 0))
             dense, fused = r["dense"] - d0, r["fused"] - f0
             if dense or fused:
-                out.append({**r, "dense": dense, "fused": fused})
+                causes = r.get("causes") if dense else {}
+                out.append({**r, "dense": dense, "fused": fused, "calls": dense + fused, "causes": causes})
         return out
 
     def dense_seen(self) -> bool:
@@ -138,7 +142,11 @@ class Session:
             return f"fusionguard: {label}: no verdict (internal error, see the log)", True
 
     def summary_text(self) -> str:
-        return str(fusionguard.summary())
+        """The summary table of the calls since the callback started (``fusionguard.summary()``
+        counts the whole process)."""
+        from .._summary import Summary
+
+        return str(Summary(self.rows(since_start=True)))
 
 
 def _verdict(label: str, rows: List[Dict[str, Any]], dense_total: int, model: Any) -> Tuple[str, bool]:

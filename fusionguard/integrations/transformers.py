@@ -49,6 +49,7 @@ class FusionGuardCallback(TrainerCallback):
         self.session = Session(strict, options)
         self._verdict_done = False
         self._stopped = False
+        self._training = False
 
     @classmethod
     def attach(cls, trainer: Any, *args: Any, **kwargs: Any) -> "FusionGuardCallback":
@@ -90,6 +91,7 @@ class FusionGuardCallback(TrainerCallback):
             self._start(args, model)
         self._verdict_done = False
         self._stopped = False
+        self._training = True
         self.session.mark()
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -110,6 +112,18 @@ class FusionGuardCallback(TrainerCallback):
         if not self._verdict_done:
             self._verdict_done = True
             self._say_verdict(state, "evaluation batch 1" if state.global_step == 0 else f"step {state.global_step}, evaluation batch 1")
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, metrics: Any = None, **kwargs: Any) -> None:
+        self._next_run()
+
+    def on_predict(self, args: Any, state: Any, control: Any, metrics: Any = None, **kwargs: Any) -> None:
+        self._next_run()
+
+    def _next_run(self) -> None:
+        """Outside train(): the next evaluate() / predict() gets its own verdict, from its own counts."""
+        if not self._training:
+            self._verdict_done = False
+            self.session.mark()
 
     def on_log(self, args: Any, state: Any, control: Any, logs: Optional[dict] = None, **kwargs: Any) -> None:
         try:
@@ -134,6 +148,8 @@ class FusionGuardCallback(TrainerCallback):
                 logger.log(log_at(ok), "fusionguard summary:\n%s", self.session.summary_text())
             except Exception as exc:
                 internal_error("transformers summary", exc)
+        self._training = False
+        self._next_run()
 
     def _say_verdict(self, state: Any, label: str) -> None:
         text, ok = self.session.verdict(label)
