@@ -128,9 +128,9 @@ class Session:
                 out.append({**r, "dense": dense, "fused": fused, "calls": dense + fused, "causes": causes})
         return out
 
-    def dense_seen(self) -> bool:
-        """Dense calls since the last ``mark()``."""
-        return self._since(_DENSE_KEYS, self.marked) > 0
+    def dense_seen(self, since_start: bool = False) -> bool:
+        """Dense calls since the last ``mark()`` (or since the callback started)."""
+        return self._since(_DENSE_KEYS, None if since_start else self.marked) > 0
 
     def verdict(self, label: str, model: Any = None) -> Tuple[str, bool]:
         """One line: ``fusionguard: step 1: 16 FlexAttention layers, forward fused 16/16, backward

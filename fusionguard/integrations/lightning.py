@@ -70,7 +70,7 @@ class _Mixin:
     def _finish(self, trainer: Any) -> None:
         try:
             if trainer.is_global_zero and self.session.watch is not None:
-                ok = not self.session.dense_seen()
+                ok = not self.session.dense_seen(since_start=True)
                 self._logger.log(log_at(ok), "fusionguard summary:\n%s", self.session.summary_text())
         except Exception as exc:
             internal_error("lightning summary", exc)

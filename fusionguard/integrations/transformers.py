@@ -144,7 +144,7 @@ class FusionGuardCallback(TrainerCallback):
         # disable() waits for the process's exit: an evaluate() after train() stays guarded
         if state.is_world_process_zero:
             try:
-                ok = not self.session.dense_seen()
+                ok = not self.session.dense_seen(since_start=True)
                 logger.log(log_at(ok), "fusionguard summary:\n%s", self.session.summary_text())
             except Exception as exc:
                 internal_error("transformers summary", exc)
