@@ -56,7 +56,11 @@ def test_hf_trainer_example(tmp_path):
     out = run("hf_trainer.py", cwd=tmp_path)
     assert "'fusionguard/dense_calls': 0.0, 'fusionguard/fused_calls': 4.0" in out
     assert "'fusionguard/dense_calls': 4.0, 'fusionguard/fused_calls': 4.0" in out
-    calls = [e for e in read_jsonl(tmp_path / "fusionguard.jsonl") if e["event"] == "flex_call"]
+    events = read_jsonl(tmp_path / "fusionguard.jsonl")
+    # an evaluate-only run shuts down cleanly: the callback's disable() at the process's exit
+    assert (events[-1]["event"], events[-1]["reason"]) == ("shutdown", "disable")
+    assert [e for e in events if e["event"] == "internal_error"] == []
+    calls = [e for e in events if e["event"] == "flex_call"]
     assert sorted((e["layer"], e["cause"]) for e in calls) == [
         ("model.layers.0.self_attn", "compiler_disabled")] * 2 + [("model.layers.1.self_attn", "compiler_disabled")] * 2
 

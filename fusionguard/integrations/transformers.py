@@ -135,7 +135,8 @@ class FusionGuardCallback(TrainerCallback):
             last = history[-1] if history else None
             logs_before = dict(logs)
             logs.update(values)
-            if isinstance(last, dict) and all(last.get(k) == v for k, v in logs_before.items()):
+            # (Trainer.log's copy holds the same value objects: `is` also matches a NaN loss)
+            if isinstance(last, dict) and all(k in last and (last[k] is v or last[k] == v) for k, v in logs_before.items()):
                 last.update(values)
         except Exception as exc:
             internal_error("transformers on_log", exc)

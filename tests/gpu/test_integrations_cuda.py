@@ -10,8 +10,8 @@
 - ``stop_on_dense=True`` stops a run forced dense after its first step, in both frameworks.
 
 Packages (beyond torch, triton, structlog): transformers, accelerate, lightning (with
-pytorch-lightning, lightning-utilities, torchmetrics) and their dependencies; the wheel list is in
-docs/integrations.md. Run: ``python -m pytest -q -rP tests/gpu/test_integrations_cuda.py``.
+pytorch-lightning, lightning-utilities, torchmetrics) and their dependencies, pinned in
+tests/gpu/requirements-integrations.txt. Run: ``python -m pytest -q -rP tests/gpu/test_integrations_cuda.py``.
 """
 
 from __future__ import annotations
