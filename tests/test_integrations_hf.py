@@ -191,6 +191,10 @@ def test_attach_reaches_earlier_callbacks_and_tensorboard(tmp_path, cleanup, mon
     assert trainer.callback_handler.callbacks[0] is cb
     assert FusionGuardCallback.attach(trainer) is cb  # a second attach moves, never adds
     assert sum(isinstance(c, FusionGuardCallback) for c in trainer.callback_handler.callbacks) == 1
+    with pytest.raises(TypeError, match=r"attach\(trainer\): expected a transformers Trainer, got str"):
+        FusionGuardCallback.attach("trainer")
+    with pytest.raises(TypeError, match="fsync"):  # enable()'s own check, at construction
+        FusionGuardCallback(fsync="sometimes")
     with torch.compiler.set_stance("force_eager"), pytest.warns(fusionguard.DenseFallbackWarning):
         trainer.evaluate()
     assert rec.seen[-1]["fusionguard/dense_calls"] == 2 * BATCHES

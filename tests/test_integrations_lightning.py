@@ -162,6 +162,8 @@ def test_pytorch_lightning_variant(tmp_path, said):
     assert metrics["fusionguard/dense_calls"] == 2 * BATCHES
     with pytest.raises(ValueError, match="package='keras'"):
         callback_class("keras")
+    with pytest.raises(TypeError, match="unknown option"):
+        cls(fsynk=True)
 
 
 def test_missing_lightning_one_line_error():

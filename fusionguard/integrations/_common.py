@@ -47,6 +47,11 @@ class Session:
     disables only what this session enabled."""
 
     def __init__(self, strict: bool, options: Dict[str, Any]) -> None:
+        from .._config import Config, check_options
+
+        rest = {k: v for k, v in options.items() if k != "log_path"}
+        check_options(rest)
+        Config(strict=strict, **rest)  # a bad option value: the same error as enable()'s, now, not at the Trainer's start
         self.strict = strict
         self.options = options
         self.enabled_here = False

@@ -43,10 +43,7 @@ class _Mixin:
     def __init__(self, strict: bool = False, stop_on_dense: bool = False, **options: Any) -> None:
         """strict: raise before a dense kernel allocates; stop_on_dense: warn mode, stop the fit
         (``trainer.should_stop``) after the first batch that ran dense; options: ``enable()``'s."""
-        from .._config import check_options
-
         super().__init__()
-        check_options({k: v for k, v in options.items() if k != "log_path"})
         self.stop_on_dense = bool(stop_on_dense)
         self.session = Session(strict, options)
         self._verdict_done = False

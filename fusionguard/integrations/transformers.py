@@ -42,9 +42,6 @@ class FusionGuardCallback(TrainerCallback):
     """
 
     def __init__(self, strict: bool = False, stop_on_dense: bool = False, **options: Any) -> None:
-        from .._config import check_options
-
-        check_options({k: v for k, v in options.items() if k != "log_path"})
         self.stop_on_dense = bool(stop_on_dense)
         self.session = Session(strict, options)
         self._verdict_done = False
@@ -61,7 +58,9 @@ class FusionGuardCallback(TrainerCallback):
         A ``FusionGuardCallback`` already in ``trainer``'s callbacks is the one moved; otherwise
         ``cls(*args, **kwargs)`` is made. Returns the callback.
         """
-        handler = trainer.callback_handler
+        handler: Any = getattr(trainer, "callback_handler", None)
+        if not isinstance(getattr(handler, "callbacks", None), list):
+            raise TypeError(f"FusionGuardCallback.attach(trainer): expected a transformers Trainer, got {type(trainer).__name__}")
         found = [cb for cb in handler.callbacks if isinstance(cb, FusionGuardCallback)]
         cb = found[0] if found else cls(*args, **kwargs)
         for other in found:
