@@ -661,3 +661,8 @@ def profiler_check() -> Callable[[], bool]:
     except (ImportError, AttributeError):
         pass
     return lambda: False
+def attn_implementation(model: Any) -> Optional[str]:
+    """A Hugging Face model's attention backend (``config._attn_implementation``: transformers has
+    no public name for it), or None. Kept here with the other private names."""
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    return impl if isinstance(impl, str) else None

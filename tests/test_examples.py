@@ -25,7 +25,12 @@ def run(script, *args, cwd, expect_rc=0):
 
 
 def test_every_example_has_a_smoke_test():
-    assert sorted(p.name for p in EXAMPLES.glob("*.py")) == ["drafter.py", "early_warnings.py", "quickstart.py"]
+    assert sorted(p.name for p in EXAMPLES.glob("*.py")) == [
+        "drafter.py", "early_warnings.py", "hf_trainer.py", "lightning_fit.py", "quickstart.py"
+    ]
+    readme = (ROOT / "README.md").read_text()
+    for p in EXAMPLES.glob("*.py"):
+        assert f"examples/{p.name}" in readme, p.name  # README's list of examples names each
 
 
 def test_early_warnings(tmp_path):
@@ -61,6 +66,29 @@ def test_quickstart(tmp_path):
     assert (t["dense_calls"], t["blocked_calls"], t["allowed_dense_calls"], t["fused_calls"], t["compiles"]) == (1, 1, 1, 1, 1)
     assert "DENSE: 1 dense FlexAttention call (1 blocked)" in report.render_text(rep)
     assert "fusionguard report fusionguard.jsonl" in out
+
+
+def test_hf_trainer_example(tmp_path):
+    """CPU: evaluate() through transformers' own compiled flex (fused), then forced dense."""
+    pytest.importorskip("transformers")
+    out = run("hf_trainer.py", cwd=tmp_path)
+    assert "'fusionguard/dense_calls': 0.0, 'fusionguard/fused_calls': 4.0" in out
+    assert "'fusionguard/dense_calls': 4.0, 'fusionguard/fused_calls': 4.0" in out
+    events = read_jsonl(tmp_path / "fusionguard.jsonl")
+    # an evaluate-only run shuts down cleanly: the callback's disable() at the process's exit
+    assert (events[-1]["event"], events[-1]["reason"]) == ("shutdown", "disable")
+    assert [e for e in events if e["event"] == "internal_error"] == []
+    calls = [e for e in events if e["event"] == "flex_call"]
+    assert sorted((e["layer"], e["cause"]) for e in calls) == [
+        ("model.layers.0.self_attn", "compiler_disabled")] * 2 + [("model.layers.1.self_attn", "compiler_disabled")] * 2
+
+
+def test_lightning_fit_example(tmp_path):
+    """CPU: validate() of per-block compiled flex blocks (fused, strict), then uncompiled (dense, warn)."""
+    pytest.importorskip("lightning")
+    out = run("lightning_fit.py", cwd=tmp_path)
+    assert "'fusionguard/dense_calls': 0.0, 'fusionguard/fused_calls': 4.0" in out
+    assert "'fusionguard/dense_calls': 4.0, 'fusionguard/fused_calls': 0.0" in out
 
 
 def drafter(mode, tmp_path, *extra, expect_rc=0):

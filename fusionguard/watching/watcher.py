@@ -42,7 +42,12 @@ class Watch:
     """``with fusionguard.watch(model): ...`` or ``@fusionguard.watch(model)``."""
 
     def __init__(
-        self, *models: torch.nn.Module, memory: bool = True, layers: Iterable[Union[type, str]] = (), expect_flex: bool = True
+        self,
+        *models: torch.nn.Module,
+        memory: bool = True,
+        layers: Iterable[Union[type, str]] = (),
+        expect_flex: bool = True,
+        hooks: bool = True,
     ) -> None:
         if not models:
             raise TypeError("fusionguard.watch() needs at least one torch.nn.Module")
@@ -58,6 +63,10 @@ class Watch:
         self.memory = memory
         self.expect_flex = expect_flex
         self._roots: Dict[int, torch.nn.Module] = {}  # id(hook slot) -> the watched model it checks (expect_flex)
+        # hooks=False: names only, every module treated as compiled (no hooks Dynamo could trace):
+        # for a caller that knows the model will be compiled after watch() starts (a framework
+        # that compiles it itself, e.g. TrainingArguments(torch_compile=True))
+        self.hooks = hooks
         self.layer_types = tuple(x for x in chosen if isinstance(x, type))
         self.layer_names = {x for x in chosen if isinstance(x, str)}
         self._slots: List["Hooks"] = []
@@ -132,14 +141,14 @@ class Watch:
                 if not compiled and (not name or not _builtin(module)):  # (roots: see watched_name)
                     self._name(module, name)
                 asked = bool(self.layer_types and isinstance(module, self.layer_types)) or name in self.layer_names
-                if not asked and (_builtin(module) or under(raw_name, held)):
+                if not self.hooks or (not asked and (_builtin(module) or under(raw_name, held))):
                     # torch.nn's own modules (Linear, norms, containers) never call FlexAttention;
                     # a hook would make Dynamo trace their whole __call__ under torch.compile
                     continue
                 self._slots.append(Hooks.attach(module, self, name, compiled))
                 if not raw_name:
                     root_slot = self._slots[-1]
-            if self.expect_flex and not told_no_flex(model):
+            if self.expect_flex and self.hooks and not told_no_flex(model):  # hooks=False: no hook at all
                 self._check_root(model, root_slot)
 
     def _check_root(self, model: torch.nn.Module, slot: Optional[Hooks]) -> None:

@@ -1,0 +1,238 @@
+"""fusionguard.integrations.transformers with the real Hugging Face Trainer: a tiny random Llama
+(hidden 64, 2 layers, 4/2 heads, vocab 256, attn_implementation="flex_attention"), on CPU,
+evaluate() only (FlexAttention has no backward on CPU; training is tests/gpu/test_integrations_cuda.py).
+
+- warn mode, flex forced dense (set_stance("force_eager")): exact counts in log_history and in the
+  verdict; strict: evaluate() raises naming the layer, and the Trainer can evaluate again;
+- TrainingArguments(torch_compile=True): fused verdict, names from the model, no watch_traced
+  (the callback puts no hooks Dynamo would trace); the one compiled run is shared (module fixture);
+- attention that is not flex: the verdict says so, with config._attn_implementation;
+- attach(): first in line, so a recording callback registered before it and TensorBoard get the keys.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import fusionguard
+from fusionguard import _state
+from conftest import fresh_hf_wrapper, read_jsonl
+
+transformers = pytest.importorskip("transformers")
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+
+from fusionguard.integrations.transformers import FusionGuardCallback  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning"),
+              pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+              pytest.mark.filterwarnings("ignore::FutureWarning")]
+LAYERS = ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+BATCHES = 3
+
+
+def tiny_llama(attn="flex_attention"):
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                      intermediate_size=128, vocab_size=256, attn_implementation=attn)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg)
+
+
+def data(n=BATCHES, length=32):
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(n):
+        ids = torch.randint(0, 256, (length,), generator=g)
+        rows.append({"input_ids": ids, "labels": ids.clone()})
+    return rows
+
+
+def trainer_for(model, tmp_path, callbacks=(), **args):
+    targs = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_eval_batch_size=1, report_to=args.pop("report_to", []),
+                              use_cpu=True, disable_tqdm=True, **args)
+    return Trainer(model=model, args=targs, eval_dataset=data(), callbacks=list(callbacks))
+
+
+@pytest.fixture
+def cleanup():
+    yield
+    fusionguard.disable()
+    _state.reset_for_tests()
+
+
+class Lines(logging.Handler):
+    """What fusionguard's logger said (pytest runs with -p no:logging: no caplog)."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def verdicts(lines):
+    return [m for m in lines.lines if "batch 1" in m]
+
+
+@pytest.fixture
+def fg_records():
+    logger = logging.getLogger("fusionguard")
+    handler = Lines()
+    logger.addHandler(handler)
+    yield handler
+    logger.removeHandler(handler)
+
+
+def test_evaluate_forced_dense_warn_counts_in_log_history(tmp_path, cleanup, fg_records):
+    log = tmp_path / "fg.jsonl"
+    trainer = trainer_for(tiny_llama(), tmp_path, [FusionGuardCallback(log_path=str(log))])
+    assert fusionguard.is_enabled()  # on_init_end
+    with torch.compiler.set_stance("force_eager"), pytest.warns(fusionguard.DenseFallbackWarning):
+        metrics = trainer.evaluate()
+    last = trainer.state.log_history[-1]
+    assert last["fusionguard/dense_calls"] == 2 * BATCHES
+    assert last["fusionguard/fused_calls"] == 0
+    assert "fusionguard/peak_layer_bytes" not in last  # CPU: nothing measured
+    assert metrics["eval_loss"] == last["eval_loss"]
+    [line] = verdicts(fg_records)
+    assert line == ("fusionguard: evaluation batch 1: 2 FlexAttention layers, forward fused 0/2; dense: "
+                    "model.layers.0.self_attn forward x1 (compiler_disabled); model.layers.1.self_attn forward x1 (compiler_disabled)")
+    calls = [e for e in read_jsonl(log) if e["event"] == "flex_call"]
+    assert sorted({e["layer"] for e in calls}) == LAYERS
+
+
+def test_evaluate_strict_raises_naming_the_layer_and_the_trainer_goes_on(tmp_path, cleanup):
+    trainer = trainer_for(tiny_llama(), tmp_path, [FusionGuardCallback(strict=True, log_path=str(tmp_path / "fg.jsonl"))])
+    with torch.compiler.set_stance("force_eager"):
+        with pytest.raises(fusionguard.DenseFallbackError, match="model.layers.0.self_attn") as err:
+            trainer.evaluate()
+        assert err.value.event["layer"] == LAYERS[0]
+        with fusionguard.allow_dense():  # the Trainer is intact: it evaluates again
+            metrics = trainer.evaluate()
+    assert trainer.state.log_history[-1]["fusionguard/dense_calls"] == 1 + 2 * BATCHES  # the blocked one counts
+    assert metrics["eval_loss"] > 0
+
+
+def test_an_earlier_enable_keeps_its_settings(tmp_path, cleanup):
+    fusionguard.enable(strict=True, log_path=str(tmp_path / "mine.jsonl"))
+    cb = FusionGuardCallback(strict=False)
+    trainer_for(tiny_llama(), tmp_path, [cb])
+    assert not cb.session.enabled_here
+    assert _state.STATE.config.strict
+
+
+@pytest.fixture(scope="module")
+def compiled_run(tmp_path_factory):
+    """The one compiled run of this module: TrainingArguments(torch_compile=True), evaluate()."""
+    tmp = tmp_path_factory.mktemp("hfc")
+    fresh_hf_wrapper()
+    log = tmp / "fg.jsonl"
+    cb = FusionGuardCallback(strict=True, log_path=str(log))
+    handler = Lines()
+    logging.getLogger("fusionguard").addHandler(handler)
+    try:
+        trainer = trainer_for(tiny_llama(), tmp, [cb], torch_compile=True)
+        hooks_before = sum(len(m._forward_pre_hooks) for m in trainer.model.modules())
+        trainer.evaluate()
+        history = list(trainer.state.log_history)
+        compiled = type(trainer.model_wrapped).__name__
+    finally:
+        logging.getLogger("fusionguard").removeHandler(handler)
+        fusionguard.disable()
+        _state.reset_for_tests()
+        torch._dynamo.reset()
+    return {"log": read_jsonl(log), "history": history, "lines": handler.lines,
+            "hooks": hooks_before, "compiled": compiled}
+
+
+def test_torch_compile_fused_verdict(compiled_run):
+    assert compiled_run["compiled"] == "OptimizedModule"  # the Trainer compiled it
+    assert "fusionguard: evaluation batch 1: 2 FlexAttention layers, forward fused 2/2" in compiled_run["lines"]
+    last = compiled_run["history"][-1]
+    assert (last["fusionguard/dense_calls"], last["fusionguard/fused_calls"]) == (0, 2 * BATCHES)
+
+
+def test_torch_compile_adds_no_traced_hooks(compiled_run):
+    """Names only: no hook Dynamo would trace (a longer compile), yet the records carry the names."""
+    assert compiled_run["hooks"] == 0
+    events = compiled_run["log"]
+    assert [e for e in events if e["event"] == "watch_traced"] == []
+    assert sorted({e["layer"] for e in events if e["event"] == "flex_compile"}) == LAYERS
+
+
+def test_attention_that_is_not_flex(tmp_path, cleanup, fg_records):
+    trainer = trainer_for(tiny_llama("sdpa"), tmp_path, [FusionGuardCallback(log_path=False)])
+    trainer.evaluate()
+    assert verdicts(fg_records) == [
+        "fusionguard: evaluation batch 1: no FlexAttention call: the model never ran flex (config._attn_implementation='sdpa')"]
+    assert trainer.state.log_history[-1]["fusionguard/fused_calls"] == 0
+
+
+class Recorder(TrainerCallback):
+    def __init__(self):
+        self.seen = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.seen.append(dict(logs))
+
+
+def test_attach_reaches_earlier_callbacks_and_tensorboard(tmp_path, cleanup, monkeypatch):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
+    rec = Recorder()
+    trainer = trainer_for(tiny_llama(), tmp_path, [rec], report_to=["tensorboard"])
+    assert type(trainer.callback_handler.callbacks[1]).__name__ == "TensorBoardCallback"  # report_to's: before ours
+    cb = FusionGuardCallback.attach(trainer, log_path=False)
+    assert trainer.callback_handler.callbacks[0] is cb
+    assert FusionGuardCallback.attach(trainer) is cb  # a second attach moves, never adds
+    assert sum(isinstance(c, FusionGuardCallback) for c in trainer.callback_handler.callbacks) == 1
+    with pytest.raises(TypeError, match=r"attach\(trainer\): expected a transformers Trainer, got str"):
+        FusionGuardCallback.attach("trainer")
+    with pytest.raises(TypeError, match="fsync"):  # enable()'s own check, at construction
+        FusionGuardCallback(fsync="sometimes")
+    with torch.compiler.set_stance("force_eager"), pytest.warns(fusionguard.DenseFallbackWarning):
+        trainer.evaluate()
+    assert rec.seen[-1]["fusionguard/dense_calls"] == 2 * BATCHES
+    assert trainer.state.log_history[-1]["fusionguard/dense_calls"] == 2 * BATCHES
+    summary = Lines()
+    logging.getLogger("transformers.integrations.fusionguard").addHandler(summary)
+    try:
+        trainer.callback_handler.on_train_end(trainer.args, trainer.state, trainer.control)  # closes the writer
+    finally:
+        logging.getLogger("transformers.integrations.fusionguard").removeHandler(summary)
+    [text] = summary.lines  # the summary table, through transformers' logger tree
+    assert text.startswith("fusionguard summary:") and "model.layers.1.self_attn" in text
+    assert fusionguard.is_enabled()  # disable() waits for the process's exit
+    files = list((tmp_path / "tb").rglob("events.out.tfevents.*"))
+    acc = EventAccumulator(str(files[0].parent))
+    acc.Reload()
+    tags = [t for t in acc.Tags()["scalars"] if t.endswith("fusionguard/dense_calls")]
+    assert tags, acc.Tags()["scalars"]
+    assert [e.value for e in acc.Scalars(tags[0])] == [2 * BATCHES]
+
+
+def test_missing_transformers_one_line_error(tmp_path):
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['transformers'] = None\n"
+            "import fusionguard\n"
+            "try:\n import fusionguard.integrations.transformers\n"
+            "except ImportError as e: print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
+    assert out.strip() == ("fusionguard.integrations.transformers needs transformers: "
+                           "pip install 'fusionguard[transformers]'")
+
+
+def test_import_fusionguard_imports_no_framework():
+    import subprocess
+    import sys
+
+    code = "import sys, fusionguard; print(sorted(m for m in ('transformers', 'lightning', 'pytorch_lightning') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
+    assert out.strip() == "[]"
