@@ -62,6 +62,10 @@ __all__ = [
     "watch",
 ]
 
+#: ``enable()`` calls in progress (read by the start-up hook, ``activate.py``).
+_enabling = 0
+
+
 def enable(
     strict: bool = False,
     log_path: Union[str, os.PathLike, None, bool] = None,
@@ -94,10 +98,15 @@ def enable(
     check_options(options)
     if switched_off():  # FUSIONGUARD=off: the kill switch wins over code
         return
+    global _enabling
     with STATE.lock:
-        config = Config(strict=strict, **options)
-        config.log_path, log_dir = resolve_log_path(log_path)
-        _lifecycle.start(config, log_dir)
+        _enabling += 1  # (its first call imports torch: the start-up hook leaves this call's settings be)
+        try:
+            config = Config(strict=strict, **options)
+            config.log_path, log_dir = resolve_log_path(log_path)
+            _lifecycle.start(config, log_dir)
+        finally:
+            _enabling -= 1
 
 
 def disable() -> None:
