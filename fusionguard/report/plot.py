@@ -7,6 +7,7 @@ plot is asked for (``pip install 'fusionguard[plot]'``).
 
 from __future__ import annotations
 
+import os
 from typing import Any, Dict, List, Optional, Tuple
 
 from .aggregate import NO_LAYER, OTHER_LAYERS
@@ -37,10 +38,34 @@ def short_labels(layers: List[str]) -> Tuple[List[str], Optional[str]]:
     return [short.get(name, name) for name in layers], pattern
 
 
+#: The file ``--plot`` writes into a directory.
+PLOT_NAME = "fusionguard.png"
+
+
+def plot_target(path: str) -> Tuple[str, str]:
+    """The file ``plot(rep, path)`` writes, and its format: the extension names the format
+    (``.png``, ``.svg``, ``.pdf``, ...); none: PNG, ``.png`` added (as matplotlib does); a
+    directory (existing, or ending in ``/``): ``fusionguard.png`` in it. ValueError, naming the
+    extension, for a format matplotlib cannot write (``p.txt``). Needs matplotlib."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    path = os.fspath(path)
+    if path.endswith(("/", os.sep)) or os.path.isdir(path):
+        path = os.path.join(path, PLOT_NAME)
+    ext = os.path.splitext(path)[1][1:]
+    if not ext:
+        return path + ".png", "png"
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if ext.lower() not in formats:
+        raise ValueError(f"matplotlib cannot write a .{ext} file; use one of " + ", ".join("." + f for f in sorted(formats)))
+    return path, ext.lower()
+
+
 def plot(rep: Dict[str, Any], path: str) -> str:
     """Per-layer forward/backward peak-memory bars, dense ones in red and labelled; without
     any memory figure in the log (CPU runs, ``watch(memory=False)``), dense and fused calls per
-    layer instead. Returns a note on what is missing ("" when nothing is). Layer names and
+    layer instead, written to ``plot_target(path)``. Returns a note on what is missing ("" when
+    nothing is). Layer names and
     causes are drawn as they are (no mathtext: a ``$`` is a dollar sign). Needs matplotlib
     (``pip install 'fusionguard[plot]'``); raises ImportError otherwise, OSError for a path
     that cannot be written."""
@@ -49,14 +74,15 @@ def plot(rep: Dict[str, Any], path: str) -> str:
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
+    path, fmt = plot_target(path)
     rep = escaped(rep)
     measured = any(r["peak_delta_max"] is not None for r in rep["rows"])
     estimated = any(r["dense"] and r["scores_bytes_max"] is not None for r in rep["rows"])
     with plt.rc_context({"text.parse_math": False}):
         if measured or estimated:
-            _plot_memory(rep, path)
+            _plot_memory(rep, path, fmt)
         else:
-            _plot_counts(rep, path)
+            _plot_counts(rep, path, fmt)
     if measured:
         return ""
     if estimated:
@@ -73,7 +99,7 @@ def _layers(rows: List[Dict[str, Any]]) -> List[str]:
     return layers
 
 
-def _finish_plot(plt: Any, fig: Any, ax: Any, rows: list, path: str) -> None:
+def _finish_plot(plt: Any, fig: Any, ax: Any, rows: list, path: str, fmt: str) -> None:
     """What both charts end with: the empty-input note, the grid, and the file (figure closed)."""
     if not rows:
         ax.text(0.5, 0.5, "no FlexAttention layers in the input", ha="center", va="center", transform=ax.transAxes)
@@ -81,12 +107,12 @@ def _finish_plot(plt: Any, fig: Any, ax: Any, rows: list, path: str) -> None:
     ax.set_axisbelow(True)
     fig.tight_layout(rect=(0, 0.03, 1, 1))
     try:
-        fig.savefig(path, dpi=120)
+        fig.savefig(path, format=fmt, dpi=120)
     finally:
         plt.close(fig)
 
 
-def _plot_counts(rep: Dict[str, Any], path: str) -> None:
+def _plot_counts(rep: Dict[str, Any], path: str, fmt: str) -> None:
     import matplotlib.pyplot as plt
 
     rows = rep["rows"]
@@ -110,10 +136,10 @@ def _plot_counts(rep: Dict[str, Any], path: str) -> None:
     ax.set_title(f"fusionguard: calls per attention layer ({t['dense_calls']:,} dense, {t['fused_calls']:,} fused)", fontsize=11, loc="left")
     fig.text(0.01, 0.01, "no memory data in the log (CPU run or watch(memory=False)): call counts shown", fontsize=7, color="#444444")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, frameon=False)
-    _finish_plot(plt, fig, ax, rows, path)
+    _finish_plot(plt, fig, ax, rows, path, fmt)
 
 
-def _plot_memory(rep: Dict[str, Any], path: str) -> None:
+def _plot_memory(rep: Dict[str, Any], path: str, fmt: str) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
@@ -196,4 +222,4 @@ def _plot_memory(rep: Dict[str, Any], path: str) -> None:
     if estimated:
         handles.append(Patch(facecolor="white", edgecolor="black", hatch="//", label="no memory record: dense score-matrix size"))
     ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, frameon=False)
-    _finish_plot(plt, fig, ax, rows, path)
+    _finish_plot(plt, fig, ax, rows, path, fmt)
