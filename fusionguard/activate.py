@@ -10,13 +10,15 @@ torch: it waits until the program imports torch, then calls ``fusionguard.enable
 
 ``FUSIONGUARD=off`` is a kill switch: ``enable()`` does nothing (said once on stderr), also when
 the program calls it. Unset (the default): nothing happens at start-up; ``enable()`` in code works
-as always. Any other value is reported once on stderr and ignored: never a crash.
+as always. Any other value is reported once on stderr and ignored: never a crash (the launcher
+refuses it before starting anything, exit status 2).
 
 Importing this module imports nothing of fusionguard or torch.
 """
 
 from __future__ import annotations
 
+import _thread
 import os
 import re
 import shutil
@@ -105,7 +107,7 @@ def _enable(mode: str) -> None:
 
         # the program enabled it itself, or is doing so right now (its enable() imported torch):
         # its settings stand
-        if not fusionguard.is_enabled() and not getattr(fusionguard, "_enabling", 0):
+        if not fusionguard.is_enabled() and not fusionguard._enabling:
             fusionguard.enable(strict=mode == "strict")
     except Exception as exc:
         _say_once("enable", f"fusionguard: {ENV}={mode}: enable() failed ({type(exc).__name__}: {exc}); the program runs without fusionguard\n")
@@ -134,7 +136,7 @@ class _TorchWatcher:
 
     def __init__(self, mode: str) -> None:
         self.mode = mode
-        self.busy = False
+        self.busy: set = set()  # threads in our find_spec (asking the other finders)
         self.depth = 0  # fusionguard modules being imported through our loaders
         self.executed: set = set()  # fusionguard modules whose code ran through our loaders
         self.torch_imported = False
@@ -151,11 +153,12 @@ class _TorchWatcher:
                 meta.insert(0, self)
             except ValueError:
                 pass
-        if self.busy or not (name == "torch" or _ours(name)):
-            if self.torch_imported and not self.busy:  # waiting on a module loaded by another finder
+        tid = _thread.get_ident()
+        if tid in self.busy or not (name == "torch" or _ours(name)):
+            if self.torch_imported and tid not in self.busy:  # waiting on a module loaded by another finder
                 self.maybe_enable()
             return None
-        self.busy = True
+        self.busy.add(tid)
         try:
             spec = None
             for finder in list(sys.meta_path):
@@ -172,7 +175,7 @@ class _TorchWatcher:
         except Exception:
             return None  # let the normal machinery find it
         finally:
-            self.busy = False
+            self.busy.discard(tid)
 
     def maybe_enable(self) -> None:
         """``enable()`` once torch is imported and no fusionguard module is half-imported."""

@@ -11,6 +11,9 @@ Exit status, the same contract for every command (``docs/cli.md``):
   matplotlib).
 - ``doctor``: 0 every compiled case ran fused; 1 something ran dense or an experiment failed;
   2 usage error (a bad ``--shape``, ``--device``, ``--backend``).
+- ``run``: the command's own status (it is exec-ed); 2 usage error before anything starts (no
+  command, ``FUSIONGUARD`` set to a value that is not a mode); 126 / 127 the command cannot be
+  run / is not found.
 """
 
 from __future__ import annotations
