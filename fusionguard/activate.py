@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import _thread
 import os
-import re
-import shutil
 import sys
 from typing import Any, List, Optional, Sequence
 
@@ -243,7 +241,7 @@ def launch_env(mode: Optional[str] = None, log: Optional[str] = None, environ: O
     return env
 
 
-_PYTHON_NAME = re.compile(r"(python|pypy)[0-9.]*[dmt]?(\.exe)?", re.IGNORECASE)
+_PYTHON_NAME = r"(python|pypy)[0-9.]*[dmt]?(\.exe)?"  # (re, shutil: imported by the launcher only, not by the hook)
 #: Python options that keep ``sitecustomize`` from running: -E / -I ignore ``PYTHONPATH``, -S skips ``site``.
 _UNREACHABLE = {"E": "ignores PYTHONPATH", "I": "ignores PYTHONPATH (isolated mode)", "S": "skips the site module, and so sitecustomize"}
 
@@ -277,8 +275,10 @@ def python_flags_out_of_reach(argv: Sequence[str]) -> List[str]:
 
 
 def _is_python(path: str) -> bool:
+    import re
+
     name = os.path.basename(path)
-    if _PYTHON_NAME.fullmatch(name):
+    if re.fullmatch(_PYTHON_NAME, name, re.IGNORECASE):
         return True
     try:
         return bool(sys.executable) and os.path.realpath(path) == os.path.realpath(sys.executable)
@@ -306,6 +306,8 @@ def unreachable_warning(cmd: Sequence[str], env: Optional[dict] = None) -> Optio
     (``python -E``/``-I``/``-S``, or a script whose ``#!`` line says so); None otherwise."""
     if not cmd:
         return None
+    import shutil
+
     argv = list(cmd)
     if not _is_python(argv[0]):
         found = shutil.which(argv[0], path=(env or os.environ).get("PATH"))
