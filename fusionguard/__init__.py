@@ -61,6 +61,10 @@ __all__ = [
     "watch",
 ]
 
+#: ``enable()`` calls in progress (read by the start-up hook, ``activate.py``).
+_enabling = 0
+
+
 def enable(
     strict: bool = False,
     log_path: Union[str, os.PathLike, None, bool] = None,
@@ -103,13 +107,18 @@ def enable(
     check_log_path(log_path)
     if switched_off():  # FUSIONGUARD=off: the kill switch wins over code
         return
+    global _enabling
     with STATE.lock:
-        config.log_path, log_dir = resolve_log_path(log_path)
+        _enabling += 1  # (its first call imports torch: the start-up hook leaves this call's settings be)
         try:
-            _lifecycle.start(config, log_dir)
-        except BaseException as exc:  # never half-enabled: patches in while is_enabled() is False
-            _lifecycle.undo_start(exc)
-            raise
+            config.log_path, log_dir = resolve_log_path(log_path)
+            try:
+                _lifecycle.start(config, log_dir)
+            except BaseException as exc:  # never half-enabled: patches in while is_enabled() is False
+                _lifecycle.undo_start(exc)
+                raise
+        finally:
+            _enabling -= 1
 
 
 def disable() -> None:

@@ -10,13 +10,15 @@ torch: it waits until the program imports torch, then calls ``fusionguard.enable
 
 ``FUSIONGUARD=off`` is a kill switch: ``enable()`` does nothing (said once on stderr), also when
 the program calls it. Unset (the default): nothing happens at start-up; ``enable()`` in code works
-as always. Any other value is reported once on stderr and ignored: never a crash.
+as always. Any other value is reported once on stderr and ignored: never a crash (the launcher
+refuses it before starting anything, exit status 2).
 
 Importing this module imports nothing of fusionguard or torch.
 """
 
 from __future__ import annotations
 
+import _thread
 import os
 import sys
 from typing import Any, List, Optional, Sequence
@@ -101,24 +103,60 @@ def _enable(mode: str) -> None:
     try:
         import fusionguard
 
-        if not fusionguard.is_enabled():  # the program enabled it itself: its settings stand
+        # the program enabled it itself, or is doing so right now (its enable() imported torch):
+        # its settings stand
+        if not fusionguard.is_enabled() and not fusionguard._enabling:
             fusionguard.enable(strict=mode == "strict")
     except Exception as exc:
         _say_once("enable", f"fusionguard: {ENV}={mode}: enable() failed ({type(exc).__name__}: {exc}); the program runs without fusionguard\n")
 
 
+def _ours(name: str) -> bool:
+    return name == "fusionguard" or name.startswith("fusionguard.")
+
+
+def _half_imported(executed: set) -> bool:
+    """A fusionguard module is still being executed (``executed``: those whose code already ran
+    through our loaders, while the import machinery finishes them)."""
+    for name, module in list(sys.modules.items()):
+        if _ours(name) and name not in executed and getattr(getattr(module, "__spec__", None), "_initializing", False):
+            return True
+    return False
+
+
 class _TorchWatcher:
-    """Finds nothing itself; when ``torch`` is about to be imported, wraps the real loader so
-    that ``enable()`` runs right after torch's own import finished. Removes itself then."""
+    """Finds nothing itself; wraps the loader of ``torch`` so that ``enable()`` runs right after
+    torch's own import finished, and the loaders of fusionguard's own modules: when one of them is
+    what imports torch (``from fusionguard import watch`` before ``import torch``, ``import
+    fusionguard.guard``, the program's own ``enable()``), ``enable()`` waits until that import
+    finished (in the middle of it, it would find half-initialised modules: a circular import).
+    Removes itself once ``enable()`` ran."""
 
     def __init__(self, mode: str) -> None:
         self.mode = mode
-        self.busy = False
+        self.busy: set = set()  # threads in our find_spec (asking the other finders)
+        self.depth = 0  # fusionguard modules being imported through our loaders
+        self.executed: set = set()  # fusionguard modules whose code ran through our loaders
+        self.torch_imported = False
+        self.done = False
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        if name != "torch" or self.busy:
+        meta = sys.meta_path
+        if meta and meta[0] is not self and not self.done:
+            # A finder put in front of us later (pytest's assertion rewriter, which loads the
+            # modules of plugins such as fusionguard) would load our modules past us: go first
+            # again. Harmless: we find nothing ourselves and ask the others in their order.
+            try:
+                meta.remove(self)
+                meta.insert(0, self)
+            except ValueError:
+                pass
+        tid = _thread.get_ident()
+        if tid in self.busy or not (name == "torch" or _ours(name)):
+            if self.torch_imported and tid not in self.busy:  # waiting on a module loaded by another finder
+                self.maybe_enable()
             return None
-        self.busy = True
+        self.busy.add(tid)
         try:
             spec = None
             for finder in list(sys.meta_path):
@@ -130,34 +168,56 @@ class _TorchWatcher:
                     break
             if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
                 return None
-            spec.loader = _AfterTorch(spec.loader, self.mode)
+            spec.loader = _Watched(spec.loader, self, name == "torch")
             return spec
         except Exception:
-            return None  # let the normal machinery find torch
+            return None  # let the normal machinery find it
         finally:
-            self.busy = False
-            try:
-                sys.meta_path.remove(self)
-            except ValueError:
-                pass
+            self.busy.discard(tid)
+
+    def maybe_enable(self) -> None:
+        """``enable()`` once torch is imported and no fusionguard module is half-imported."""
+        if self.done or not self.torch_imported or self.depth or _half_imported(self.executed):
+            return
+        self.done = True
+        try:
+            sys.meta_path.remove(self)
+        except ValueError:
+            pass
+        _enable(self.mode)
 
 
-class _AfterTorch:
-    def __init__(self, loader: Any, mode: str) -> None:
+class _Watched:
+    """The real loader, then a word to the watcher. Once the module is executed it sees its own
+    loader again, as if we had never been there."""
+
+    def __init__(self, loader: Any, watcher: _TorchWatcher, is_torch: bool) -> None:
         self.loader = loader
-        self.mode = mode
+        self.watcher = watcher
+        self.is_torch = is_torch
 
     def create_module(self, spec: Any) -> Any:
         return self.loader.create_module(spec)
 
     def exec_module(self, module: Any) -> None:
-        self.loader.exec_module(module)
-        try:  # from now on torch sees its own loader, as if we had never been there
-            module.__loader__ = self.loader
-            module.__spec__.loader = self.loader
-        except Exception:
-            pass
-        _enable(self.mode)
+        w = self.watcher
+        step = 0 if self.is_torch else 1
+        w.depth += step
+        try:
+            self.loader.exec_module(module)
+        finally:
+            w.depth -= step
+            try:
+                module.__loader__ = self.loader
+                module.__spec__.loader = self.loader
+            except Exception:
+                pass
+        if self.is_torch:
+            w.torch_imported = True
+        else:
+            w.executed.add(module.__name__)
+        if w.depth == 0:
+            w.maybe_enable()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.loader, name)
@@ -167,15 +227,111 @@ class _AfterTorch:
 
 
 def launch_env(mode: Optional[str] = None, log: Optional[str] = None, environ: Optional[dict] = None) -> dict:
-    """The environment ``fusionguard run`` gives its command."""
+    """The environment ``fusionguard run`` gives its command: the user's ``PYTHONPATH`` entries
+    kept exactly, empty ones included (an empty entry puts the working directory on
+    ``sys.path``), after the hook directory."""
     env = dict(os.environ if environ is None else environ)
     env[ENV] = mode or env.get(ENV) or "warn"
     if log:
         path = os.path.abspath(os.path.expanduser(log))
         env["FUSIONGUARD_LOG"] = path + os.sep if log.endswith(("/", os.sep)) else path
-    parts: List[str] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != HOOK_DIR]
+    old = env.get("PYTHONPATH", "")  # (empty: no entry at all, as Python reads it)
+    parts: List[str] = [p for p in old.split(os.pathsep) if p != HOOK_DIR] if old else []
     env["PYTHONPATH"] = os.pathsep.join([HOOK_DIR] + parts)
     return env
+
+
+_PYTHON_NAME = r"(python|pypy)[0-9.]*[dmt]?(\.exe)?"  # (re, shutil: imported by the launcher only, not by the hook)
+#: Python options that keep ``sitecustomize`` from running: -E / -I ignore ``PYTHONPATH``, -S skips ``site``.
+_UNREACHABLE = {"E": "ignores PYTHONPATH", "I": "ignores PYTHONPATH (isolated mode)", "S": "skips the site module, and so sitecustomize"}
+
+
+def python_flags_out_of_reach(argv: Sequence[str]) -> List[str]:
+    """The options of a Python command line (``python -E x.py``) that keep the start-up hook from
+    running in it, e.g. ``["-E"]``; [] for any other command. Reads short-option clusters (``-sE``)
+    up to the script, ``-c`` or ``-m``."""
+    found: List[str] = []
+    args = list(argv)[1:]
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        i += 1
+        if arg == "--check-hash-based-pycs":
+            i += 1  # its value
+            continue
+        if arg.startswith("--") and arg != "--":
+            continue  # --version, --help ...
+        if arg in ("-", "--") or not arg.startswith("-"):
+            break  # the script
+        for j, ch in enumerate(arg[1:], start=2):
+            if ch in "cm":  # the rest is the command / module
+                return found
+            if ch in "WX":  # the rest, or the next argument, is the option's value
+                i += j == len(arg)
+                break
+            if ch in _UNREACHABLE and f"-{ch}" not in found:
+                found.append(f"-{ch}")
+    return found
+
+
+def _is_python(path: str) -> bool:
+    import re
+
+    name = os.path.basename(path)
+    if re.fullmatch(_PYTHON_NAME, name, re.IGNORECASE):
+        return True
+    try:
+        return bool(sys.executable) and os.path.realpath(path) == os.path.realpath(sys.executable)
+    except OSError:
+        return False
+
+
+def _shebang(path: str) -> List[str]:
+    """The interpreter and options of a script's ``#!`` line ([] when it has none)."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(256)
+    except OSError:
+        return []
+    if not head.startswith(b"#!"):
+        return []
+    words = head[2:].split(b"\n", 1)[0].decode("utf-8", "replace").split()
+    if words and os.path.basename(words[0]) == "env":  # #!/usr/bin/env [-S] python3 -E
+        words = [w for w in words[1:] if not (w.startswith("-") and w.lstrip("-") in ("S", "split-string"))]
+    return words
+
+
+def unreachable_warning(cmd: Sequence[str], env: Optional[dict] = None) -> Optional[str]:
+    """The launcher's warning when ``cmd`` is a Python that will not run the start-up hook
+    (``python -E``/``-I``/``-S``, or a script whose ``#!`` line says so); None otherwise."""
+    if not cmd:
+        return None
+    import shutil
+
+    argv = list(cmd)
+    if not _is_python(argv[0]):
+        found = shutil.which(argv[0], path=(env or os.environ).get("PATH"))
+        words = _shebang(found) if found else []
+        if not words or not _is_python(words[0]):
+            return None
+        argv = words + argv[:1]
+    flags = python_flags_out_of_reach(argv)
+    if not flags:
+        return None
+    why = ", ".join(f"{f} {_UNREACHABLE[f[1]]}" for f in flags)
+    return (
+        f"fusionguard run: warning: {os.path.basename(argv[0])} {' '.join(flags)}: {why}: fusionguard's start-up hook "
+        "cannot run in this process, nor in the Python processes it starts with the same options; they run "
+        "without fusionguard (drop the option, or call fusionguard.enable() in the program; docs/guarantees.md)\n"
+    )
+
+
+def check_mode(value: Optional[str]) -> Optional[str]:
+    """The launcher's error for a ``FUSIONGUARD`` value that is not a mode; None when it is one
+    (or unset / empty: the default, warn)."""
+    if value is None or not value.strip() or value.strip().lower() in MODES:
+        return None
+    return f"fusionguard run: {ENV}={value!r} is not a mode: use one of {', '.join(MODES)} (or --strict / --warn); nothing was started\n"
 
 
 def run(cmd: Sequence[str], mode: Optional[str] = None, log: Optional[str] = None) -> int:
@@ -183,7 +339,14 @@ def run(cmd: Sequence[str], mode: Optional[str] = None, log: Optional[str] = Non
     if not cmd:
         sys.stderr.write("fusionguard run: no command given (fusionguard run [--strict|--warn] [--log PATH] -- CMD ...)\n")
         return 2
+    bad = None if mode else check_mode(os.environ.get(ENV))
+    if bad:
+        sys.stderr.write(bad)
+        return 2
     env = launch_env(mode, log)
+    warning = unreachable_warning(cmd, env)
+    if warning:
+        sys.stderr.write(warning)
     try:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -8,9 +8,13 @@ Exit status, the same contract for every command (``docs/cli.md``):
   ``--fail-on-recompile-pressure``: a frame holding FlexAttention near the recompile limit;
   ``--expect-fused`` / ``--expect-calls N``: fewer fused calls than expected); 2 usage or input
   error (a bad option, a missing path, no fusionguard event in the input, an unwritable
-  ``-o`` / ``--plot`` / ``--html`` path, ``--plot`` without matplotlib).
+  ``-o`` / ``--plot`` / ``--html`` path, a ``--plot`` format matplotlib cannot write, ``--plot``
+  without matplotlib).
 - ``doctor``: 0 every compiled case ran fused; 1 something ran dense or an experiment failed;
   2 usage error (a bad ``--shape``, ``--device``, ``--backend``).
+- ``run``: the command's own status (it is exec-ed); 2 usage error before anything starts (no
+  command, ``FUSIONGUARD`` set to a value that is not a mode); 126 / 127 the command cannot be
+  run / is not found.
 """
 
 from __future__ import annotations
@@ -152,11 +156,16 @@ def _report(args: argparse.Namespace) -> int:
         return _fail("report", "--last must be >= 0")
     if args.expect_calls is not None and args.expect_calls < 0:
         return _fail("report", "--expect-calls must be >= 0")
+    plot_file = None
     if args.plot:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
             return _fail("report", f"--plot needs matplotlib, which is not installed: {PLOT_HINT}")
+        try:
+            plot_file = report.plot_target(args.plot)[0]
+        except ValueError as exc:
+            return _fail("report", f"--plot {args.plot}: {exc}")
     try:
         rep = report.build(args.paths, last=args.last)
     except report.ReportError as exc:
@@ -178,12 +187,14 @@ def _report(args: argparse.Namespace) -> int:
         problem = _write_html(rep, args.html)
         if problem:
             return _fail("report", problem)
-    if args.plot:
+    if plot_file is not None:
         try:
-            note = report.plot(rep, args.plot)
+            note = report.plot(rep, plot_file)
         except OSError as exc:
-            return _fail("report", f"cannot write --plot {args.plot}: {exc.strerror or exc}")
-        sys.stderr.write(f"fusionguard report: plot written to {args.plot}{note}\n")
+            return _fail("report", f"cannot write --plot {plot_file}: {exc.strerror or exc}")
+        except Exception as exc:  # e.g. .pgf without LaTeX: one line, never a traceback
+            return _fail("report", f"cannot draw --plot {plot_file}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        sys.stderr.write(f"fusionguard report: plot written to {plot_file}{note}\n")
     failed = _gates(args, rep["totals"])
     for f in failed:
         sys.stderr.write(f"fusionguard report: gate failed: {f}\n")

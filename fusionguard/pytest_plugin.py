@@ -19,7 +19,10 @@ a directory, default ``fusionguard.jsonl`` in pytest's base temporary directory)
 - each test carries its dense calls: ``user_properties`` entry ``fusionguard``, a JSON text (a list
   of {seq, phase, cause, action, traced, call_site, scores_bytes}; in junitxml and across xdist),
   a report section ``fusionguard (<phase>)`` with the verdicts; the terminal summary lists dense
-  calls per test and per cause.
+  calls per test and per cause (allowed calls listed, never counted as dense, as in ``report``)
+  and the log: under xdist, the files the workers wrote (``workeroutput``).
+- ``FUSIONGUARD=off`` in the environment (the kill switch) wins over the option: nothing is
+  enabled, and the header and summary say so.
 - ``@pytest.mark.fusionguard_allow_dense`` runs a test inside ``fusionguard.allow_dense()`` (an
   eager reference computation, say): its dense calls are logged as allowed and never fail it.
 
@@ -84,7 +87,12 @@ def pytest_configure(config: Any) -> None:
     mode = _mode(config)
     if mode in (None, "off"):
         return
-    config.pluginmanager.register(FusionGuardSession(config, mode), "fusionguard-session")
+    from fusionguard import activate
+
+    # FUSIONGUARD=off in the environment is the kill switch: it wins over the option, as over
+    # enable() in code; the session says so rather than reporting "no dense calls".
+    killed = activate.env_mode() == "off"
+    config.pluginmanager.register(FusionGuardSession(config, mode, killed=killed), "fusionguard-session")
 
 
 def _is_xdist_controller(config: Any) -> bool:
@@ -108,12 +116,14 @@ def _compact(event: Dict[str, Any]) -> Dict[str, Any]:
 class FusionGuardSession:
     """Registered only when ``--fusionguard`` is strict or warn."""
 
-    def __init__(self, config: Any, mode: str) -> None:
+    def __init__(self, config: Any, mode: str, killed: bool = False) -> None:
         self.config = config
         self.mode = mode
         self.strict = mode == "strict"
+        self.killed = killed  # FUSIONGUARD=off: nothing is enabled, the session says so
         self.log_path: Optional[str] = None
-        self.active = not _is_xdist_controller(config)
+        self.active = not killed and not _is_xdist_controller(config)
+        self.worker_logs: List[str] = []  # (xdist controller) each worker's log, sent back as it ends
         self._mark: Tuple[Any, int] = (None, 0)  # (EventLog object, last seq seen)
         # filled from reports, so that it also works under xdist (reports come from workers)
         self.dense: Dict[str, List[dict]] = collections.OrderedDict()
@@ -153,9 +163,38 @@ class FusionGuardSession:
         self.log_path = STATE.config.log_path  # resolved (a directory becomes rank/pid file)
         self._mark = (STATE.log, STATE.log.seq)
 
+    def _killed_text(self) -> str:
+        given = f"--fusionguard={self.mode}" if self.config.getoption("fusionguard", None) else f"ini fusionguard = {self.mode}"
+        return f"off: FUSIONGUARD=off in the environment (the kill switch) wins over {given}; FlexAttention calls are not checked, no log"
+
+    def _configured_log(self) -> Optional[str]:
+        """``--fusionguard-log`` / ``fusionguard_log`` as the workers resolve it (None: the default)."""
+        path = self.config.getoption("fusionguard_log") or self.config.getini("fusionguard_log")
+        if not path:
+            return None
+        full = os.path.abspath(os.path.expanduser(str(path)))
+        if os.path.isdir(full) or str(path).endswith(("/", os.sep)):
+            return os.path.join(full, "") + " (one file per process)"
+        return full
+
+    def _where(self) -> str:
+        """Where the session's log is: this process's file; on an xdist controller, the files
+        the workers wrote (or, before they end, what they were told)."""
+        if self.active:
+            return self.log_path or "none (the log could not be opened: events in memory only)"
+        logs = sorted(set(self.worker_logs))
+        if len(logs) == 1:
+            return logs[0]
+        if 1 < len(logs) <= 4:
+            return ", ".join(logs)
+        if logs:
+            return f"{len(logs)} files under {os.path.commonpath(logs)}"
+        return self._configured_log() or "fusionguard.jsonl in each xdist worker's base temporary directory"
+
     def pytest_report_header(self, config: Any) -> str:
-        where = self.log_path if self.active else "in the workers' base temporary directories"
-        return f"fusionguard: {self.mode} mode, log: {where}"
+        if self.killed:
+            return f"fusionguard: {self._killed_text()}"
+        return f"fusionguard: {self.mode} mode, log: {self._where()}"
 
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self, session: Any) -> None:
@@ -165,6 +204,16 @@ class FusionGuardSession:
 
         self._take_new()  # events after the last test: fused/internal totals only
         fusionguard.disable()
+        output = getattr(self.config, "workeroutput", None)  # an xdist worker: tell the controller
+        if isinstance(output, dict) and self.log_path:
+            output["fusionguard_log"] = self.log_path
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_testnodedown(self, node: Any, error: Any) -> None:
+        """(xdist controller) a worker ended: where its log is."""
+        path = (getattr(node, "workeroutput", None) or {}).get("fusionguard_log")
+        if isinstance(path, str):
+            self.worker_logs.append(path)
 
     # -- per test -----------------------------------------------------------------------
     def _take_new(self) -> List[dict]:
@@ -263,21 +312,32 @@ class FusionGuardSession:
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         tr = terminalreporter
         tr.write_sep("=", "fusionguard")
+        if self.killed:
+            tr.write_line(f"{self._killed_text()} ({self.tests} test(s) ran unguarded)")
+            return
         calls = [c for per_test in self.dense.values() for c in per_test]
-        where = self.log_path if self.active else "see the workers' base temporary directories"
-        if not calls:
-            tr.write_line(f"{self.mode} mode: no dense FlexAttention calls in {self.tests} test(s); log: {where}")
-        else:
-            tr.write_line(
-                f"{self.mode} mode: {len(calls)} dense FlexAttention call(s) in {len(self.dense)} of "
-                f"{self.tests} test(s); log: {where}"
-            )
+        # allowed calls (fusionguard_allow_dense, allow_dense()) are on purpose: listed, never
+        # counted as dense (as `fusionguard report` counts them)
+        dense = [c for c in calls if c.get("action") != "allow"]
+        dense_tests = sum(1 for per_test in self.dense.values() if any(c.get("action") != "allow" for c in per_test))
+        allowed = len(calls) - len(dense)
+        head = (
+            f"{self.mode} mode: {len(dense)} dense FlexAttention call(s) in {dense_tests} of {self.tests} test(s)"
+            if dense
+            else f"{self.mode} mode: no dense FlexAttention calls in {self.tests} test(s)"
+        )
+        if allowed:
+            allowed_tests = sum(1 for per_test in self.dense.values() if any(c.get("action") == "allow" for c in per_test))
+            head += f"; {allowed} allowed dense call(s) in {allowed_tests} test(s) ({MARKER} or allow_dense(): not counted)"
+        tr.write_line(f"{head}; log: {self._where()}")
+        if calls:
             width = max(len(nodeid) for nodeid in self.dense)
             for nodeid, per_test in self.dense.items():
                 kinds = collections.Counter(f"{c['phase']} {c['cause']} ({_ACTION.get(c['action'], c['action'])})" for c in per_test)
                 detail = ", ".join(f"{k} x{n}" if n > 1 else k for k, n in kinds.items())
                 tr.write_line(f"  {nodeid:<{width}}  {len(per_test):>3}  {detail}")
-            by_cause = collections.Counter(c["cause"] for c in calls)
+        if dense:
+            by_cause = collections.Counter(c["cause"] for c in dense)
             tr.write_line("by cause: " + ", ".join(f"{cause} {n}" for cause, n in by_cause.most_common()))
         extra = []
         if self.fused:

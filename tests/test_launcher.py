@@ -167,3 +167,129 @@ def test_fusionguard_run_torchrun_enables_each_worker_not_the_agent(tmp_path):
     assert names == sorted(f"fusionguard.rank{rank}.pid{pid}.jsonl" for rank, pid, _ in workers), "no log of the agent"
     for name in names:
         assert [e["event"] for e in read_jsonl(logs / name)].count("flex_call") == 1
+
+
+# -- #27 part 3: the launcher never changes what the program would do ---------------------------
+
+
+def test_empty_pythonpath_entries_are_kept_the_working_directory_stays_importable(tmp_path):
+    """`export PYTHONPATH=$PYTHONPATH:/x` with nothing set before gives `:/x`: the empty entry is
+    the working directory, where the script's helper module lives."""
+    (tmp_path / "helper.py").write_text("VALUE = 'helper from the working directory'\n")
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "train.py").write_text("import json, sys, helper\nprint(json.dumps([helper.VALUE, sys.path]))\n")
+    pythonpath = os.pathsep + str(ROOT)
+    plain = _run([PY, "scripts/train.py"], tmp_path, PYTHONPATH=pythonpath)
+    assert plain.returncode == 0, plain.stderr
+    p = _run([PY, "-m", "fusionguard", "run", "--", PY, "scripts/train.py"], tmp_path, PYTHONPATH=pythonpath)
+    assert p.returncode == 0, p.stderr[-2000:]
+    value, path = json.loads(p.stdout)
+    assert value == "helper from the working directory"
+    assert [x for x in path if x != activate.HOOK_DIR] == json.loads(plain.stdout)[1], "sys.path as without the launcher"
+    # the environment itself: the user's entries exactly, after the hook directory, once
+    for old, parts in (("", []), (":/a", ["", "/a"]), ("/a:", ["/a", ""]), ("/a::/b", ["/a", "", "/b"]), (f":{activate.HOOK_DIR}:/a", ["", "/a"])):
+        old = old.replace(":", os.pathsep)
+        env = activate.launch_env(None, None, {"PYTHONPATH": old} if old else {})
+        assert env["PYTHONPATH"].split(os.pathsep) == [activate.HOOK_DIR] + parts, old
+        assert activate.launch_env(None, None, env)["PYTHONPATH"] == env["PYTHONPATH"], "a nested launcher changes nothing"
+
+
+ORDER = """
+import json, sys, warnings
+warnings.simplefilter("ignore")
+{first}
+import torch
+from torch.nn.attention.flex_attention import flex_attention
+import fusionguard
+from fusionguard._state import STATE
+x = torch.randn(1, 2, 16, 8)
+try:
+    flex_attention(x, x, x)
+    outcome = "ran"
+except RuntimeError as exc:
+    outcome = type(exc).__name__
+print(json.dumps({{"enabled": fusionguard.is_enabled(), "strict": STATE.config.strict, "not_patched": STATE.not_patched, "outcome": outcome}}))
+"""
+
+ORDERS = {
+    "import torch first": "",
+    "from fusionguard import watch (isort's order)": "from fusionguard import watch",
+    "import fusionguard.compiled": "import fusionguard.compiled",
+    "import fusionguard.guard": "import fusionguard.guard",
+    "import fusionguard.rescue": "import fusionguard.rescue",
+}
+
+
+def _order(tmp_path, first, *run_args, name="order.py"):
+    (tmp_path / name).write_text(ORDER.format(first=first))
+    p = _run([PY, "-m", "fusionguard", "run", *run_args, "--log", f"{tmp_path}/logs/", "--", PY, name], tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1]), p.stderr
+
+
+def test_every_import_order_gives_a_guarded_process_and_a_true_message(tmp_path):
+    baseline, _ = _order(tmp_path, "", "--strict")
+    assert baseline["enabled"] and baseline["outcome"] == "DenseFallbackError"
+    for label, first in ORDERS.items():
+        got, err = _order(tmp_path, first, "--strict")
+        assert "enable() failed" not in err and "circular import" not in err, (label, err)
+        assert got == baseline, (label, got)  # enabled, strict, the same patches, the dense call blocked
+
+
+def test_a_program_that_enables_before_importing_torch_keeps_its_settings_and_hears_no_false_failure(tmp_path):
+    for log_path in ("False", "None"):
+        got, err = _order(tmp_path, f"import fusionguard\nfusionguard.enable(strict=False, log_path={log_path})", "--strict")
+        assert "enable() failed" not in err and "runs without fusionguard" not in err, (log_path, err)
+        assert got["enabled"] and got["strict"] is False and got["outcome"] == "ran", (log_path, got)
+
+
+def test_modules_loaded_by_another_finder_wait_too_pytest_rewriting_fusionguard(tmp_path):
+    """A regular install registers the pytest11 entry point, so pytest's assertion-rewriting
+    loader (not the hook's) imports fusionguard's modules: the hook must still wait for them."""
+    (tmp_path / "conftest.py").write_text("import pytest\npytest.register_assert_rewrite('fusionguard')\n")
+    (tmp_path / "test_inner.py").write_text(
+        "from fusionguard import watch\n"
+        "import sys, torch, fusionguard\n"
+        "from fusionguard._state import STATE\n\n"
+        "def test_guarded():\n"
+        "    assert type(sys.modules['fusionguard.watching'].__loader__).__name__ == 'AssertionRewritingHook'\n"
+        "    assert fusionguard.is_enabled() and STATE.config.strict\n"
+        "    assert not any('circular' in why for why in STATE.not_patched.values()), STATE.not_patched\n"
+    )
+    p = _run([PY, "-m", "fusionguard", "run", "--strict", "--log", f"{tmp_path}/logs/", "--", PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_inner.py"], tmp_path)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "1 passed" in p.stdout and "circular import" not in p.stderr
+
+
+def test_the_launcher_warns_when_the_command_is_a_python_the_hook_cannot_reach(tmp_path):
+    code = "import sys; print('ran', 'fusionguard' in sys.modules or '_fusionguard_activate' in sys.modules)"
+    for flags in (["-E"], ["-I"], ["-sE"], ["-S"], ["-X", "dev", "-I"]):
+        p = _run([PY, "-m", "fusionguard", "run", "--", PY, *flags, "-c", code], tmp_path)
+        assert p.returncode == 0 and p.stdout.split() == ["ran", "False"], (flags, p.stderr)
+        (line,) = [x for x in p.stderr.splitlines() if x.startswith("fusionguard run: warning:")]
+        assert "start-up hook cannot run in this process" in line and "without fusionguard" in line, line
+    script = tmp_path / "tool.py"
+    script.write_text(f"#!{PY} -I\n" + code + "\n")
+    script.chmod(0o755)
+    p = _run([PY, "-m", "fusionguard", "run", "--", str(script)], tmp_path)
+    assert p.returncode == 0 and "-I: -I ignores PYTHONPATH" in p.stderr, p.stderr
+    for cmd in ([PY, "-c", code], [PY, "-c", code, "-E"], [PY, "-W", "ignore", "-c", code], ["sh", "-c", "echo -E"]):
+        p = _run([PY, "-m", "fusionguard", "run", "--", *cmd], tmp_path)
+        assert p.returncode == 0 and "warning" not in p.stderr, (cmd, p.stderr)
+
+
+def test_a_bad_mode_exits_2_before_starting_anything(tmp_path):
+    marker = tmp_path / "started"
+    cmd = [PY, "-m", "fusionguard", "run", "--", PY, "-c", f"open({str(marker)!r}, 'w')"]
+    for bad in ("stirct", "1", "strict,warn"):
+        p = _run(cmd, tmp_path, FUSIONGUARD=bad)
+        assert p.returncode == 2 and not marker.exists(), (bad, p.stderr)
+        assert p.stderr.splitlines() == [
+            f"fusionguard run: FUSIONGUARD={bad!r} is not a mode: use one of strict, warn, off (or --strict / --warn); nothing was started"
+        ]
+    for good in ("STRICT", " warn ", "off", ""):
+        p = _run(cmd, tmp_path, FUSIONGUARD=good)
+        assert p.returncode == 0 and marker.exists(), (good, p.stderr)
+        marker.unlink()
+    p = _run(cmd[:4] + ["--strict"] + cmd[4:], tmp_path, FUSIONGUARD="stirct")  # the flag decides: the variable is not passed on
+    assert p.returncode == 0 and marker.exists(), p.stderr

@@ -615,3 +615,50 @@ def test_rank_is_read_again_once_torchrun_sets_it(monkeypatch):
     assert log.emit("info", "x")["rank"] == 0
     monkeypatch.setenv("RANK", "3")
     assert log.emit("info", "x")["rank"] == 3
+
+
+# -- #27 part 5: what people read is true ------------------------------------------------------------
+
+
+def _report_cli(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "fusionguard", "report", *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+def test_plot_in_a_format_matplotlib_cannot_write_exits_2_with_one_line(tmp_path):
+    pytest.importorskip("matplotlib")
+    run = _two_ranks(tmp_path)
+    p = _report_cli(run, "--plot", "p.txt", cwd=tmp_path)
+    assert p.returncode == 2 and p.stdout == "", p.stderr
+    (line,) = p.stderr.splitlines()
+    assert line.startswith("fusionguard report: --plot p.txt: matplotlib cannot write a .txt file; use one of ") and ".png" in line
+    assert not (tmp_path / "p.txt").exists()
+
+
+def test_plot_says_the_file_it_wrote(tmp_path):
+    pytest.importorskip("matplotlib")
+    run = _two_ranks(tmp_path)
+    (tmp_path / "plots").mkdir()
+    for arg, written in (("plots", "plots/fusionguard.png"), ("plots/", "plots/fusionguard.png"), ("layers", "layers.png"), ("chart.svg", "chart.svg")):
+        p = _report_cli(run, "--plot", arg, cwd=tmp_path)
+        assert p.returncode == 0, p.stderr
+        (line,) = [x for x in p.stderr.splitlines() if "plot written to" in x]
+        assert line.startswith(f"fusionguard report: plot written to {os.path.join(*written.split('/'))}"), (arg, line)
+        head = (tmp_path / written).read_bytes()[:64]
+        assert head.startswith(b"\x89PNG") if written.endswith(".png") else b"<svg" in (tmp_path / written).read_bytes()[:2000], arg
+    assert not (tmp_path / "plots.png").exists()
+
+
+def test_the_devices_line_of_512_hosts_is_counted_by_kind_and_json_keeps_every_host(tmp_path, capsys):
+    for i in range(512):
+        names = ["NVIDIA H200"] * 8 if i < 510 else ["NVIDIA A100-SXM4-80GB"] * 4
+        cuda = {"available": True, "count": len(names), "version": "13.0", "devices": names}
+        write(tmp_path / "logs" / f"r{i}.jsonl", [{**header(pid=1000 + i, rank=i, host=f"gpu-node-{i:04d}.cluster.example.com"), "cuda": cuda, "world_size": 512}])
+    rc, out, err = run_cli(capsys, tmp_path / "logs")
+    assert rc == 0, err
+    (line,) = [x for x in out.splitlines() if x.startswith("  devices:")]
+    assert line == "  devices:  4,080× NVIDIA H200, 8× NVIDIA A100-SXM4-80GB on 512 hosts (per host: --format json)"
+    rep = as_json(capsys, tmp_path / "logs")
+    assert len(rep["run"]["devices"]) == 512 and rep["run"]["devices"]["gpu-node-0511.cluster.example.com"] == ["NVIDIA A100-SXM4-80GB"] * 4
+    # a few hosts: each one, as before
+    rc, out, _ = run_cli(capsys, *[tmp_path / "logs" / f"r{i}.jsonl" for i in (0, 511)])
+    assert "  devices:  gpu-node-0000.cluster.example.com: 8× NVIDIA H200; gpu-node-0511.cluster.example.com: 4× NVIDIA A100-SXM4-80GB" in out

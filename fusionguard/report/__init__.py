@@ -36,8 +36,8 @@ from __future__ import annotations
 from .aggregate import MAX_KEYS, NO_LAYER, OTHER_LAYERS, RESERVOIR, Aggregator, Counts, KeyStats, Reservoir, Stream, compact
 from .._format import site_text
 from .build import REPORT_VERSION, build, build_report, natural_key
-from .plot import plot, short_labels
 from .html import render_html
+from .plot import PLOT_NAME, plot, plot_target, short_labels
 from .read import MAX_LINE, SUPPORTED_SCHEMA, FileStats, ReportError, find_logs, read_events
 from .render import CSV_COLUMNS, MAX_CRASHES_SHOWN, fmt_duration, fmt_ts, rank_ranges, render_csv, render_json, render_text
 
@@ -48,6 +48,7 @@ __all__ = [
     "MAX_LINE",
     "NO_LAYER",
     "OTHER_LAYERS",
+    "PLOT_NAME",
     "REPORT_VERSION",
     "RESERVOIR",
     "SUPPORTED_SCHEMA",
@@ -66,6 +67,7 @@ __all__ = [
     "fmt_ts",
     "natural_key",
     "plot",
+    "plot_target",
     "rank_ranges",
     "read_events",
     "render_csv",

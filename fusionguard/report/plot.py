@@ -7,6 +7,7 @@ plot is asked for (``pip install 'fusionguard[plot]'``).
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -39,18 +40,43 @@ def short_labels(layers: List[str]) -> Tuple[List[str], Optional[str]]:
     return [short.get(name, name) for name in layers], pattern
 
 
+#: The file ``--plot`` writes into a directory.
+PLOT_NAME = "fusionguard.png"
+
+
+def plot_target(path: str) -> Tuple[str, str]:
+    """The file ``plot(rep, path)`` writes, and its format: the extension names the format
+    (``.png``, ``.svg``, ``.pdf``, ...); none: PNG, ``.png`` added (as matplotlib does); a
+    directory (existing, or ending in ``/``): ``fusionguard.png`` in it. ValueError, naming the
+    extension, for a format matplotlib cannot write (``p.txt``). Needs matplotlib."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    path = os.fspath(path)
+    if path.endswith(("/", os.sep)) or os.path.isdir(path):
+        path = os.path.join(path, PLOT_NAME)
+    ext = os.path.splitext(path)[1][1:]
+    if not ext:
+        return path + ".png", "png"
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if ext.lower() not in formats:
+        raise ValueError(f"matplotlib cannot write a .{ext} file; use one of " + ", ".join("." + f for f in sorted(formats)))
+    return path, ext.lower()
+
+
 def plot(rep: Dict[str, Any], path: str) -> str:
     """Per-layer forward/backward peak-memory bars, dense ones in red and labelled; without
     any memory figure in the log (CPU runs, ``watch(memory=False)``), dense and fused calls per
-    layer instead. Returns a note on what is missing ("" when nothing is). Layer names and
-    causes are drawn as they are (no mathtext: a ``$`` is a dollar sign). Needs matplotlib
-    (``pip install 'fusionguard[plot]'``); raises ImportError otherwise, OSError for a path
-    that cannot be written. The bars' numbers are ``chart``'s, as ``--html``'s chart."""
+    layer instead, written to ``plot_target(path)``. Returns a note on what is missing ("" when
+    nothing is). Layer names and causes are drawn as they are (no mathtext: a ``$`` is a dollar
+    sign). Needs matplotlib (``pip install 'fusionguard[plot]'``); raises ImportError otherwise,
+    ValueError for a format matplotlib cannot write, OSError for a path that cannot be written.
+    The bars' numbers are ``chart``'s, as ``--html``'s chart."""
     import matplotlib.pyplot as plt
 
+    path, fmt = plot_target(path)
     fig, note = figure(rep)
     try:
-        fig.savefig(path, dpi=120)
+        fig.savefig(path, format=fmt, dpi=120)
     finally:
         plt.close(fig)
     return note

@@ -19,6 +19,8 @@ from .._format import causes_text, escape, human_bytes, mem_text, site_text, tab
 from .aggregate import NO_LAYER
 
 MAX_CRASHES_SHOWN = 4  # crash/stop sections in the text report (all in --format json)
+DEVICES_WIDTH = 120  # a longer per-host devices line (hundreds of hosts) is summarised by device kind
+MAX_DEVICE_KINDS = 6  # device kinds named in that summary
 
 
 def rank_ranges(ranks: Iterable[Any]) -> str:
@@ -113,7 +115,7 @@ def render_text(rep: Dict[str, Any]) -> str:
             + (f"  ({v['processes']} processes)" if len(run["versions"]) > 1 else "")
         )
     if run["devices"]:
-        out.append("  devices:  " + "; ".join(f"{h}: " + _devices_text(d) for h, d in sorted(run["devices"].items())))
+        out.append("  devices:  " + devices_line(run["devices"]))
     out.append(f"  time:     {fmt_ts(run['first_ts'])} -> {fmt_ts(run['last_ts'])} ({fmt_duration(run['duration_s'])})")
     if run["schemas"]:
         out.append("  schema:   " + ", ".join(f"{k}" for k in sorted(run["schemas"])))
@@ -274,6 +276,25 @@ def _early_lines(rep: Dict[str, Any]) -> List[str]:
             impl = f" (config._attn_implementation={m['attn_implementation']!r})" if m.get("attn_implementation") else ""
             out.append(f"  {m.get('model')}{impl}")
     return out
+
+
+def devices_line(devices: Dict[str, List[str]]) -> str:
+    """Each host's devices (``node1: 8× NVIDIA H200``) when that fits in ``DEVICES_WIDTH``
+    characters; otherwise counts by device kind and the number of hosts (512 hosts made a line
+    of 7,179 characters). Each host's list stays in ``--format json``."""
+    per_host = "; ".join(f"{h}: " + _devices_text(d) for h, d in sorted(devices.items()))
+    if len(per_host) <= DEVICES_WIDTH:
+        return per_host
+    counts: Dict[str, int] = {}
+    for names in devices.values():
+        for n in names:
+            counts[n] = counts.get(n, 0) + 1
+    kinds = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    shown = [f"{n:,}× {k if len(k) <= 60 else k[:59] + '…'}" for k, n in kinds[:MAX_DEVICE_KINDS]]
+    rest = kinds[MAX_DEVICE_KINDS:]
+    if rest:
+        shown.append(f"{sum(n for _, n in rest):,} of {len(rest):,} other kind{'s' if len(rest) != 1 else ''}")
+    return f"{', '.join(shown)} on {len(devices):,} hosts (per host: --format json)"
 
 
 def _devices_text(names: List[str]) -> str:
