@@ -1,4 +1,4 @@
-"""Zero-code activation: ``FUSIONGUARD=strict|warn|off`` in the environment.
+"""Zero-code activation: ``FUSIONGUARD=strict|warn|oom|off`` in the environment.
 
 How it reaches every Python process (the way ``ddtrace-run`` and ``coverage`` do it): the
 launcher ``fusionguard run -- CMD ...`` puts ``fusionguard/_startup`` first on ``PYTHONPATH``;
@@ -22,7 +22,7 @@ import sys
 from typing import Any, List, Optional, Sequence
 
 ENV = "FUSIONGUARD"
-MODES = ("strict", "warn", "off")
+MODES = ("strict", "warn", "oom", "off")
 #: The directory the launcher puts first on PYTHONPATH (holds our ``sitecustomize.py``).
 HOOK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_startup")
 
@@ -41,7 +41,7 @@ def _say_once(key: str, text: str) -> None:
 
 
 def env_mode() -> Optional[str]:
-    """``strict`` / ``warn`` / ``off`` from ``FUSIONGUARD``; None when unset, empty or invalid
+    """``strict`` / ``warn`` / ``oom`` / ``off`` from ``FUSIONGUARD``; None when unset, empty or invalid
     (an invalid value is reported once on stderr)."""
     raw = os.environ.get(ENV)
     if raw is None or not raw.strip():
@@ -66,7 +66,7 @@ def startup() -> None:
     imported (at once if it already is). Never raises."""
     try:
         mode = env_mode()
-        if mode not in ("strict", "warn"):
+        if mode not in ("strict", "warn", "oom"):
             return
         if "torch" in sys.modules:
             _enable(mode)
@@ -102,7 +102,7 @@ def _enable(mode: str) -> None:
         import fusionguard
 
         if not fusionguard.is_enabled():  # the program enabled it itself: its settings stand
-            fusionguard.enable(strict=mode == "strict")
+            fusionguard.enable(mode=mode)
     except Exception as exc:
         _say_once("enable", f"fusionguard: {ENV}={mode}: enable() failed ({type(exc).__name__}: {exc}); the program runs without fusionguard\n")
 
@@ -181,7 +181,7 @@ def launch_env(mode: Optional[str] = None, log: Optional[str] = None, environ: O
 def run(cmd: Sequence[str], mode: Optional[str] = None, log: Optional[str] = None) -> int:
     """Replace this process with ``cmd`` under the start-up hook (returns only on failure)."""
     if not cmd:
-        sys.stderr.write("fusionguard run: no command given (fusionguard run [--strict|--warn] [--log PATH] -- CMD ...)\n")
+        sys.stderr.write("fusionguard run: no command given (fusionguard run [--strict|--warn|--oom] [--log PATH] -- CMD ...)\n")
         return 2
     env = launch_env(mode, log)
     try:
