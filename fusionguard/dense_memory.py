@@ -72,12 +72,13 @@ def predict_dense(phase: str, q: Any, k: Any, v: Any, score_mod: Any = None, sco
     """Predicted extra peak bytes of ``sdpa_dense`` (forward) / ``sdpa_dense_backward`` on CUDA.
 
     S = B*Hq*Q*KV score elements; w = 4 (8 for float64) working precision bytes, d = input bytes.
-    Forward: the largest of the masking step (scores, bool mask, ``where`` result, a score_mod
-    result unless it is the identity, captured score-sized tensors) and ``_safe_softmax``
-    (input, softmax, ``eq`` mask, ``where``: 3w+1), times S, plus K and V repeated to Hq heads
-    (``repeat_interleave`` copies even for 1 group). Backward: scores, masked scores, softmax,
-    grad of softmax, grad of score_mod and its scaled copy (6w) plus its cast to d, times S,
-    plus the repeated K and V, the gradient buffers and the Hq-head grad of V.
+    Forward: the largest of the masking step (scores, bool mask, a score_mod result unless it
+    is the identity, then the larger of a captured score-sized tensor's gather and the ``where``
+    result) and ``_safe_softmax`` (input, softmax, ``eq`` mask, ``where``: 3w+1), times S, plus K
+    and V repeated to Hq heads (``repeat_interleave`` copies even for 1 group). Backward:
+    scores, masked scores, softmax, grad of softmax, grad of score_mod and its scaled copy (6w)
+    plus its cast to d, and w more for a score_mod that is not the identity, times S, plus the
+    repeated K and V, the gradient buffers and the Hq-head grad of V.
     The dense path ignores block sparsity. ``None`` when the shapes are not plain 4-d.
     """
     try:
@@ -96,9 +97,13 @@ def predict_dense(phase: str, q: Any, k: Any, v: Any, score_mod: Any = None, sco
     repeats = bq * hq * kv_len * (dqk + dv) * d
     lse = bq * hq * q_len * 4
     if phase == "forward":
-        per = max(2 * w + 1 + extra_mod + captured, 3 * w + 1)
+        # masking: scores, mask, a score_mod's result, then a captured tensor's gather (inside
+        # score_mod) or the ``where`` result, whichever is larger; vs ``_safe_softmax``
+        per = max(w + 1 + extra_mod + max(captured, w), 3 * w + 1)
         return s * per + repeats + lse
-    per = 6 * w + d + extra_mod + captured
+    # (a captured tensor's gather is freed before the peak: measured 28 B/elt with a bias, 30
+    # with ``s * 2``, 26 with none, bf16; CPU, the same elementwise allocations as CUDA)
+    per = 6 * w + d + extra_mod
     grads = bq * hq * q_len * dqk * d + bq * hkv * kv_len * (dqk + dv) * d + bq * hq * kv_len * dv * d
     return s * per + repeats + grads + 2 * lse
 

@@ -200,8 +200,13 @@ def test_prediction_follows_dtype_score_mod_and_captured_tensors():
     assert dense_memory.predict_dense("backward", q, k, v, score_mod=lambda s_, b, h, m, n: s_ * 2) - base == 4 * s
     bias = torch.zeros(2, 64, 64)  # indexed by q and kv: gathered to the score shape
     doc = torch.zeros(64, dtype=torch.long)  # per token: broadcast, no score-sized copy
-    assert dense_memory.predict_dense("backward", q, k, v, None, (bias,), (doc,)) - base == 4 * s
+    # a captured [H, Q, KV] bias: gathered to the score shape inside score_mod (forward); its
+    # gather is freed before the backward's peak; a per-token tensor is broadcast, never gathered
     fwd = dense_memory.predict_dense("forward", q, k, v)
+    adds = lambda s_, b, h, m, n: s_ + bias[h, m, n]  # noqa: E731
+    assert dense_memory.predict_dense("forward", q, k, v, adds, (bias,), (doc,)) == fwd  # 4+1+4+4 = 13 = 3w+1
+    assert dense_memory.predict_dense("forward", q, k, v, adds, (bias, bias), ()) - fwd == 4 * s
+    assert dense_memory.predict_dense("backward", q, k, v, adds, (bias,), (doc,)) - base == 4 * s
     assert base > 2 * fwd - 4 * s  # backward about twice the forward (seed: 17.8 vs 8.9 GB)
 
 
