@@ -94,6 +94,12 @@ def test_repeats_are_sampled_and_counted_exactly(guard):
     assert len(full) == 2
     assert sum(c["count"] for c in counters) == 6 and counters[-1]["total"] == 8
     assert not [e for e in events if e["event"] == "dense_calls"], "mask builds are not dense attention calls"
+    from fusionguard.report.build import build
+    from fusionguard.report.render import render_text
+
+    rep = build([str(log)])
+    assert rep["masks"]["dense"] == 8 and rep["masks"]["estimated_max"] == 655360 and rep["totals"]["dense_calls"] == 0
+    assert "DENSE MASKS: 8 mask build(s) ran eagerly" in render_text(rep)
 
 
 def test_under_torch_compile_nothing_is_added_and_the_build_is_recorded_as_compiled(guard):

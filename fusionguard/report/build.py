@@ -235,6 +235,7 @@ def build_report(agg: Aggregator) -> Dict[str, Any]:
             "causes": _sum_causes(rows),
             "scores_bytes_max": max((r["scores_bytes_max"] for r in rows if r["scores_bytes_max"] is not None), default=None),
         },
+        "masks": {**{k: v for k, v in agg.masks.items() if k != "call_site"}, "first_call_site": site_text(agg.masks["call_site"]) if agg.masks["call_site"] else None},
         "rows": rows,
         "ranks": rank_rows,
         "disagreements": disagreements,
