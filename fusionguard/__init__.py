@@ -88,7 +88,13 @@ def enable(
               kernels; logged as ``path: "rescued"``; strict mode then raises only for calls that
               cannot be rescued), ``flush_interval`` (default 0.5 s: counted calls reach the file
               within it, so a killed process loses at most that much of its counts; 0: only
-              every N calls and at exit), ``log_mode`` (default 0o600: new log / crash files).
+              every N calls and at exit), ``log_mode`` (default 0o600: new log / crash files),
+              ``mask_limit`` (bytes; eager ``create_block_mask`` / ``create_mask`` builds
+              estimated above it warn, or raise in strict mode, before they allocate; default
+              None: 10 % of the building device's memory, read at the first build, not here),
+              ``mode`` (``"warn"``, ``"strict"`` or ``"oom"``: dense calls run, except one
+              predicted not to fit on its CUDA device, which raises before allocating; ``strict``
+              stays False in that mode; the same words as ``FUSIONGUARD=``).
     ``FUSIONGUARD=off`` in the environment makes this a no-op (kill switch; docs/guarantees.md).
     """
     check_options(options)

@@ -25,7 +25,21 @@ def run(script, *args, cwd, expect_rc=0):
 
 
 def test_every_example_has_a_smoke_test():
-    assert sorted(p.name for p in EXAMPLES.glob("*.py")) == ["drafter.py", "quickstart.py"]
+    assert sorted(p.name for p in EXAMPLES.glob("*.py")) == ["dense_mask.py", "drafter.py", "quickstart.py"]
+
+
+def test_dense_mask(tmp_path):
+    out = run("dense_mask.py", cwd=tmp_path)
+    assert "create_block_mask is building a dense 10.49 MB mask eagerly" in out
+    assert "(3 warnings, at " in out and "dense_mask.py:38)" in out
+    assert "blocked before it built a dense 10.49 MB mask eagerly (strict mode)" in out
+    assert "verdict: 4 eager mask build(s) seen (1 blocked), 1 compiled" in out
+    events = [e for e in read_jsonl(tmp_path / "fusionguard.jsonl") if e["event"] == "mask_build"]
+    assert [(e["path"], e.get("action")) for e in events] == [("dense", "warn")] * 3 + [("dense", "raise"), ("compiled", None)]
+    from fusionguard import report
+
+    text = report.render_text(report.build([str(tmp_path / "fusionguard.jsonl")]))
+    assert "DENSE MASKS: 4 eager mask build(s) (1 blocked), largest 10.49 MB estimated" in text
 
 
 def test_quickstart(tmp_path):

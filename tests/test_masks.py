@@ -99,7 +99,7 @@ def test_repeats_are_sampled_and_counted_exactly(guard):
 
     rep = build([str(log)])
     assert rep["masks"]["dense"] == 8 and rep["masks"]["estimated_max"] == 655360 and rep["totals"]["dense_calls"] == 0
-    assert "DENSE MASKS: 8 mask build(s) ran eagerly" in render_text(rep)
+    assert "DENSE MASKS: 8 eager mask build(s)" in render_text(rep)
 
 
 def test_under_torch_compile_nothing_is_added_and_the_build_is_recorded_as_compiled(guard):

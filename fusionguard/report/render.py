@@ -262,7 +262,7 @@ def masks_text(m: Dict[str, Any]) -> str:
     big = f", largest {human_bytes(m['estimated_max'])} estimated" if m.get("estimated_max") else ""
     site = f", first at {m['first_call_site']}" if m.get("first_call_site") else ""
     compiled = f"; {m['compiled']:,} compiled" if m.get("compiled") else ""
-    return f"DENSE MASKS: {m['dense']:,} mask build(s) ran eagerly{blocked}{big}{site}: compile create_block_mask{compiled}"
+    return f"DENSE MASKS: {m['dense']:,} eager mask build(s){blocked}{big}{site}{compiled} (fix: compile create_block_mask, build the mask once)"
 
 
 def render_csv(rep: Dict[str, Any]) -> str:
