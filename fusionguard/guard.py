@@ -191,7 +191,8 @@ def message(event: Dict[str, Any]) -> str:
     return text
 
 
-_VOLATILE = frozenset({"seq", "ts", "forward_seq", "thread"})
+# (free_bytes moves with every call: shown only in a blocked call's message, never cached)
+_VOLATILE = frozenset({"seq", "ts", "forward_seq", "thread", "free_bytes"})
 
 
 def _make_tensor_fields(q: Any, k: Any) -> Dict[str, Any]:
@@ -250,7 +251,7 @@ def format_message(event: Dict[str, Any]) -> str:
         free = event.get("free_bytes")
         lines.append(
             f"  memory:   needs about {human_bytes(event.get('predicted_bytes'))} more"
-            + (f"; the device can still give {human_bytes(free)}" if free is not None else "")
+            + (f"; the device can still give {human_bytes(free)}" if free is not None and action == "raise" else "")
         )
     lines += [
         f"  cause:    {event.get('cause')}: {causes.CAUSES.get(event.get('cause') or 'unknown', '')}",

@@ -78,15 +78,23 @@ def _limit(device: Any) -> Optional[int]:
     return _limits[kind]
 
 
-def _dims(args: tuple, kwargs: dict) -> Tuple[Any, int, int, int, int, Any]:
+def _dims(args: tuple, kwargs: dict) -> Optional[Tuple[Any, int, int, int, int, Any]]:
+    """The build's arguments; None when they are not plain sizes (PyTorch then says what is wrong)."""
     names = ("mod_fn", "B", "H", "Q_LEN", "KV_LEN", "device")
     values = {**dict(zip(names, args)), **kwargs}
     b, h = values.get("B"), values.get("H")
+    sizes = (b or 1, h or 1, values.get("Q_LEN"), values.get("KV_LEN"))
+    if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in sizes):
+        return None
     device = values.get("device")
     if device is None:
         accelerator = getattr(torch, "accelerator", None)
         device = accelerator.current_accelerator() if accelerator is not None else None
-    return values.get("mod_fn"), int(b or 1), int(h or 1), int(values["Q_LEN"]), int(values["KV_LEN"]), torch.device(device or "cpu")
+    try:
+        dev = torch.device(device or "cpu")
+    except (RuntimeError, TypeError, ValueError):
+        return None
+    return values.get("mod_fn"), int(b or 1), int(h or 1), int(values["Q_LEN"]), int(values["KV_LEN"]), dev
 
 
 def message(event: Dict[str, Any]) -> str:
@@ -111,7 +119,10 @@ def message(event: Dict[str, Any]) -> str:
 
 
 def _check(frame: Any, args: tuple, kwargs: dict) -> Tuple[Optional[Dict[str, Any]], Any]:
-    mod_fn, b, h, q_len, kv_len, device = _dims(args, kwargs)
+    dims = _dims(args, kwargs)
+    if dims is None:
+        return None, None
+    mod_fn, b, h, q_len, kv_len, device = dims
     block = frame is not None and frame.f_code is create_block_mask_code()
     user = frame.f_back if block else frame
     if block:

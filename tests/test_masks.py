@@ -145,6 +145,15 @@ def test_enable_recompiles_a_frame_compiled_before_it_once_as_documented(tmp_pat
     assert after_enable == 1 and after_disable == 1
 
 
+def test_bad_arguments_get_pytorchs_own_error_and_no_internal_error(guard):
+    guard(strict=True, mask_limit=LIMIT)
+    for args, kw in (((causal, 1, 1, "256", 256), {"device": "cpu"}), ((causal, 1, 1, 256, 256), {"device": "no-such-device"})):
+        with pytest.raises(Exception) as info:
+            PUBLIC.create_block_mask(*args, **kw)
+        assert not isinstance(info.value, fusionguard.DenseFallbackError)
+    assert fusionguard.events("internal_error") == [] and fusionguard.events("mask_build") == []
+
+
 def test_disable_puts_the_original_create_mask_back(guard):
     original = PUBLIC.__dict__["create_mask"]
     guard()
