@@ -33,7 +33,7 @@ ROW_KEYS = {
     "alloc_delta_median", "alloc_delta_max", "peak_delta_median", "peak_delta_max", "memory_samples",
     "scores_bytes_max", "templates", "first_dense", "first_dense_call_site", "dense_ranks", "fused_ranks",
 }
-TOP_KEYS = {"report_version", "run", "totals", "rows", "ranks", "disagreements", "endings", "crashes", "files", "ignored", "warnings"}
+TOP_KEYS = {"report_version", "run", "totals", "masks", "rows", "ranks", "disagreements", "endings", "crashes", "files", "ignored", "warnings"}
 SITE = {"file": "train.py", "line": 7, "function": "attention"}
 
 
