@@ -96,6 +96,12 @@ def enable(
               ``recompile_warn_at`` (default None: half of Dynamo's recompile limit, rounded up,
               always below it; 0: off): a frame holding FlexAttention compiled that many times
               gets one ``recompile_pressure`` event and warning, before the limit turns it dense.
+              ``mask_limit`` (bytes; eager ``create_block_mask`` / ``create_mask`` builds
+              estimated above it warn, or raise in strict mode, before they allocate; default
+              None: 10 % of the building device's memory, read at the first build, not here),
+              ``mode`` (``"warn"``, ``"strict"`` or ``"oom"``: dense calls run, except one
+              predicted not to fit on its CUDA device, which raises before allocating; ``strict``
+              stays False in that mode; the same words as ``FUSIONGUARD=``).
     ``FUSIONGUARD=off`` in the environment makes this a no-op (kill switch; docs/guarantees.md).
     Every argument is checked first (``TypeError`` / ``ValueError`` naming it, nothing installed);
     a failure part-way undoes everything installed before the error reaches the caller.

@@ -10,6 +10,9 @@ from typing import Any, Dict, Optional, Tuple, Union
 from .log import rank_info
 from .sink import DEFAULT_LOG_MODE
 
+#: ``enable(mode=...)``: the same words as ``FUSIONGUARD=``, ``fusionguard run`` and the pytest option.
+MODES = ("warn", "strict", "oom")
+
 #: The log file when neither ``enable(log_path=...)`` nor ``FUSIONGUARD_LOG`` says (one process).
 DEFAULT_LOG_NAME = "fusionguard.jsonl"
 
@@ -37,6 +40,12 @@ class Config:
     # recompile pressure: warn when a frame holding FlexAttention reaches this many compiles
     # (None: half of Dynamo's recompile limit, rounded up; always below the limit; 0: never)
     recompile_warn_at: Optional[int] = None
+    # eager create_block_mask / create_mask builds estimated above this many bytes warn (strict:
+    # raise); None: 10% of the building device's memory, read at the first build (not at enable())
+    mask_limit: Optional[int] = None
+    # "warn", "strict" or "oom" (dense calls run, but one predicted not to fit on its CUDA device
+    # raises); never truthy where code tests ``strict``: "oom" leaves ``strict`` False
+    mode: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.fsync != "always" and not isinstance(self.fsync, bool):
@@ -61,6 +70,14 @@ class Config:
                 f"fusionguard.enable(): recompile_warn_at must be None (half the recompile limit), 0 (off) "
                 f"or a number of compiles >= 2, not {warn_at!r}"
             )
+        if self.mask_limit is not None and (isinstance(self.mask_limit, bool) or not isinstance(self.mask_limit, int) or self.mask_limit < 0):
+            raise ValueError(f"fusionguard.enable(): mask_limit must be None or a number of bytes >= 0, not {self.mask_limit!r}")
+        if self.mode is not None and self.mode not in MODES:
+            raise ValueError(f"fusionguard.enable(): mode must be one of {', '.join(MODES)}, not {self.mode!r}")
+        if self.strict and self.mode not in (None, "strict"):
+            raise ValueError(f"fusionguard.enable(): strict=True contradicts mode={self.mode!r}")
+        self.strict = self.strict or self.mode == "strict"
+        self.mode = "strict" if self.strict else (self.mode or "warn")
 
     def public(self) -> Dict[str, Any]:
         return asdict(self)

@@ -13,7 +13,7 @@ from typing import Any, Callable, List, Tuple
 
 import torch
 
-from . import guard, inductor, pressure, rescue, torch_internals as ti, watching
+from . import guard, inductor, masks, pressure, rescue, torch_internals as ti, watching
 from ._logger import LOGGER_NAME
 from ._state import STATE, emit, internal_error
 from .dynamo_signals import SIGNALS
@@ -89,6 +89,11 @@ def _rescue(reg: PatchRegistry) -> None:
     reg.apply("flex_attention.setup_compilation_env", home, "setup_compilation_env", rescue.make_setup_env_wrapper)
 
 
+def _mask_build(reg: PatchRegistry) -> None:
+    """The ``create_mask`` global that every ``create_block_mask`` calls (``masks``)."""
+    reg.apply("flex_attention.create_mask", ti.mask_home(), "create_mask", masks.make_create_mask_wrapper)
+
+
 def _torch_logs(reg: PatchRegistry) -> None:
     """``TORCH_LOGS=fusionguard`` sets the level of ``logging.getLogger("fusionguard")``."""
     undo = ti.register_torch_log(LOGGER_NAME, LOGGER_NAME)
@@ -107,6 +112,7 @@ PATCHES: Tuple[Tuple[str, Callable[[PatchRegistry], None]], ...] = (
     ("recompile pressure (dynamo)", _pressure),
     ("torch.compile module wrapper (watch)", _compile_wrappers),
     ("rescue (setup_compilation_env)", _rescue),
+    ("mask builds (create_mask)", _mask_build),
     ("torch._logging (TORCH_LOGS=fusionguard)", _torch_logs),
 )
 

@@ -1,4 +1,4 @@
-"""Zero-code activation: ``FUSIONGUARD=strict|warn|off`` in the environment.
+"""Zero-code activation: ``FUSIONGUARD=strict|warn|oom|off`` in the environment.
 
 How it reaches every Python process (the way ``ddtrace-run`` and ``coverage`` do it): the
 launcher ``fusionguard run -- CMD ...`` puts ``fusionguard/_startup`` first on ``PYTHONPATH``;
@@ -24,7 +24,7 @@ import sys
 from typing import Any, List, Optional, Sequence
 
 ENV = "FUSIONGUARD"
-MODES = ("strict", "warn", "off")
+MODES = ("strict", "warn", "oom", "off")
 #: The directory the launcher puts first on PYTHONPATH (holds our ``sitecustomize.py``).
 HOOK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_startup")
 
@@ -43,7 +43,7 @@ def _say_once(key: str, text: str) -> None:
 
 
 def env_mode() -> Optional[str]:
-    """``strict`` / ``warn`` / ``off`` from ``FUSIONGUARD``; None when unset, empty or invalid
+    """``strict`` / ``warn`` / ``oom`` / ``off`` from ``FUSIONGUARD``; None when unset, empty or invalid
     (an invalid value is reported once on stderr)."""
     raw = os.environ.get(ENV)
     if raw is None or not raw.strip():
@@ -68,7 +68,7 @@ def startup() -> None:
     imported (at once if it already is). Never raises."""
     try:
         mode = env_mode()
-        if mode not in ("strict", "warn"):
+        if mode not in ("strict", "warn", "oom"):
             return
         if "torch" in sys.modules:
             _enable(mode)
@@ -106,7 +106,7 @@ def _enable(mode: str) -> None:
         # the program enabled it itself, or is doing so right now (its enable() imported torch):
         # its settings stand
         if not fusionguard.is_enabled() and not fusionguard._enabling:
-            fusionguard.enable(strict=mode == "strict")
+            fusionguard.enable(mode=mode)
     except Exception as exc:
         _say_once("enable", f"fusionguard: {ENV}={mode}: enable() failed ({type(exc).__name__}: {exc}); the program runs without fusionguard\n")
 
@@ -331,13 +331,13 @@ def check_mode(value: Optional[str]) -> Optional[str]:
     (or unset / empty: the default, warn)."""
     if value is None or not value.strip() or value.strip().lower() in MODES:
         return None
-    return f"fusionguard run: {ENV}={value!r} is not a mode: use one of {', '.join(MODES)} (or --strict / --warn); nothing was started\n"
+    return f"fusionguard run: {ENV}={value!r} is not a mode: use one of {', '.join(MODES)} (or --strict / --warn / --oom); nothing was started\n"
 
 
 def run(cmd: Sequence[str], mode: Optional[str] = None, log: Optional[str] = None) -> int:
     """Replace this process with ``cmd`` under the start-up hook (returns only on failure)."""
     if not cmd:
-        sys.stderr.write("fusionguard run: no command given (fusionguard run [--strict|--warn] [--log PATH] -- CMD ...)\n")
+        sys.stderr.write("fusionguard run: no command given (fusionguard run [--strict|--warn|--oom] [--log PATH] -- CMD ...)\n")
         return 2
     bad = None if mode else check_mode(os.environ.get(ENV))
     if bad:

@@ -69,6 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     mode = u.add_mutually_exclusive_group()
     mode.add_argument("--strict", dest="mode", action="store_const", const="strict", help="raise before a dense call (FUSIONGUARD=strict)")
     mode.add_argument("--warn", dest="mode", action="store_const", const="warn", help="warn and log (the default, unless FUSIONGUARD is set)")
+    mode.add_argument(
+        "--oom", dest="mode", action="store_const", const="oom", help="let dense calls run, except one predicted not to fit on its GPU (FUSIONGUARD=oom)"
+    )
     u.add_argument("--log", metavar="PATH", help="FUSIONGUARD_LOG: a file, or a directory (end it with /) for one file per process")
     u.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ...", help="the command and its arguments")
     return p

@@ -11,6 +11,7 @@ KNOWN_EVENTS = frozenset(
         "graph_break", "internal_error", "shutdown", "layer_memory", "fused_calls", "summary", "crash",
         "flex_run", "rescue_failed", "dense_calls", "watch_traced", "compiled_before_enable",
         "recompile_pressure", "no_flex_calls",
+        "mask_build", "mask_builds",
     }
 )
 #: About one FlexAttention call, compile or layer: the "last FlexAttention event" of a crash.

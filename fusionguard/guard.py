@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from . import causes, profiling
+from . import causes, dense_memory, profiling
 from ._format import human_bytes, site_text
 from ._logger import dense_text
 from ._state import STATE, count, dense_allowed_here, internal_error
@@ -209,7 +209,8 @@ def message(event: Dict[str, Any]) -> str:
     return text
 
 
-_VOLATILE = frozenset({"seq", "ts", "forward_seq", "thread"})
+# (free_bytes moves with every call: shown only in a blocked call's message, never cached)
+_VOLATILE = frozenset({"seq", "ts", "forward_seq", "thread", "free_bytes"})
 
 
 def _make_tensor_fields(q: Any, k: Any) -> Dict[str, Any]:
@@ -245,8 +246,10 @@ def format_message(event: Dict[str, Any]) -> str:
     layer = f" in {event['layer']}" if event.get("layer") else ""
     size = human_bytes(event.get("scores_bytes"), unknown="unknown size")
     action: str = event.get("action") or ""
+    oom = event.get("blocked_by") == "oom"
     head = {
-        "raise": f"dense FlexAttention {phase}{layer} blocked before it allocated a {size} score matrix (strict mode)",
+        "raise": f"dense FlexAttention {phase}{layer} blocked before it allocated a {size} score matrix "
+        + ("(oom mode: it would not fit)" if oom else "(strict mode)"),
         "warn": f"dense FlexAttention {phase}{layer} is materialising a {size} score matrix",
         "allow": f"dense FlexAttention {phase}{layer} allowed by "
         + ("the debug flag" if event.get("cause") == "debug_flag" else "allow_dense()")
@@ -261,6 +264,14 @@ def format_message(event: Dict[str, Any]) -> str:
         f"  at:       {site_text(event.get('call_site'), 'unknown call site')}",
         f"  shapes:   q {q} k/v {kv} {event.get('dtype')} on {event.get('device')}; scores {size}{dims}",
         f"  traced:   {'yes, by torch.compile' if event.get('traced') else 'no, not captured by torch.compile'}",
+    ]
+    if event.get("predicted_bytes") is not None:
+        free = event.get("free_bytes")
+        lines.append(
+            f"  memory:   needs about {human_bytes(event.get('predicted_bytes'))} more"
+            + (f"; the device can still give {human_bytes(free)}" if free is not None and action == "raise" else "")
+        )
+    lines += [
         f"  cause:    {event.get('cause')}: {causes.CAUSES.get(event.get('cause') or 'unknown', '')}",
     ]
     evidence = dict(event.get("evidence") or {})
@@ -277,6 +288,27 @@ def format_message(event: Dict[str, Any]) -> str:
     if action == "raise":
         lines.append("  (to let this call run dense on purpose: `with fusionguard.allow_dense(): ...`)")
     return "\n".join(lines)
+
+
+def _memory(phase: str, args: tuple, kwargs: dict, q: Any, k: Any) -> Tuple[Optional[int], Optional[int]]:
+    """(predicted extra peak bytes of this dense call, what its CUDA device can still give)."""
+    try:
+        if phase == "forward":
+            v, score_mod = _arg(args, kwargs, 2, "value"), _arg(args, kwargs, 3, "score_mod")
+            buffers, mask_buffers = _arg(args, kwargs, 7, "score_mod_other_buffers"), _arg(args, kwargs, 8, "mask_mod_other_buffers")
+        else:
+            v, score_mod = _arg(args, kwargs, 2, "value"), _arg(args, kwargs, 7, "fw_graph")
+            buffers, mask_buffers = _arg(args, kwargs, 12, "score_mod_other_buffers"), _arg(args, kwargs, 13, "mask_mod_other_buffers")
+        predicted = dense_memory.predict_dense(phase, q, k, v, score_mod, buffers or (), mask_buffers or ())
+        return predicted, dense_memory.free_bytes(q.device)
+    except Exception as exc:
+        internal_error("dense memory prediction", exc)
+        return None, None
+
+
+def _wont_fit(predicted: Optional[int], free: Optional[int]) -> bool:
+    """The oom mode's test: only a call known not to fit (both numbers known) is blocked."""
+    return STATE.config.mode == "oom" and predicted is not None and free is not None and predicted > free
 
 
 def _check_dense(phase: str, args: tuple, kwargs: dict, frame: Any) -> Tuple[Optional[Dict[str, Any]], Any]:
@@ -311,7 +343,8 @@ def _check_dense(phase: str, args: tuple, kwargs: dict, frame: Any) -> Tuple[Opt
         or diagnosis.cause == "debug_flag"
         or (phase == "backward" and origin is None and _of_allowed_forward(args, kwargs))
     )
-    action = "allow" if allowed else ("raise" if STATE.config.strict else "warn")
+    predicted, free = _memory(phase, args, kwargs, q, k)
+    action = "allow" if allowed else ("raise" if STATE.config.strict or _wont_fit(predicted, free) else "warn")
     fields: Dict[str, Any] = {
         "phase": phase,
         "path": "dense",
@@ -324,7 +357,11 @@ def _check_dense(phase: str, args: tuple, kwargs: dict, frame: Any) -> Tuple[Opt
         "action": action,
         "call_site": call_site,
         "autograd": origin is not None or _FORWARD_SLOT.get() is not None,
+        "predicted_bytes": predicted,
+        "free_bytes": free,
     }
+    if action == "raise" and not STATE.config.strict:
+        fields["blocked_by"] = "oom"  # the oom mode: predicted not to fit
     fields.update(tensor_fields(q, k))
     if "layout" not in fields and _from_nested(frame):
         fields["layout"] = "nested"

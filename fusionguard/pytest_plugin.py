@@ -40,7 +40,7 @@ from typing import Any, Dict, Generator, Iterator, List, Optional, Tuple
 
 import pytest
 
-MODES = ("strict", "warn", "off")
+MODES = ("strict", "warn", "oom", "off")
 PROPERTY = "fusionguard"
 MARKER = "fusionguard_allow_dense"
 
@@ -54,7 +54,7 @@ def pytest_addoption(parser: Any) -> None:
         default=None,
         metavar="MODE",
         help="guard FlexAttention for the session: strict (a dense call fails the test), "
-        "warn (dense calls are reported), off (default)",
+        "warn (dense calls are reported), oom (dense calls run, one predicted not to fit its GPU fails the test), off (default)",
     )
     group.addoption(
         "--fusionguard-log",
@@ -64,7 +64,7 @@ def pytest_addoption(parser: Any) -> None:
         help="fusionguard JSON-lines log: a file, or a directory (one file per process); "
         "default: fusionguard.jsonl in pytest's base temporary directory",
     )
-    parser.addini("fusionguard", "fusionguard mode for the session when --fusionguard is not given: strict, warn or off", default="")
+    parser.addini("fusionguard", "fusionguard mode for the session when --fusionguard is not given: strict, warn, oom or off", default="")
     parser.addini("fusionguard_log", "fusionguard log path when --fusionguard-log is not given", default="")
 
 
@@ -114,7 +114,7 @@ def _compact(event: Dict[str, Any]) -> Dict[str, Any]:
 
 
 class FusionGuardSession:
-    """Registered only when ``--fusionguard`` is strict or warn."""
+    """Registered only when ``--fusionguard`` is strict, warn or oom."""
 
     def __init__(self, config: Any, mode: str, killed: bool = False) -> None:
         self.config = config
@@ -144,10 +144,10 @@ class FusionGuardSession:
         import fusionguard
         from fusionguard._state import STATE
 
-        if fusionguard.is_enabled() and STATE.config.strict == self.strict and STATE.config.log_path == self.log_path:
+        if fusionguard.is_enabled() and STATE.config.mode == self.mode and STATE.config.log_path == self.log_path:
             return
         # a resolved file path (or False: the session's log could not be opened, memory only)
-        fusionguard.enable(strict=self.strict, log_path=self.log_path if self.log_path is not None else False, keep_all=True)
+        fusionguard.enable(mode=self.mode, log_path=self.log_path if self.log_path is not None else False, keep_all=True)
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_sessionstart(self, session: Any) -> None:
@@ -157,7 +157,7 @@ class FusionGuardSession:
         import fusionguard
 
         # keep_all: every dense call of every test is reported, none folded into counters
-        fusionguard.enable(strict=self.strict, log_path=path, keep_all=True)
+        fusionguard.enable(mode=self.mode, log_path=path, keep_all=True)
         from fusionguard._state import STATE
 
         self.log_path = STATE.config.log_path  # resolved (a directory becomes rank/pid file)
@@ -282,7 +282,7 @@ class FusionGuardSession:
             del report.wasxfail
             report.outcome = "failed"
             report.longrepr = (
-                f"fusionguard (strict): {len(blocked)} dense FlexAttention call(s) blocked during {report.when} of a "
+                f"fusionguard ({self.mode}): {len(blocked)} dense FlexAttention call(s) blocked during {report.when} of a "
                 "test marked as an expected failure; a blocked call fails the test whatever its marks "
                 f"(use @pytest.mark.{MARKER} to allow it)\n\n" + "\n\n".join(blocked)
             )
@@ -290,7 +290,7 @@ class FusionGuardSession:
             # The DenseFallbackError was caught by the code under test: still a failure.
             report.outcome = "failed"
             report.longrepr = (
-                f"fusionguard (strict): {len(blocked)} dense FlexAttention call(s) blocked during "
+                f"fusionguard ({self.mode}): {len(blocked)} dense FlexAttention call(s) blocked during "
                 f"{report.when}, but the DenseFallbackError did not reach pytest (caught by the code "
                 "under test?)\n\n" + "\n\n".join(blocked)
             )

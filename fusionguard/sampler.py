@@ -15,12 +15,12 @@ DEFAULT_FUSED_FIRST = 10
 DEFAULT_FUSED_EVERY = 1000
 #: Never sampled, whatever their fields say.
 NEVER_SAMPLED = frozenset(
-    {"header", "flex_compile", "flex_call", "flex_inlined", "summary", "shutdown", "crash", "fused_calls", "dense_calls"}
+    {"header", "flex_compile", "flex_call", "flex_inlined", "summary", "shutdown", "crash", "fused_calls", "dense_calls", "mask_builds"}
 )
 #: Emitting one of these first writes the pending ``fused_calls`` counters (nothing is lost).
 FLUSH_BEFORE = frozenset({"summary", "shutdown", "crash"})
 KEEP = "keep"
-COUNTER_LEVEL = {"fused_calls": "info", "dense_calls": "warning"}
+COUNTER_LEVEL = {"fused_calls": "info", "dense_calls": "warning", "mask_builds": "info"}
 
 
 class _Window:
@@ -65,7 +65,7 @@ class Sampler:
         first: int = DEFAULT_FUSED_FIRST,
         every: int = DEFAULT_FUSED_EVERY,
         keep_all: bool = False,
-        aggregate: Tuple[str, ...] = ("alloc_delta", "peak_delta", "scores_bytes"),
+        aggregate: Tuple[str, ...] = ("alloc_delta", "peak_delta", "scores_bytes", "estimated_bytes"),
         max_keys: int = 100_000,
         dense_first: int = DEFAULT_FUSED_FIRST,
         dense_every: int = DEFAULT_FUSED_EVERY,
@@ -98,6 +98,8 @@ class Sampler:
         path = fields.get("path")
         if path == "fused":
             return level == "info" and event not in NEVER_SAMPLED
+        if event == "mask_build":  # eager mask builds: sampled like dense calls; a blocked one never
+            return path == "dense" and fields.get("action") in ("log", "warn", "allow")
         return path == "dense" and event == "flex_call" and fields.get("action") in ("warn", "allow")
 
     def offer(self, event: str, fields: dict) -> Any:
@@ -167,6 +169,8 @@ class Sampler:
             out[f"{name}_last"] = last
         w.window = 0
         w.agg = {}
+        if key[2] == "mask_build":  # its own counter: report must not count mask builds as dense calls
+            return "mask_builds", out
         return ("dense_calls" if dense else "fused_calls"), out
 
     def flush(self) -> List[Tuple[str, Dict[str, Any]]]:

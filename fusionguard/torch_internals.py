@@ -661,8 +661,39 @@ def profiler_check() -> Callable[[], bool]:
     except (ImportError, AttributeError):
         pass
     return lambda: False
+
+
 def attn_implementation(model: Any) -> Optional[str]:
     """A Hugging Face model's attention backend (``config._attn_implementation``: transformers has
     no public name for it), or None. Kept here with the other private names."""
     impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
     return impl if isinstance(impl, str) else None
+
+
+def mask_home() -> Dict[str, Any]:
+    """The namespace whose ``create_mask`` global ``create_block_mask`` calls (the mask hook's
+    seam: every ``create_block_mask``, however it was imported, looks it up there)."""
+    mod = public_module()
+    if mod is None or not callable(mod.__dict__.get("create_mask")) or not callable(mod.__dict__.get("create_block_mask")):
+        raise Unavailable(f"mask builds are not observed on torch {torch_version()} ({PUBLIC_MODULE}.create_mask is missing)")
+    return mod.__dict__
+
+
+def create_block_mask_code() -> Any:
+    """``create_block_mask``'s code object (to tell its ``create_mask`` call from a direct one)."""
+    mod = public_module()
+    fn = mod.__dict__.get("create_block_mask") if mod is not None else None
+    fn = getattr(fn, "__wrapped__", fn)
+    return getattr(fn, "__code__", None)
+
+
+def block_sizes(frame: Any) -> Tuple[int, int]:
+    """The (Q, KV) sparse block sizes ``create_block_mask`` (``frame``) is building with; its
+    locals ``Q_BLOCK_SIZE`` / ``KV_BLOCK_SIZE``, else the module default (128)."""
+    try:
+        local = frame.f_locals
+        return int(local["Q_BLOCK_SIZE"]), int(local["KV_BLOCK_SIZE"])
+    except Exception:
+        mod = public_module()
+        size = int(getattr(mod, "_DEFAULT_SPARSE_BLOCK_SIZE", 128))
+        return size, size

@@ -26,7 +26,7 @@ def run(script, *args, cwd, expect_rc=0):
 
 def test_every_example_has_a_smoke_test():
     assert sorted(p.name for p in EXAMPLES.glob("*.py")) == [
-        "drafter.py", "early_warnings.py", "hf_trainer.py", "lightning_fit.py", "quickstart.py"
+        "dense_mask.py", "drafter.py", "early_warnings.py", "hf_trainer.py", "lightning_fit.py", "quickstart.py"
     ]
     readme = (ROOT / "README.md").read_text()
     for p in EXAMPLES.glob("*.py"):
@@ -47,6 +47,20 @@ def test_early_warnings(tmp_path):
     text = report.render_text(report.build([str(tmp_path / "fusionguard.jsonl")]))
     assert "recompile pressure: 1 frame at 4 of 8 compiles (q dim 2 varies)" in text
     assert "no FlexAttention: 1 watched model ran a forward without any FlexAttention call" in text
+
+
+def test_dense_mask(tmp_path):
+    out = run("dense_mask.py", cwd=tmp_path)
+    assert "create_block_mask is building a dense 10.49 MB mask eagerly" in out
+    assert "(3 warnings, at " in out and "dense_mask.py:38)" in out
+    assert "blocked before it built a dense 10.49 MB mask eagerly (strict mode)" in out
+    assert "verdict: 4 eager mask build(s) seen (1 blocked), 1 compiled" in out
+    events = [e for e in read_jsonl(tmp_path / "fusionguard.jsonl") if e["event"] == "mask_build"]
+    assert [(e["path"], e.get("action")) for e in events] == [("dense", "warn")] * 3 + [("dense", "raise"), ("compiled", None)]
+    from fusionguard import report
+
+    text = report.render_text(report.build([str(tmp_path / "fusionguard.jsonl")]))
+    assert "DENSE MASKS: 4 eager mask build(s) (1 blocked), largest 10.49 MB estimated" in text
 
 
 def test_quickstart(tmp_path):

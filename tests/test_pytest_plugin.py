@@ -241,7 +241,7 @@ def test_junitxml_property_is_json_and_the_ini_option_turns_it_on(pytester):
     result.assert_outcomes(failed=1)
     pytester.makeini("[pytest]\nfusionguard = loud\n")
     result = pytester.runpytest_subprocess(*PLUGIN, "-p", "no:cacheprovider")
-    assert result.ret == 4 and "fusionguard = 'loud': use one of strict, warn, off" in "\n".join(result.errlines)
+    assert result.ret == 4 and "fusionguard = 'loud': use one of strict, warn, oom, off" in "\n".join(result.errlines)
 
 
 # -- #27 part 5: the summary says what happened ----------------------------------------------------

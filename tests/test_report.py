@@ -34,7 +34,7 @@ ROW_KEYS = {
     "scores_bytes_max", "templates", "first_dense", "first_dense_call_site", "dense_ranks", "fused_ranks",
 }
 TOP_KEYS = {
-    "report_version", "run", "totals", "rows", "ranks", "disagreements", "endings", "crashes", "files", "ignored", "warnings",
+    "report_version", "run", "totals", "masks", "rows", "ranks", "disagreements", "endings", "crashes", "files", "ignored", "warnings",
     "first_events", "recompile_pressure", "no_flex_calls",
 }
 SITE = {"file": "train.py", "line": 7, "function": "attention"}

@@ -197,6 +197,8 @@ class Aggregator:
         self.streams: Dict[Tuple[Any, Any, Any], Stream] = {}
         self.keys: Dict[Tuple[str, str], KeyStats] = {}
         self.kinds: Dict[str, int] = {}
+        # eager mask builds (mask_build / its sampled counter mask_builds) and compiled ones
+        self.masks: Dict[str, Any] = {"dense": 0, "compiled": 0, "blocked": 0, "estimated_max": None, "call_site": None}
         self.unknown: Dict[str, int] = {}
         self.first_ts: Optional[float] = None
         self.last_ts: Optional[float] = None
@@ -282,6 +284,23 @@ class Aggregator:
         elif not stats.headers:
             stats.schemas["none"] = 0
 
+    def _mask(self, kind: str, e: dict) -> None:
+        m = self.masks
+        if e.get("path") == "compiled":
+            m["compiled"] += 1
+            return
+        if e.get("action") == "allow":
+            return
+        n = e.get("count") if kind == "mask_builds" else 1
+        m["dense"] += n if isinstance(n, int) and not isinstance(n, bool) else 0
+        if e.get("action") == "raise":
+            m["blocked"] += 1
+        est = e.get("estimated_bytes" if kind == "mask_build" else "estimated_bytes_max")
+        if isinstance(est, int) and not isinstance(est, bool) and (m["estimated_max"] is None or est > m["estimated_max"]):
+            m["estimated_max"] = est
+        if m["call_site"] is None and isinstance(e.get("call_site"), dict):
+            m["call_site"] = e["call_site"]
+
     def _event(self, s: Stream, kind: str, e: dict) -> None:
         # The hot loop (every line of a 1 GB log): plain comparisons, no per-event allocations
         # beyond the parsed dict; the deque keeps references, compacted only when shown.
@@ -307,6 +326,8 @@ class Aggregator:
         first = self.firsts.get(kind)
         if first is None or (ts is not None and (first.get("ts") is None or ts < first["ts"])):
             self.firsts[kind] = {**compact(e), "rank": s.rank, "pid": s.pid, "host": s.host}
+        if kind == "mask_build" or kind == "mask_builds":
+            self._mask(kind, e)
         if kind == "crash":
             s.crash_count += 1
             if len(s.crashes) < 3:

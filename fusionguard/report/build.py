@@ -239,6 +239,7 @@ def build_report(agg: Aggregator) -> Dict[str, Any]:
         },
         "recompile_pressure": sorted(agg.pressure.values(), key=lambda p: (-(p["compiles"] or 0), str(p["file"]), p["line"] or 0)),
         "no_flex_calls": sorted(agg.no_flex.values(), key=lambda m: (str(m["model"]), str(m["attn_implementation"]))),
+        "masks": {**{k: v for k, v in agg.masks.items() if k != "call_site"}, "first_call_site": site_text(agg.masks["call_site"]) if agg.masks["call_site"] else None},
         "rows": rows,
         "ranks": rank_rows,
         "disagreements": disagreements,

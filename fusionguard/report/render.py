@@ -136,6 +136,9 @@ def render_text(rep: Dict[str, Any]) -> str:
         f"{allowed:,} allowed dense call{'s' if allowed != 1 else ''} (allow_dense() or the debug flag: on purpose, not counted as dense)"
         if allowed else ""
     )
+    masks = rep.get("masks") or {}
+    if masks.get("dense") or masks.get("compiled"):
+        out.append(masks_text(masks))
     if not rep["rows"]:
         out.append("No FlexAttention calls or compiles in the input.")
     else:
@@ -311,6 +314,17 @@ CSV_COLUMNS = (
     "alloc_delta_median", "alloc_delta_max", "peak_delta_median", "peak_delta_max",
     "scores_bytes_max", "first_dense_call_site", "dense_ranks", "fused_ranks",
 )
+
+
+def masks_text(m: Dict[str, Any]) -> str:
+    """The mask line: eager (dense) builds, the largest estimate, the first call site; compiled ones."""
+    if not m.get("dense"):
+        return f"masks: {m.get('compiled', 0):,} compiled mask build(s), none eager"
+    blocked = f" ({m['blocked']:,} blocked)" if m.get("blocked") else ""
+    big = f", largest {human_bytes(m['estimated_max'])} estimated" if m.get("estimated_max") else ""
+    site = f", first at {m['first_call_site']}" if m.get("first_call_site") else ""
+    compiled = f"; {m['compiled']:,} compiled" if m.get("compiled") else ""
+    return f"DENSE MASKS: {m['dense']:,} eager mask build(s){blocked}{big}{site}{compiled} (fix: compile create_block_mask, build the mask once)"
 
 
 def render_csv(rep: Dict[str, Any]) -> str:

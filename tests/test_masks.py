@@ -1,0 +1,278 @@
+"""#25 parts 2 and 4 on CPU: eager mask builds (``mask_build``), the dense memory prediction on
+every dense event, and the ``oom`` mode through every entry point. Real torch, real Dynamo, a
+real ``create_block_mask``; masks stay far below 8k (the 8k+ figures are in benchmarks/)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import PUBLIC, causal, op_args, qkv, read_jsonl
+
+import fusionguard
+from fusionguard import _state, dense_memory
+
+ROOT = Path(__file__).resolve().parents[1]
+LIMIT = 200_000  # bytes: a 256 x 256 block mask (655 KB estimated) is above it, 64 x 64 (151 KB) below
+
+
+def _builds(kind="mask_build"):
+    return fusionguard.events(kind)
+
+
+def test_a_block_mask_built_eagerly_warns_at_the_users_line_with_its_estimate(guard):
+    guard(mask_limit=LIMIT)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = sys._getframe().f_lineno + 1
+        PUBLIC.create_block_mask(causal, 1, 2, 256, 200, device="cpu")
+    mine = [w for w in caught if issubclass(w.category, fusionguard.DenseFallbackWarning)]
+    assert len(mine) == 1 and mine[0].filename == __file__ and mine[0].lineno == line
+    assert "torch.compile(create_block_mask)" in str(mine[0].message) and "outside the training loop" in str(mine[0].message)
+    (e,) = _builds()
+    assert e["path"] == "dense" and e["kind"] == "block_mask" and e["action"] == "warn"
+    assert e["shape"] == [1, 2, 256, 200] and e["device"] == "cpu" and e["mask_limit"] == LIMIT
+    # 1 byte per mask element + 9 per element padded to whole 128 x 128 blocks
+    assert e["estimated_bytes"] == 2 * 256 * 200 + 9 * 2 * 256 * 256
+    assert e["call_site"]["file"] == __file__ and e["call_site"]["line"] == line
+    assert e["free_bytes"] is None  # CPU: no allocator to ask
+
+
+def test_strict_raises_before_the_mask_is_built(guard):
+    guard(strict=True, mask_limit=LIMIT)
+    calls = []
+
+    def counted(b, h, q_idx, kv_idx):
+        calls.append(1)
+        return q_idx >= kv_idx
+
+    with pytest.raises(fusionguard.DenseFallbackError) as info:
+        PUBLIC.create_block_mask(counted, 1, 1, 256, 256, device="cpu")
+    assert calls == [], "the mask_mod never ran: nothing was allocated"
+    assert info.value.event["event"] == "mask_build" and info.value.event["action"] == "raise"
+    assert "blocked before it built" in str(info.value) and "allow_dense" in str(info.value)
+    with fusionguard.allow_dense():  # on purpose: runs, logged as allowed
+        PUBLIC.create_block_mask(counted, 1, 1, 256, 256, device="cpu")
+    assert calls and _builds()[-1]["action"] == "allow"
+    small = PUBLIC.create_block_mask(causal, 1, 1, 64, 64, device="cpu")  # below the limit: logged only
+    assert small is not None and _builds()[-1]["action"] == "log" and _builds()[-1]["level"] == "info"
+
+
+def test_create_mask_itself_and_the_layer_inside_watch(guard):
+    guard(mask_limit=LIMIT)
+
+    class Block(torch.nn.Module):
+        def forward(self, x):
+            mask = PUBLIC.create_mask(causal, 1, 1, 512, 512, device="cpu")  # 262 KB > limit
+            return x + mask.sum()
+
+    model = torch.nn.Sequential(Block())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with fusionguard.watch(model):
+            model(torch.zeros(1))
+    (e,) = _builds()
+    assert e["kind"] == "mask" and e["estimated_bytes"] == 512 * 512 and e["layer"] == "0"
+
+
+def test_repeats_are_sampled_and_counted_exactly(guard):
+    log = guard(mask_limit=LIMIT, dense_first=2, dense_every=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(8):
+            PUBLIC.create_block_mask(causal, 1, 1, 256, 256, device="cpu")
+    assert _state.STATE.counts["mask_build_dense"] == 8
+    fusionguard.disable()
+    events = read_jsonl(log)
+    full = [e for e in events if e["event"] == "mask_build"]
+    counters = [e for e in events if e["event"] == "mask_builds"]
+    assert len(full) == 2
+    assert sum(c["count"] for c in counters) == 6 and counters[-1]["total"] == 8
+    assert not [e for e in events if e["event"] == "dense_calls"], "mask builds are not dense attention calls"
+    from fusionguard.report.build import build
+    from fusionguard.report.render import render_text
+
+    rep = build([str(log)])
+    assert rep["masks"]["dense"] == 8 and rep["masks"]["estimated_max"] == 655360 and rep["totals"]["dense_calls"] == 0
+    assert "DENSE MASKS: 8 eager mask build(s)" in render_text(rep)
+
+
+def test_under_torch_compile_nothing_is_added_and_the_build_is_recorded_as_compiled(guard):
+    guard(mask_limit=LIMIT)
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    build = torch.compile(PUBLIC.create_block_mask, backend="eager", fullgraph=True)  # fullgraph: no break added
+    before = counters["stats"]["unique_graphs"]
+    for _ in range(2):
+        build(causal, 1, 1, 256, 256, device="cpu")
+    assert counters["stats"]["unique_graphs"] - before == 1, "compiled once, run twice"
+    kinds = [(e["path"], e.get("traced")) for e in _builds()]
+    assert kinds == [("compiled", True)], "one trace-time record per compile, no dense build"
+
+
+def test_enable_recompiles_a_frame_compiled_before_it_once_as_documented(tmp_path):
+    """The seam is the ``create_mask`` global, which Dynamo guards: a frame compiled before
+    ``enable()`` recompiles once after it, never more; after ``disable()`` its first entry serves."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+
+    @torch.compile(backend="eager")
+    def build(n):
+        return PUBLIC.create_block_mask(causal, 1, 1, n, n, device="cpu")
+
+    build(128)
+    base = counters["stats"]["unique_graphs"]
+    try:
+        fusionguard.enable(log_path=False, mask_limit=LIMIT)
+        for _ in range(3):
+            build(128)
+        after_enable = counters["stats"]["unique_graphs"] - base
+        fusionguard.disable()
+        for _ in range(3):
+            build(128)
+        after_disable = counters["stats"]["unique_graphs"] - base
+    finally:
+        fusionguard.disable()
+        _state.reset_for_tests()
+    # disable(): the entry compiled for the original create_mask matches again, no compile
+    assert after_enable == 1 and after_disable == 1
+
+
+def test_bad_arguments_get_pytorchs_own_error_and_no_internal_error(guard):
+    guard(strict=True, mask_limit=LIMIT)
+    for args, kw in (((causal, 1, 1, "256", 256), {"device": "cpu"}), ((causal, 1, 1, 256, 256), {"device": "no-such-device"})):
+        with pytest.raises(Exception) as info:
+            PUBLIC.create_block_mask(*args, **kw)
+        assert not isinstance(info.value, fusionguard.DenseFallbackError)
+    assert fusionguard.events("internal_error") == [] and fusionguard.events("mask_build") == []
+
+
+def test_disable_puts_the_original_create_mask_back(guard):
+    original = PUBLIC.__dict__["create_mask"]
+    guard()
+    assert PUBLIC.__dict__["create_mask"] is not original
+    fusionguard.disable()
+    assert PUBLIC.__dict__["create_mask"] is original
+
+
+_RSS = """
+import sys, torch
+torch.set_num_threads(1)
+from torch.nn.attention.flex_attention import create_block_mask
+from fusionguard.dense_memory import mask_build_bytes
+
+def status(name):  # kB lines of /proc/self/status
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(name))
+
+n = int(sys.argv[1])
+create_block_mask(lambda b, h, q, kv: q >= kv, 1, 1, 256, 256, device="cpu")
+# ru_maxrss survives fork+exec (it holds the parent's peak): reset the peak (VmHWM) instead
+open("/proc/self/clear_refs", "w").write("5")
+base = status("VmRSS:")
+create_block_mask(lambda b, h, q, kv: q >= kv, 1, 1, n, n, device="cpu")
+print(status("VmHWM:") - base, mask_build_bytes(1, 1, n, n))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="peak RSS read from /proc and ru_maxrss (Linux)")
+@pytest.mark.parametrize("n", [2048, 3000])
+def test_the_estimate_matches_the_measured_peak_rss(n):
+    p = subprocess.run([sys.executable, "-c", _RSS, str(n)], capture_output=True, text=True, timeout=120, env=_env())
+    assert p.returncode == 0, p.stderr[-2000:]
+    measured, estimate = map(int, p.stdout.split())
+    assert abs(estimate - measured) / measured < 0.15, (measured, estimate)
+
+
+# --- part 4 on CPU: the prediction is on every dense event; the mode is accepted everywhere ---
+
+
+def test_dense_events_carry_predicted_and_free_bytes(guard):
+    guard()
+    q, k, v = qkv(L=32, KV=48, HQ=4, HKV=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.ops.higher_order.flex_attention(*op_args(q, k, v))
+    (e,) = fusionguard.events("flex_call")
+    assert e["predicted_bytes"] == dense_memory.predict_dense("forward", q, k, v) > e["scores_bytes"]
+    assert e["free_bytes"] is None  # CPU
+    # the model: max(2w+1, 3w+1) per score element + K and V repeated to Hq heads + the lse
+    s = 1 * 4 * 32 * 48
+    assert e["predicted_bytes"] == s * 13 + 4 * 48 * 16 * 4 + 4 * 32 * 4
+
+
+def test_prediction_follows_dtype_score_mod_and_captured_tensors():
+    q, k, v = qkv(L=64, KV=64, HQ=2, HKV=2, dtype=torch.bfloat16)
+    s = 2 * 64 * 64
+    base = dense_memory.predict_dense("backward", q, k, v)
+    assert base - dense_memory.predict_dense("backward", q, k, v, score_mod=PUBLIC._identity) == 0
+    assert dense_memory.predict_dense("backward", q, k, v, score_mod=lambda s_, b, h, m, n: s_ * 2) - base == 4 * s
+    bias = torch.zeros(2, 64, 64)  # indexed by q and kv: gathered to the score shape
+    doc = torch.zeros(64, dtype=torch.long)  # per token: broadcast, no score-sized copy
+    # a captured [H, Q, KV] bias: gathered to the score shape inside score_mod (forward); its
+    # gather is freed before the backward's peak; a per-token tensor is broadcast, never gathered
+    fwd = dense_memory.predict_dense("forward", q, k, v)
+    adds = lambda s_, b, h, m, n: s_ + bias[h, m, n]  # noqa: E731
+    assert dense_memory.predict_dense("forward", q, k, v, adds, (bias,), (doc,)) == fwd  # 4+1+4+4 = 13 = 3w+1
+    assert dense_memory.predict_dense("forward", q, k, v, adds, (bias, bias), ()) - fwd == 4 * s
+    assert dense_memory.predict_dense("backward", q, k, v, adds, (bias,), (doc,)) - base == 4 * s
+    assert base > 2 * fwd - 4 * s  # backward about twice the forward (seed: 17.8 vs 8.9 GB)
+
+
+def test_mode_values_and_conflicts(guard):
+    guard(mode="oom")
+    config = _state.STATE.config
+    assert config.mode == "oom" and config.strict is False, "oom is never truthy where code tests strict"
+    guard(mode="strict")
+    assert _state.STATE.config.strict is True
+    for bad in ({"mode": "OOM!"}, {"strict": True, "mode": "oom"}, {"mask_limit": -1}, {"mask_limit": True}, {"mask_limit": 1.5}):
+        strict = bad.pop("strict", False)
+        with pytest.raises(ValueError, match="mode|mask_limit|strict"):
+            fusionguard.enable(strict=strict, log_path=False, **bad)
+
+
+def test_oom_mode_on_cpu_runs_dense_calls_and_warns(guard):
+    guard(mode="oom")
+    q, k, v = qkv()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.ops.higher_order.flex_attention(*op_args(q, k, v))
+    (e,) = fusionguard.events("flex_call")
+    assert e["action"] == "warn" and caught, "no free_bytes on CPU: nothing is known not to fit"
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FUSIONGUARD")}
+    env["PYTHONPATH"] = str(ROOT)
+    env.update(extra)
+    return env
+
+
+_SHOW = "import torch, fusionguard; from fusionguard._state import STATE; print(STATE.config.mode, STATE.config.strict)"
+
+
+def test_fusionguard_env_and_run_spell_oom(tmp_path):
+    p = subprocess.run([sys.executable, "-c", _SHOW], capture_output=True, text=True, cwd=tmp_path, env=_env(FUSIONGUARD="oom", FUSIONGUARD_LOG=str(tmp_path / "a.jsonl"), PYTHONPATH=f"{ROOT / 'fusionguard' / '_startup'}{os.pathsep}{ROOT}"), timeout=120)
+    assert p.stdout.split() == ["oom", "False"], p.stderr[-2000:]
+    p = subprocess.run([sys.executable, "-m", "fusionguard", "run", "--oom", "--log", str(tmp_path / "b.jsonl"), "--", sys.executable, "-c", _SHOW], capture_output=True, text=True, cwd=tmp_path, env=_env(), timeout=120)
+    assert p.stdout.split() == ["oom", "False"], p.stderr[-2000:]
+    header = read_jsonl(tmp_path / "b.jsonl")[0]
+    assert header["config"]["mode"] == "oom"
+
+
+pytest_plugins = ["pytester"]
+
+
+def test_pytest_option_and_ini_spell_oom(pytester):
+    pytester.makepyfile(test_inner="import fusionguard\nfrom fusionguard._state import STATE\n\ndef test_mode():\n    assert STATE.config.mode == 'oom' and not STATE.config.strict\n")
+    result = pytester.runpytest_subprocess("-p", "fusionguard.pytest_plugin", "--fusionguard=oom", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+    pytester.makeini("[pytest]\nfusionguard = oom\n")
+    result = pytester.runpytest_subprocess("-p", "fusionguard.pytest_plugin", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
