@@ -3,6 +3,15 @@
 Why its own module: durability lives here (one ``os.write`` per line on ``O_APPEND``, ``fsync``
 for warnings, closing a torn last line, rotation by size with the header copied, ENOSPC fragments
 closed before the next line); ``log.EventLog`` decides *what* to write, this decides *how*.
+
+Rotation and several processes on one path (issue #27): without rotation, ``O_APPEND`` alone
+makes sharing safe. With rotation, a writer must never append to a file that another process
+has renamed away (it may be the oldest backup, removed next), and two processes must never shift
+the backups at once (one ``os.replace`` overwrites the other's file). So every write of a
+rotating sink holds ``flock`` on the file it writes to and checks, under it, that this file is
+still the one at ``path`` (following another process's rotation when it is not) and how big it
+really is; rotation happens under the same lock. The lock is on the log file itself: no lock
+file to create, and a process killed while holding it releases it.
 """
 
 from __future__ import annotations
@@ -11,6 +20,11 @@ import os
 import stat
 import threading
 from typing import Callable, Optional, Union
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows: rotation stays per process, as before
+    fcntl = None  # type: ignore[assignment]
 
 #: New log and crash files: readable by their owner only (``enable(log_mode=0o640)`` widens).
 DEFAULT_LOG_MODE = 0o600
@@ -33,6 +47,24 @@ def open_regular(path: str, mode: int = DEFAULT_LOG_MODE, flags: int = os.O_WRON
         os.close(fd)
         raise
     return fd
+
+
+#: A rotating writer follows other processes' rotations at most this often in one write, then
+#: appends to the file it has (a path replaced faster than that is not a rotation).
+_FOLLOW_LIMIT = 16
+
+
+def _flock(fd: int, lock: bool) -> bool:
+    """``flock`` ``fd`` exclusively (blocking: the holder is inside a few system calls) or
+    release it; False where there is no ``flock`` (Windows) or the filesystem refuses it
+    (some network filesystems): the write then goes on unlocked, as a lone process's would."""
+    if fcntl is None:
+        return False  # pragma: no cover - Windows
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if lock else fcntl.LOCK_UN)
+    except OSError:
+        return False
+    return True
 
 
 def _read_at(fd: int, offset: int) -> bytes:
@@ -67,6 +99,7 @@ class FileSink:
         self.rotations = 0
         self.unwritten = 0  # events whose write failed (disk full, ...): in memory only
         self._torn = False  # a failed write may have left part of a line: close it before the next
+        self._fresh = False  # opened after a rotation: its first write starts it with the header copy
         self._lock = threading.Lock()
         parent = os.path.dirname(os.path.abspath(path))
         os.makedirs(parent, exist_ok=True)
@@ -111,51 +144,91 @@ class FileSink:
     def write(self, line: str, durable: bool) -> None:
         data = (line + "\n").encode("utf-8", "replace")
         with self._lock:
-            if self.max_bytes is not None and self._size + len(data) > self.max_bytes:
-                self._rotate_if_needed(len(data))
-            if self._torn:
-                # A short write (disk full) left a fragment: end it with its own newline first,
-                # or this event would be glued onto it and both lines lost. If that fails, the
-                # fragment is still open and this event is not written either.
-                self._write_bytes(b"\n")
-                self._torn = False
-            self._write_bytes(data)
-            self._size += len(data)
+            max_bytes = self.max_bytes
+            if max_bytes is not None:
+                self._write_rotating(data, max_bytes)
+            else:
+                if self._torn:
+                    # A short write (disk full) left a fragment: end it with its own newline first,
+                    # or this event would be glued onto it and both lines lost. If that fails, the
+                    # fragment is still open and this event is not written either.
+                    self._write_bytes(b"\n")
+                    self._torn = False
+                self._write_bytes(data)
+                self._size += len(data)
             if durable and self.fsync and self._fd is not None:
                 os.fsync(self._fd)
 
-    # -- size-based rotation (under self._lock) ----------------------------------------------
-    def _rotate_if_needed(self, incoming: int) -> None:
-        fd = self._fd
-        if fd is None or self.max_bytes is None:
-            return
-        try:
-            mine = os.fstat(fd)
-            self._size = mine.st_size  # other processes may append to the same file
-            if self._size == 0 or self._size + incoming <= self.max_bytes:
-                return
+    # -- size-based rotation, safe for several processes on one path (under self._lock) ------
+    def _write_rotating(self, data: bytes, max_bytes: int) -> None:
+        """Append ``data`` under ``flock`` on the file at ``path`` (see the module docstring):
+        follow another process's rotation, rotate when the file would grow past ``max_bytes``
+        (at most once per write), start a file this process opened empty with the header copy."""
+        rotated = False
+        for attempt in range(_FOLLOW_LIMIT + 1):
+            last = attempt == _FOLLOW_LIMIT  # path keeps changing: append to the file we have
+            if self._fd is None:
+                self._reopen()  # OSError: this event stays in memory; the next one tries again
+            fd = self._fd
+            assert fd is not None
+            locked = _flock(fd, True)
+            follow = False
             try:
-                current = os.stat(self.path)
-            except FileNotFoundError:
-                current = None
-            if current is None or (current.st_ino, current.st_dev) != (mine.st_ino, mine.st_dev):
-                # Another process sharing this file rotated it already: follow it.
-                self._reopen()
+                mine = os.fstat(fd)
+                if not last and not self._is_at_path(mine):
+                    follow = True  # rotated (or removed) by another process: write to the new file
+                    continue
+                size = mine.st_size
+                if not last and not rotated and size and size + len(data) > max_bytes:
+                    rotated = follow = self._rotate()
+                    if follow:
+                        continue
+                if self._torn:
+                    self._write_bytes(b"\n")  # see write(): the fragment is ended first
+                    self._torn = False
+                    size += 1
+                if self._fresh:
+                    if size == 0:
+                        size += self._write_preamble()
+                    self._fresh = False
+                self._write_bytes(data)
+                self._size = size + len(data)
                 return
+            finally:
+                if locked:
+                    _flock(fd, False)
+                if follow:
+                    self._reopen()
+
+    def _is_at_path(self, mine: os.stat_result) -> bool:
+        """Is the open file still the one at ``path`` (never through a symlink)?"""
+        try:
+            current = os.stat(self.path, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        return (current.st_ino, current.st_dev) == (mine.st_ino, mine.st_dev)
+
+    def _rotate(self) -> bool:
+        """Rename ``path`` to ``path.1`` (under the lock of the file at ``path``), shifting the
+        backups up to the first free number, so numbering stays contiguous and the oldest
+        beyond ``backups`` is replaced; True when done. Best effort: on an error (a read-only
+        directory) the file just grows."""
+        try:
             if self.backups:
-                for i in range(self.backups - 1, 0, -1):
-                    src = f"{self.path}.{i}"
-                    if os.path.exists(src):
-                        os.replace(src, f"{self.path}.{i + 1}")
+                free = next((i for i in range(1, self.backups) if not os.path.lexists(f"{self.path}.{i}")), self.backups)
+                for i in range(free - 1, 0, -1):
+                    os.replace(f"{self.path}.{i}", f"{self.path}.{i + 1}")
                 os.replace(self.path, f"{self.path}.1")
             else:
                 os.unlink(self.path)
-            self.rotations += 1
-            self._reopen()
         except OSError:
-            return  # rotation is best effort: keep appending to the file we have
+            return False
+        self.rotations += 1
+        return True
 
     def _reopen(self) -> None:
+        """Let go of the current file (fsync-ed: it may be a backup now) and open the one at
+        ``path``; its first write puts the header copy at its top if it is still empty then."""
         old, self._fd = self._fd, None
         if old is not None:
             try:
@@ -165,16 +238,20 @@ class FileSink:
             os.close(old)
         self._fd = open_regular(self.path, self.mode)
         self._torn = False  # a fragment stays in the file it was written to
-        self._size = self._file_size()
-        if self._size == 0 and self.preamble is not None:
-            try:
-                line = self.preamble()
-            except Exception:
-                line = None
-            if line:
-                data = (line + "\n").encode("utf-8", "replace")
-                self._write_bytes(data)
-                self._size += len(data)
+        self._fresh = True
+
+    def _write_preamble(self) -> int:
+        if self.preamble is None:
+            return 0
+        try:
+            line = self.preamble()
+        except Exception:
+            line = None
+        if not line:
+            return 0
+        data = (line + "\n").encode("utf-8", "replace")
+        self._write_bytes(data)
+        return len(data)
 
     def after_fork_in_child(self) -> None:
         """A forked child lets go of the parent's file: its descriptor closed (no fsync: the
