@@ -7,6 +7,7 @@ in file mode and real dense FlexAttention calls; nothing is mocked."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import child_env, read_jsonl, run_cli
+from fusionguard.sink import FileSink
 
 PY = sys.executable
 MAX_BYTES = 8192
@@ -200,3 +202,49 @@ def test_forked_children_in_file_mode_share_the_rotating_log(tmp_path, capsys):
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["hung"] == [] and sorted(r["status"].values()) == [0] * children
     _check_shared_log(logs, capsys, children + 1, n)
+
+
+# -- two writers of one path in this process: each its own open file, as two processes have ------
+
+
+def _line(who: str, i: int) -> str:
+    return json.dumps({"event": "probe", "who": who, "i": i, "pad": "x" * 200})
+
+
+def test_a_writer_follows_a_rotation_made_by_another(tmp_path):
+    path = tmp_path / "fg.jsonl"
+    a, b = (FileSink(str(path), fsync=False, max_bytes=1024, backups=5) for _ in range(2))
+    b.write(_line("b", 0), False)
+    for i in range(4):  # about 250 bytes a line: a rotates once, after the 4th line in the file
+        a.write(_line("a", i), False)
+    assert a.rotations == 1 and b.rotations == 0, "a counts the bytes b wrote into the file too"
+    b.write(_line("b", 1), False)  # b's file is fg.jsonl.1 now: b must write to the new fg.jsonl
+    a.close()
+    b.close()
+    old, new = read_jsonl(tmp_path / "fg.jsonl.1"), read_jsonl(path)
+    assert [(e["who"], e["i"]) for e in old] == [("b", 0), ("a", 0), ("a", 1), ("a", 2)]
+    assert [(e["who"], e["i"]) for e in new] == [("a", 3), ("b", 1)]
+    assert max(p.stat().st_size for p in tmp_path.iterdir()) <= 1024
+
+
+def test_following_a_rotation_never_goes_through_a_planted_symlink(tmp_path):
+    path = tmp_path / "fg.jsonl"
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    a, b = (FileSink(str(path), fsync=False, max_bytes=1024, backups=5) for _ in range(2))
+    b.write(_line("b", 0), False)
+    for i in range(4):
+        a.write(_line("a", i), False)
+    planted = tmp_path / "planted"
+    planted.symlink_to(victim)
+    os.replace(planted, path)  # an attacker swaps the new log file for a link to another file
+    for sink in (a, b):
+        with pytest.raises(OSError):
+            sink.write(_line("x", 9), False)
+    assert victim.read_text() == "precious\n"
+    path.unlink()
+    b.write(_line("b", 1), False)  # the link gone: the next event makes a regular file again
+    a.close()
+    b.close()
+    assert not path.is_symlink() and [e["who"] for e in read_jsonl(path)] == ["b"]
+    assert victim.read_text() == "precious\n"
