@@ -6,12 +6,14 @@ closed before the next line); ``log.EventLog`` decides *what* to write, this dec
 
 Rotation and several processes on one path (issue #27): without rotation, ``O_APPEND`` alone
 makes sharing safe. With rotation, a writer must never append to a file that another process
-has renamed away (it may be the oldest backup, removed next), and two processes must never shift
-the backups at once (one ``os.replace`` overwrites the other's file). So every write of a
-rotating sink holds ``flock`` on the file it writes to and checks, under it, that this file is
-still the one at ``path`` (following another process's rotation when it is not) and how big it
-really is; rotation happens under the same lock. The lock is on the log file itself: no lock
-file to create, and a process killed while holding it releases it.
+has renamed away (it may be the oldest backup, removed next), must count the other processes'
+lines in the size, and two processes must never shift the backups at once (one ``os.replace``
+overwrites the other's file). So every write of a rotating sink holds ``flock`` on a lock file
+beside the log (``<path>.lock``: it is never renamed, unlike the log, so one acquisition is
+enough; a lock on the log file itself has to be taken again on each new file, and a writer can
+be outrun there for ever), checks under it that its file is still the one at ``path`` (reopening
+when another process rotated), rotates, and writes. A process killed while holding the lock
+releases it.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import os
 import stat
 import threading
-from typing import Callable, Optional, Union
+from typing import Callable, List, Optional, Union
 
 try:
     import fcntl
@@ -49,15 +51,10 @@ def open_regular(path: str, mode: int = DEFAULT_LOG_MODE, flags: int = os.O_WRON
     return fd
 
 
-#: A rotating writer follows other processes' rotations at most this often in one write, then
-#: appends to the file it has (a path replaced faster than that is not a rotation).
-_FOLLOW_LIMIT = 16
-
-
 def _flock(fd: int, lock: bool) -> bool:
     """``flock`` ``fd`` exclusively (blocking: the holder is inside a few system calls) or
     release it; False where there is no ``flock`` (Windows) or the filesystem refuses it
-    (some network filesystems): the write then goes on unlocked, as a lone process's would."""
+    (some network filesystems): the write then goes on unlocked, still following rotations."""
     if fcntl is None:
         return False  # pragma: no cover - Windows
     try:
@@ -100,12 +97,23 @@ class FileSink:
         self.unwritten = 0  # events whose write failed (disk full, ...): in memory only
         self._torn = False  # a failed write may have left part of a line: close it before the next
         self._fresh = False  # opened after a rotation: its first write starts it with the header copy
+        self._lock_fd: Optional[int] = None  # <path>.lock, opened on the first rotating write
+        self._lock_failed = False
         self._lock = threading.Lock()
         parent = os.path.dirname(os.path.abspath(path))
         os.makedirs(parent, exist_ok=True)
         self._fd: Optional[int] = open_regular(path, mode)
+        self._ident = self._file_ident()
         self._close_torn_line()
         self._size = self._file_size()
+
+    def _file_ident(self) -> tuple:
+        """(inode, device) of the open file: the path names it until someone rotates it."""
+        try:
+            st = os.fstat(self._fd) if self._fd is not None else None
+        except OSError:
+            st = None
+        return (st.st_ino, st.st_dev) if st is not None else ()
 
     def _file_size(self) -> int:
         try:
@@ -161,55 +169,66 @@ class FileSink:
 
     # -- size-based rotation, safe for several processes on one path (under self._lock) ------
     def _write_rotating(self, data: bytes, max_bytes: int) -> None:
-        """Append ``data`` under ``flock`` on the file at ``path`` (see the module docstring):
-        follow another process's rotation, rotate when the file would grow past ``max_bytes``
-        (at most once per write), start a file this process opened empty with the header copy."""
-        rotated = False
-        for attempt in range(_FOLLOW_LIMIT + 1):
-            last = attempt == _FOLLOW_LIMIT  # path keeps changing: append to the file we have
-            if self._fd is None:
-                self._reopen()  # OSError: this event stays in memory; the next one tries again
+        """Append ``data`` under the lock file's ``flock`` (see the module docstring): follow
+        another process's rotation, rotate when the file would grow past ``max_bytes`` (an
+        empty file never: a header copy and one event larger than that share a file), start a
+        file this process opened empty with the header copy. The files let go of are fsync-ed
+        and closed after the lock is released."""
+        lock_fd = self._lock_file()
+        locked = lock_fd is not None and _flock(lock_fd, True)
+        old: List[int] = []
+        try:
             fd = self._fd
-            assert fd is not None
-            locked = _flock(fd, True)
-            follow = False
-            try:
-                mine = os.fstat(fd)
-                if not last and not self._is_at_path(mine):
-                    follow = True  # rotated (or removed) by another process: write to the new file
-                    continue
-                size = mine.st_size
-                if not last and not rotated and size and size + len(data) > max_bytes:
-                    rotated = follow = self._rotate()
-                    if follow:
-                        continue
-                if self._torn:
-                    self._write_bytes(b"\n")  # see write(): the fragment is ended first
-                    self._torn = False
-                    size += 1
-                if self._fresh:
-                    if size == 0:
-                        size += self._write_preamble()
-                    self._fresh = False
-                self._write_bytes(data)
-                self._size = size + len(data)
-                return
-            finally:
-                if locked:
-                    _flock(fd, False)
-                if follow:
-                    self._reopen()
+            at_path = self._at_path() if fd is not None else None
+            if fd is None or at_path is None:  # rotated or removed by another process (or not reopened)
+                fd = self._reopen(old)  # OSError: this event stays in memory; the next one tries again
+                at_path = self._at_path()
+            size = at_path.st_size if at_path is not None else os.fstat(fd).st_size
+            if size and size + len(data) > max_bytes and self._rotate():
+                size = os.fstat(self._reopen(old)).st_size
+            if self._torn:
+                self._write_bytes(b"\n")  # see write(): the fragment is ended first
+                self._torn = False
+                size += 1
+            if self._fresh:
+                if size == 0:
+                    size += self._write_preamble()
+                self._fresh = False
+            self._write_bytes(data)
+            self._size = size + len(data)
+        finally:
+            if locked and lock_fd is not None:
+                _flock(lock_fd, False)
+            for fd in old:
+                try:
+                    os.fsync(fd)  # it may be a backup now: what it holds is kept
+                except OSError:
+                    pass
+                os.close(fd)
 
-    def _is_at_path(self, mine: os.stat_result) -> bool:
-        """Is the open file still the one at ``path`` (never through a symlink)?"""
+    def _lock_file(self) -> Optional[int]:
+        """The descriptor of ``<path>.lock`` (opened read-only, so whoever may read the log may
+        lock it; created with the log's mode, never removed: removing a lock file races with its
+        next user); None where it cannot be opened (a planted symlink, a read-only directory):
+        rotation then goes on unlocked, as before."""
+        if self._lock_fd is None and not self._lock_failed:
+            try:
+                self._lock_fd = open_regular(self.path + ".lock", self.mode, flags=os.O_RDONLY)
+            except OSError:
+                self._lock_failed = True
+        return self._lock_fd
+
+    def _at_path(self) -> Optional[os.stat_result]:
+        """The path's ``lstat`` while it still names the open file (one system call for both
+        questions: rotated away? how big?), else None (never through a symlink)."""
         try:
             current = os.stat(self.path, follow_symlinks=False)
         except FileNotFoundError:
-            return False
-        return (current.st_ino, current.st_dev) == (mine.st_ino, mine.st_dev)
+            return None
+        return current if (current.st_ino, current.st_dev) == self._ident else None
 
     def _rotate(self) -> bool:
-        """Rename ``path`` to ``path.1`` (under the lock of the file at ``path``), shifting the
+        """Rename ``path`` to ``path.1`` (under the lock file's lock), shifting the
         backups up to the first free number, so numbering stays contiguous and the oldest
         beyond ``backups`` is replaced; True when done. Best effort: on an error (a read-only
         directory) the file just grows."""
@@ -226,19 +245,18 @@ class FileSink:
         self.rotations += 1
         return True
 
-    def _reopen(self) -> None:
-        """Let go of the current file (fsync-ed: it may be a backup now) and open the one at
-        ``path``; its first write puts the header copy at its top if it is still empty then."""
-        old, self._fd = self._fd, None
-        if old is not None:
-            try:
-                os.fsync(old)
-            except OSError:
-                pass
-            os.close(old)
-        self._fd = open_regular(self.path, self.mode)
+    def _reopen(self, old: List[int]) -> int:
+        """Let go of the current file (into ``old``, fsync-ed and closed by the caller) and open
+        the one at ``path``; its first write puts the header copy at its top if it is still
+        empty then."""
+        if self._fd is not None:
+            old.append(self._fd)
+            self._fd = None
+        fd = self._fd = open_regular(self.path, self.mode)
+        self._ident = self._file_ident()
         self._torn = False  # a fragment stays in the file it was written to
         self._fresh = True
+        return fd
 
     def _write_preamble(self) -> int:
         if self.preamble is None:
@@ -254,15 +272,17 @@ class FileSink:
         return len(data)
 
     def after_fork_in_child(self) -> None:
-        """A forked child lets go of the parent's file: its descriptor closed (no fsync: the
-        file is the parent's), a free lock; the settings stay, for the child's own file."""
+        """A forked child lets go of the parent's file and lock file: their descriptors closed
+        (no fsync: the file is the parent's; a lock file shared with the parent would lock
+        nothing between them), a free lock; the settings stay, for the child's own file."""
         self._lock = threading.Lock()
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        for fd in (self._fd, self._lock_fd):
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self._fd = self._lock_fd = None
 
     def close(self) -> None:
         with self._lock:
@@ -273,3 +293,6 @@ class FileSink:
                     pass
                 os.close(self._fd)
                 self._fd = None
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)
+                self._lock_fd = None

@@ -248,3 +248,18 @@ def test_following_a_rotation_never_goes_through_a_planted_symlink(tmp_path):
     b.close()
     assert not path.is_symlink() and [e["who"] for e in read_jsonl(path)] == ["b"]
     assert victim.read_text() == "precious\n"
+
+
+def test_a_planted_lock_file_link_is_not_followed_and_rotation_goes_on(tmp_path):
+    path = tmp_path / "fg.jsonl"
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    (tmp_path / "fg.jsonl.lock").symlink_to(victim)
+    sink = FileSink(str(path), fsync=False, max_bytes=1024, backups=5)
+    for i in range(10):
+        sink.write(_line("a", i), False)
+    sink.close()
+    assert victim.read_text() == "precious\n" and (tmp_path / "fg.jsonl.lock").is_symlink()
+    assert sink.rotations >= 2, "without its lock the log still rotates (unlocked, as a lone writer)"
+    parts = sorted(tmp_path.glob("fg.jsonl*"), key=lambda p: -int(p.suffix[1:]) if p.suffix[1:].isdigit() else 0)
+    assert [e["i"] for p in parts if not p.is_symlink() for e in read_jsonl(p)] == list(range(10))
