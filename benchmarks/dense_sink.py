@@ -2,8 +2,10 @@
 order), a small dense call so the guard's fixed work shows. Two modes: the default (after the
 first 10 of one call site, repeats are counted, not written) and ``keep_all=True`` (every call
 written), each for a log file in --dir, one in /dev/shm (memory) and no file (log_path=False).
+``--max-bytes N``: the files rotate at N bytes (``log_max_bytes``), the locked write of a log
+that several processes may share.
 
-    python benchmarks/dense_sink.py [--device cuda] [--pairs 300] [--dir /tmp]
+    python benchmarks/dense_sink.py [--device cuda] [--pairs 300] [--dir /tmp] [--max-bytes 65536]
     python benchmarks/dense_sink.py --profile [--calls 300]   # where the guard's time goes (cProfile)
 """
 
@@ -36,6 +38,7 @@ def main() -> None:
     ap.add_argument("--dir", default="/tmp")
     ap.add_argument("--profile", action="store_true", help="cProfile --calls guarded calls instead")
     ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--max-bytes", type=int, default=None, help="log_max_bytes: rotating files")
     args = ap.parse_args()
     warnings.simplefilter("ignore")
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
@@ -48,16 +51,17 @@ def main() -> None:
         for label, path in sinks.items():
             if path and not os.path.isdir(os.path.dirname(path)):
                 continue
-            measure(f"{'keep_all' if keep_all else 'sampled'}, {label}", q, k, v, path, keep_all, args.pairs, sync)
+            rotating = ", rotating" if args.max_bytes and path else ""
+            measure(f"{'keep_all' if keep_all else 'sampled'}, {label}{rotating}", q, k, v, path, keep_all, args.pairs, sync, args.max_bytes)
 
 
-def measure(label, q, k, v, path, keep_all, pairs, sync) -> None:
-    fusionguard.enable(log_path=path, keep_all=keep_all)
+def measure(label, q, k, v, path, keep_all, pairs, sync, max_bytes=None) -> None:
+    fusionguard.enable(log_path=path, keep_all=keep_all, log_max_bytes=max_bytes if path else None)
     for _ in range(10):
         flex_attention(q, k, v, enable_gqa=True)
     diff, plain = paired(lambda: flex_attention(q, k, v, enable_gqa=True), pairs, sync)
     fusionguard.disable()
-    print(f"{label:<32} plain {plain * 1e3:.3f} ms, guard {diff * 1e6:+.0f} us", flush=True)
+    print(f"{label:<42} plain {plain * 1e3:.3f} ms, guard {diff * 1e6:+.0f} us", flush=True)
 
 
 def profile(q, k, v, calls: int, log: str) -> None:

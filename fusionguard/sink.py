@@ -3,6 +3,17 @@
 Why its own module: durability lives here (one ``os.write`` per line on ``O_APPEND``, ``fsync``
 for warnings, closing a torn last line, rotation by size with the header copied, ENOSPC fragments
 closed before the next line); ``log.EventLog`` decides *what* to write, this decides *how*.
+
+Rotation and several processes on one path (issue #27): without rotation, ``O_APPEND`` alone
+makes sharing safe. With rotation, a writer must never append to a file that another process
+has renamed away (it may be the oldest backup, removed next), must count the other processes'
+lines in the size, and two processes must never shift the backups at once (one ``os.replace``
+overwrites the other's file). So every write of a rotating sink holds ``flock`` on a lock file
+beside the log (``<path>.lock``: it is never renamed, unlike the log, so one acquisition is
+enough; a lock on the log file itself has to be taken again on each new file, and a writer can
+be outrun there for ever), checks under it that its file is still the one at ``path`` (reopening
+when another process rotated), rotates, and writes. A process killed while holding the lock
+releases it.
 """
 
 from __future__ import annotations
@@ -10,7 +21,12 @@ from __future__ import annotations
 import os
 import stat
 import threading
-from typing import Callable, Optional, Union
+from typing import Callable, List, Optional, Union
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows: rotation stays per process, as before
+    fcntl = None  # type: ignore[assignment]
 
 #: New log and crash files: readable by their owner only (``enable(log_mode=0o640)`` widens).
 DEFAULT_LOG_MODE = 0o600
@@ -33,6 +49,19 @@ def open_regular(path: str, mode: int = DEFAULT_LOG_MODE, flags: int = os.O_WRON
         os.close(fd)
         raise
     return fd
+
+
+def _flock(fd: int, lock: bool) -> bool:
+    """``flock`` ``fd`` exclusively (blocking: the holder is inside a few system calls) or
+    release it; False where there is no ``flock`` (Windows) or the filesystem refuses it
+    (some network filesystems): the write then goes on unlocked, still following rotations."""
+    if fcntl is None:
+        return False  # pragma: no cover - Windows
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if lock else fcntl.LOCK_UN)
+    except OSError:
+        return False
+    return True
 
 
 def _read_at(fd: int, offset: int) -> bytes:
@@ -67,12 +96,24 @@ class FileSink:
         self.rotations = 0
         self.unwritten = 0  # events whose write failed (disk full, ...): in memory only
         self._torn = False  # a failed write may have left part of a line: close it before the next
+        self._fresh = False  # opened after a rotation: its first write starts it with the header copy
+        self._lock_fd: Optional[int] = None  # <path>.lock, opened on the first rotating write
+        self._lock_failed = False
         self._lock = threading.Lock()
         parent = os.path.dirname(os.path.abspath(path))
         os.makedirs(parent, exist_ok=True)
         self._fd: Optional[int] = open_regular(path, mode)
+        self._ident = self._file_ident()
         self._close_torn_line()
         self._size = self._file_size()
+
+    def _file_ident(self) -> tuple:
+        """(inode, device) of the open file: the path names it until someone rotates it."""
+        try:
+            st = os.fstat(self._fd) if self._fd is not None else None
+        except OSError:
+            st = None
+        return (st.st_ino, st.st_dev) if st is not None else ()
 
     def _file_size(self) -> int:
         try:
@@ -111,81 +152,137 @@ class FileSink:
     def write(self, line: str, durable: bool) -> None:
         data = (line + "\n").encode("utf-8", "replace")
         with self._lock:
-            if self.max_bytes is not None and self._size + len(data) > self.max_bytes:
-                self._rotate_if_needed(len(data))
-            if self._torn:
-                # A short write (disk full) left a fragment: end it with its own newline first,
-                # or this event would be glued onto it and both lines lost. If that fails, the
-                # fragment is still open and this event is not written either.
-                self._write_bytes(b"\n")
-                self._torn = False
-            self._write_bytes(data)
-            self._size += len(data)
+            max_bytes = self.max_bytes
+            if max_bytes is not None:
+                self._write_rotating(data, max_bytes)
+            else:
+                if self._torn:
+                    # A short write (disk full) left a fragment: end it with its own newline first,
+                    # or this event would be glued onto it and both lines lost. If that fails, the
+                    # fragment is still open and this event is not written either.
+                    self._write_bytes(b"\n")
+                    self._torn = False
+                self._write_bytes(data)
+                self._size += len(data)
             if durable and self.fsync and self._fd is not None:
                 os.fsync(self._fd)
 
-    # -- size-based rotation (under self._lock) ----------------------------------------------
-    def _rotate_if_needed(self, incoming: int) -> None:
-        fd = self._fd
-        if fd is None or self.max_bytes is None:
-            return
+    # -- size-based rotation, safe for several processes on one path (under self._lock) ------
+    def _write_rotating(self, data: bytes, max_bytes: int) -> None:
+        """Append ``data`` under the lock file's ``flock`` (see the module docstring): follow
+        another process's rotation, rotate when the file would grow past ``max_bytes`` (an
+        empty file never: a header copy and one event larger than that share a file), start a
+        file this process opened empty with the header copy. The files let go of are fsync-ed
+        and closed after the lock is released."""
+        lock_fd = self._lock_file()
+        locked = lock_fd is not None and _flock(lock_fd, True)
+        old: List[int] = []
         try:
-            mine = os.fstat(fd)
-            self._size = mine.st_size  # other processes may append to the same file
-            if self._size == 0 or self._size + incoming <= self.max_bytes:
-                return
+            fd = self._fd
+            at_path = self._at_path() if fd is not None else None
+            if fd is None or at_path is None:  # rotated or removed by another process (or not reopened)
+                fd = self._reopen(old)  # OSError: this event stays in memory; the next one tries again
+                at_path = self._at_path()
+            size = at_path.st_size if at_path is not None else os.fstat(fd).st_size
+            if size and size + len(data) > max_bytes and self._rotate():
+                size = os.fstat(self._reopen(old)).st_size
+            if self._torn:
+                self._write_bytes(b"\n")  # see write(): the fragment is ended first
+                self._torn = False
+                size += 1
+            if self._fresh:
+                if size == 0:
+                    size += self._write_preamble()
+                self._fresh = False
+            self._write_bytes(data)
+            self._size = size + len(data)
+        finally:
+            if locked and lock_fd is not None:
+                _flock(lock_fd, False)
+            for fd in old:
+                try:
+                    os.fsync(fd)  # it may be a backup now: what it holds is kept
+                except OSError:
+                    pass
+                os.close(fd)
+
+    def _lock_file(self) -> Optional[int]:
+        """The descriptor of ``<path>.lock`` (opened read-only, so whoever may read the log may
+        lock it; created with the log's mode, never removed: removing a lock file races with its
+        next user); None where it cannot be opened (a planted symlink, a read-only directory):
+        rotation then goes on unlocked, as before."""
+        if self._lock_fd is None and not self._lock_failed:
             try:
-                current = os.stat(self.path)
-            except FileNotFoundError:
-                current = None
-            if current is None or (current.st_ino, current.st_dev) != (mine.st_ino, mine.st_dev):
-                # Another process sharing this file rotated it already: follow it.
-                self._reopen()
-                return
+                self._lock_fd = open_regular(self.path + ".lock", self.mode, flags=os.O_RDONLY)
+            except OSError:
+                self._lock_failed = True
+        return self._lock_fd
+
+    def _at_path(self) -> Optional[os.stat_result]:
+        """The path's ``lstat`` while it still names the open file (one system call for both
+        questions: rotated away? how big?), else None (never through a symlink)."""
+        try:
+            current = os.stat(self.path, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        return current if (current.st_ino, current.st_dev) == self._ident else None
+
+    def _rotate(self) -> bool:
+        """Rename ``path`` to ``path.1`` (under the lock file's lock), shifting the
+        backups up to the first free number, so numbering stays contiguous and the oldest
+        beyond ``backups`` is replaced; True when done. Best effort: on an error (a read-only
+        directory) the file just grows."""
+        try:
             if self.backups:
-                for i in range(self.backups - 1, 0, -1):
-                    src = f"{self.path}.{i}"
-                    if os.path.exists(src):
-                        os.replace(src, f"{self.path}.{i + 1}")
+                free = next((i for i in range(1, self.backups) if not os.path.lexists(f"{self.path}.{i}")), self.backups)
+                for i in range(free - 1, 0, -1):
+                    os.replace(f"{self.path}.{i}", f"{self.path}.{i + 1}")
                 os.replace(self.path, f"{self.path}.1")
             else:
                 os.unlink(self.path)
-            self.rotations += 1
-            self._reopen()
         except OSError:
-            return  # rotation is best effort: keep appending to the file we have
+            return False
+        self.rotations += 1
+        return True
 
-    def _reopen(self) -> None:
-        old, self._fd = self._fd, None
-        if old is not None:
-            try:
-                os.fsync(old)
-            except OSError:
-                pass
-            os.close(old)
-        self._fd = open_regular(self.path, self.mode)
+    def _reopen(self, old: List[int]) -> int:
+        """Let go of the current file (into ``old``, fsync-ed and closed by the caller) and open
+        the one at ``path``; its first write puts the header copy at its top if it is still
+        empty then."""
+        if self._fd is not None:
+            old.append(self._fd)
+            self._fd = None
+        fd = self._fd = open_regular(self.path, self.mode)
+        self._ident = self._file_ident()
         self._torn = False  # a fragment stays in the file it was written to
-        self._size = self._file_size()
-        if self._size == 0 and self.preamble is not None:
-            try:
-                line = self.preamble()
-            except Exception:
-                line = None
-            if line:
-                data = (line + "\n").encode("utf-8", "replace")
-                self._write_bytes(data)
-                self._size += len(data)
+        self._fresh = True
+        return fd
+
+    def _write_preamble(self) -> int:
+        if self.preamble is None:
+            return 0
+        try:
+            line = self.preamble()
+        except Exception:
+            line = None
+        if not line:
+            return 0
+        data = (line + "\n").encode("utf-8", "replace")
+        self._write_bytes(data)
+        return len(data)
 
     def after_fork_in_child(self) -> None:
-        """A forked child lets go of the parent's file: its descriptor closed (no fsync: the
-        file is the parent's), a free lock; the settings stay, for the child's own file."""
+        """A forked child lets go of the parent's file and lock file: their descriptors closed
+        (no fsync: the file is the parent's; a lock file shared with the parent would lock
+        nothing between them), a free lock; the settings stay, for the child's own file."""
         self._lock = threading.Lock()
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        for fd in (self._fd, self._lock_fd):
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self._fd = self._lock_fd = None
 
     def close(self) -> None:
         with self._lock:
@@ -196,3 +293,6 @@ class FileSink:
                     pass
                 os.close(self._fd)
                 self._fd = None
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)
+                self._lock_fd = None

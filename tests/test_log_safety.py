@@ -153,9 +153,10 @@ def _fill(mnt, free):
     return filler
 
 
-def test_a_fragment_left_by_enospc_is_closed_before_the_next_event(small_tmpfs):
+@pytest.mark.parametrize("max_bytes", [None, 1 << 20], ids=["append", "rotating"])
+def test_a_fragment_left_by_enospc_is_closed_before_the_next_event(small_tmpfs, max_bytes):
     filler = _fill(small_tmpfs, 4096)
-    sink = FileSink(str(small_tmpfs / "fg.jsonl"), fsync=False)
+    sink = FileSink(str(small_tmpfs / "fg.jsonl"), fsync=False, max_bytes=max_bytes)
     def line(i):
         return json.dumps({"i": i, "pad": "x" * (999 - len(json.dumps({"i": i, "pad": ""})))})
 

@@ -396,7 +396,7 @@ def test_size_rotation_keeps_backups_and_report_reads_them_in_order(tmp_path, ca
     rotations = log.sink.rotations
     log.close()
     parts = sorted(p.name for p in path.parent.iterdir())
-    assert parts == ["fg.jsonl", "fg.jsonl.1", "fg.jsonl.2"] and rotations > 3
+    assert parts == ["fg.jsonl", "fg.jsonl.1", "fg.jsonl.2", "fg.jsonl.lock"] and rotations > 3
     kept = []
     for name in ("fg.jsonl.2", "fg.jsonl.1", "fg.jsonl"):
         p = path.parent / name
