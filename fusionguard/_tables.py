@@ -134,6 +134,22 @@ class Stats:
             return out
 
 
+class ModulePaths:
+    """Module names found without ``watch()`` (``watching.paths``): by identity, checked through
+    a weak reference; the last scan's parent links and outermost modules."""
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        self.names: Dict[int, Tuple[Any, str]] = {}  # id(module) -> (ref, name)
+        self.parents: Dict[int, Tuple[Any, Any, str]] = {}  # id(child) -> (ref child, ref parent, key)
+        self.tops: Dict[int, Any] = {}  # id(outermost module) -> ref, as of the last scan
+        self.partial: Dict[str, int] = {}  # class name -> instances named partially so far
+        self.scans = 0
+        self.noted = False
+
+
 class Caches:
     """What the dense path works out once and looks up after: bounded, keyed so that a stale
     entry is never returned (each user checks identity or bounds the size)."""
@@ -148,6 +164,8 @@ class Caches:
         self.code_kinds: Dict[int, Tuple[Any, int, Optional[Any], bool]] = {}
         # rescue: Dynamo backends looked up once ("inductor")
         self.backends: Dict[str, Any] = {}
+        # watching.paths: module names without watch()
+        self.module_paths = ModulePaths()
 
     def reset(self) -> None:
         for table in vars(self).values():

@@ -13,6 +13,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 from . import torch_internals as ti
 from ._state import STATE, count, internal_error
 from .watching.naming import clean_name, flex_layer, in_backward, resolve_watched_name, watched_name, is_watching
+from .watching.paths import module_path
 
 
 _SOURCE_PART = re.compile(r"\[(?:'([^']*)'|(\d+))\]|\.(\w+)")
@@ -77,6 +78,14 @@ def dynamo_names() -> Optional[Tuple[List[str], Optional["_FrameLocal"], Any]]:
     if local is None or not isinstance(root, torch.nn.Module):
         return rels, None, None
     return rels, _FrameLocal((code.co_name,), code.co_filename, local), root
+
+
+def root_prefix(module: Any) -> Optional[str]:
+    """The name of a compiled frame's module: its watched name under ``watch()`` (None if it is
+    not watched), else its path from the outermost module holding it (``watching.paths``)."""
+    if module is None:
+        return None
+    return watched_name(module) if is_watching() else module_path(module)
 
 
 def join_names(prefix: Optional[str], rels: List[str], outer: str = "") -> List[Optional[str]]:
@@ -183,7 +192,7 @@ def compile_names(calls: List[Dict[str, Any]], source: Optional[str], around: Op
         rels, finder, root = dyn
         if phase == "backward":
             rels = rels[::-1]
-        prefix = watched_name(root) if root is not None else None
+        prefix = root_prefix(root)
         return join_names(prefix, rels, outer), "nn_module_stack", Namer(phase, len(calls), rels, finder, outer)
     namer = Namer(phase, len(calls), None, None, around or "")
     if phase == "backward":
@@ -201,20 +210,22 @@ class Namer:
     ``ctx``. A graph with one call and nothing better: the layer running now (hooks, backward
     span; ``_hook_names``)."""
 
-    __slots__ = ("phase", "n", "rels", "root", "outer", "ctx", "built")
+    __slots__ = ("phase", "n", "rels", "root", "outer", "ctx", "built", "unwatched")
 
     def __init__(self, phase: str, n: int, rels: Optional[List[str]], root: Optional[_FrameLocal], outer: str) -> None:
         self.phase, self.n, self.rels, self.root, self.outer = phase, n, rels, root, outer
         self.ctx = _aot_ctx()
         self.built: Dict[Any, Any] = {}
+        # without watch(): a frame of a module (one graph may serve every block) or a backward
+        # (named by its forward run) is still named per run; others keep their compile-time names
+        self.unwatched = phase == "backward" or (rels is not None and root is not None)
 
     def names(self) -> Optional[Tuple[Optional[str], ...]]:
         if self.phase == "backward":
             return _ctx_names(self.ctx.get(), self.n, True)
         if self.rels is None or self.root is None:
             return None  # (a frame of no module: a function compiled, called from the layers)
-        module = self.root.get()
-        prefix = watched_name(module) if module is not None else None
+        prefix = root_prefix(self.root.get())
         names = self.built.get(prefix)
         if names is None:
             names = self.built[prefix] = tuple(join_names(prefix, self.rels, self.outer))
@@ -278,7 +289,7 @@ def count_runs(compiled: Any, records: List[Dict[str, Any]], namer: Optional[Nam
     execution, not per kernel, and never changes which launcher runs. Each execution logs a
     ``flex_run`` event (sampled like every fused per-call event: the first few per layer and
     phase, then counters) with the number of fused FlexAttention calls it made, named per run
-    under ``watch()`` (``Namer``). The wrapper goes in through the patch registry, so
+    per run (``Namer``: under ``watch()``, or without it for a frame of a module). The wrapper goes in through the patch registry, so
     ``disable()`` puts the graph's own callable back."""
     fn = getattr(compiled, "current_callable", None)
     if fn is None or getattr(fn, "_fusionguard_records", None) is not None or not records:
@@ -314,7 +325,7 @@ def count_runs(compiled: Any, records: List[Dict[str, Any]], namer: Optional[Nam
                 for key, n, fields, names, cache in runs:
                     count(key, n)
                     if namer is not None:
-                        if is_watching():
+                        if namer.unwatched or is_watching():
                             names = namer.run(names)
                     elif n == 1:
                         names = _hook_names(names)
