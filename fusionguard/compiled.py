@@ -13,7 +13,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 from . import torch_internals as ti
 from ._state import STATE, count, internal_error
 from .watching.naming import clean_name, flex_layer, in_backward, resolve_watched_name, watched_name, is_watching
-from .watching.paths import module_path
+from .watching.paths import caller_name, is_module_forward, module_path
 
 
 _SOURCE_PART = re.compile(r"\[(?:'([^']*)'|(\d+))\]|\.(\w+)")
@@ -150,6 +150,17 @@ class _WatchedSelf(_FrameLocal):
         return "self" in f.f_code.co_varnames and watched_name(f.f_locals.get("self")) is not None
 
 
+class _ModuleForward(_FrameLocal):
+    """The nearest frame running a module's own ``forward``: without ``watch()``, the layer that
+    called a compiled function (found once per graph, then kept like any other)."""
+
+    def __init__(self) -> None:
+        super().__init__((), "", "self")
+
+    def _match(self, f: Any) -> bool:
+        return is_module_forward(f)
+
+
 def _aot_ctx() -> "_FrameLocal":
     """AOTAutograd's autograd ``ctx``: shared by a forward run and its backward."""
     return _FrameLocal(("forward", "backward", "_backward_impl", "_fwd_fn", "_bwd_fn", "call_compiled_backward"), ti.AOT_RUNTIME_DIR, "ctx")
@@ -193,13 +204,26 @@ def compile_names(calls: List[Dict[str, Any]], source: Optional[str], around: Op
         if phase == "backward":
             rels = rels[::-1]
         prefix = root_prefix(root)
-        return join_names(prefix, rels, outer), "nn_module_stack", Namer(phase, len(calls), rels, finder, outer)
+        joined = join_names(prefix, rels, outer)
+        namer = Namer(phase, len(calls), rels, finder, outer)
+        if any(joined) or phase == "backward" or len(calls) != 1 or is_watching():
+            return joined, "nn_module_stack", namer
+        return _caller_names(namer)
     namer = Namer(phase, len(calls), None, None, around or "")
     if phase == "backward":
         names = _ctx_names(_aot_ctx().get(), len(calls), True)
         if names is not None:
             return list(names), "forward_run", namer
+    elif len(calls) == 1 and not around and not is_watching():
+        return _caller_names(namer)
     return None, None, namer
+
+
+def _caller_names(namer: "Namer") -> Tuple[Optional[List[Optional[str]]], Optional[str], "Namer"]:
+    """Without ``watch()``, a compiled function's one call (compiled inside its first call, so
+    the stack holds the caller): named by the module whose ``forward`` called it."""
+    name = caller_name(sys._getframe(2), limit=400)
+    return ([name], "caller", namer) if name else (None, None, namer)
 
 
 class Namer:
@@ -210,15 +234,17 @@ class Namer:
     ``ctx``. A graph with one call and nothing better: the layer running now (hooks, backward
     span; ``_hook_names``)."""
 
-    __slots__ = ("phase", "n", "rels", "root", "outer", "ctx", "built", "unwatched")
+    __slots__ = ("phase", "n", "rels", "root", "outer", "ctx", "built", "unwatched", "caller")
 
     def __init__(self, phase: str, n: int, rels: Optional[List[str]], root: Optional[_FrameLocal], outer: str) -> None:
         self.phase, self.n, self.rels, self.root, self.outer = phase, n, rels, root, outer
         self.ctx = _aot_ctx()
         self.built: Dict[Any, Any] = {}
-        # without watch(): a frame of a module (one graph may serve every block) or a backward
-        # (named by its forward run) is still named per run; others keep their compile-time names
-        self.unwatched = phase == "backward" or (rels is not None and root is not None)
+        # without watch(): a frame of a module (one graph may serve every block), a backward
+        # (named by its forward run) or a graph of one call (named by the layer calling it) is
+        # still named per run; others keep their compile-time names
+        self.unwatched = phase == "backward" or (rels is not None and root is not None) or n == 1
+        self.caller: Optional[_FrameLocal] = None
 
     def names(self) -> Optional[Tuple[Optional[str], ...]]:
         if self.phase == "backward":
@@ -236,7 +262,22 @@ class Namer:
         names = self.names()
         if names is None or not any(names):
             names = _hook_names(fixed)
+            if self.n == 1 and self.phase == "forward" and not is_watching():
+                names = self._caller_names(names)
         self._to_backward(names)
+        return names
+
+    def _caller_names(self, fixed: Tuple[Optional[str], ...]) -> Tuple[Optional[str], ...]:
+        """Without ``watch()``: the one call of a compiled function, named by the module whose
+        ``forward`` called it now (``torch.compile(flex_attention)`` serves every layer)."""
+        if self.caller is None:
+            self.caller = _ModuleForward()
+        name = module_path(self.caller.get())
+        if not name:
+            return fixed
+        names = self.built.get(name)
+        if names is None:
+            names = self.built[name] = (name,)
         return names
 
     def _to_backward(self, names: Tuple[Optional[str], ...]) -> None:

@@ -10,6 +10,7 @@ KNOWN_EVENTS = frozenset(
         "header", "flex_call", "flex_compile", "flex_inlined", "recompile_limit", "compile_error",
         "graph_break", "internal_error", "shutdown", "layer_memory", "fused_calls", "summary", "crash",
         "flex_run", "rescue_failed", "dense_calls", "watch_traced", "compiled_before_enable",
+        "partial_names",
     }
 )
 #: About one FlexAttention call, compile or layer: the "last FlexAttention event" of a crash.

@@ -175,6 +175,9 @@ def test_under_fusionguard_run_every_pattern_is_named_per_layer(tmp_path):
     assert summary == expected
     rep = report.build([str(logs)])
     assert {r["layer"]: (r["fused"], r["dense"]) for r in rep["rows"]} == expected
+    assert [w for w in rep["warnings"] if "partial" in w or "unknown" in w] == [
+        "some layer names are partial (Class[i]...: the model holding them was not known); fusionguard.watch(model) gives full names"
+    ]
     (log,) = logs.glob("*.jsonl")
     assert sum(e["event"] == "partial_names" for e in read_jsonl(log)) == 1
     assert "are partial" in proc.stderr

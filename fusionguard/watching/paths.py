@@ -165,3 +165,22 @@ def _find(module: torch.nn.Module) -> Optional[str]:
     _name_tree(_unwrap(top))
     entry = paths.names.get(id(module))
     return entry[1] if _alive(entry, module) else None  # (None: only in a wrapper's own path)
+
+
+def is_module_forward(f: Any) -> bool:
+    """A frame running a module's own ``forward`` (its ``self`` read only then: before Python
+    3.13 reading a frame's locals leaves a snapshot on it until it returns)."""
+    c = f.f_code
+    return c.co_name == "forward" and "self" in c.co_varnames and isinstance(f.f_locals.get("self"), torch.nn.Module)
+
+
+def caller_name(frame: Any, limit: int = 60) -> Optional[str]:
+    """Without ``watch()``: the name of the module whose ``forward`` (innermost) is on the stack
+    from ``frame``: the layer of a dense call, or of a compiled function's one call (Hugging
+    Face's compiled ``flex_attention``, called from each attention layer)."""
+    f = frame
+    while f is not None and limit > 0:
+        if is_module_forward(f):
+            return module_path(f.f_locals.get("self"))
+        f, limit = f.f_back, limit - 1
+    return None
