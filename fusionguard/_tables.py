@@ -149,6 +149,9 @@ class ModulePaths:
         self.scans = 0
         self.noted = False
 
+    def __len__(self) -> int:  # (what is held: empty after reset, like the other tables)
+        return len(self.names) + len(self.parents) + len(self.tops) + len(self.partial) + self.scans + self.noted
+
 
 class Caches:
     """What the dense path works out once and looks up after: bounded, keyed so that a stale
