@@ -227,8 +227,8 @@ def _caller_names(namer: "Namer") -> Tuple[Optional[List[Optional[str]]], Option
 
 
 class Namer:
-    """Names a compiled graph's calls at each run under ``watch()``; results built once per set of
-    names (a run looks them up). Forward: the compile-time paths joined to the watched name of
+    """Names a compiled graph's calls at each run under ``watch()`` (without it, the module is
+    named by ``watching.paths``); results built once per set of names (a run looks them up). Forward: the compile-time paths joined to the watched name of
     the module the frame runs for now (read from the running frame, ``_FrameLocal``); the names
     go on AOTAutograd's ``ctx`` for the backward. Backward: the names its forward left on the
     ``ctx``. A graph with one call and nothing better: the layer running now (hooks, backward
@@ -330,8 +330,8 @@ def count_runs(compiled: Any, records: List[Dict[str, Any]], namer: Optional[Nam
     execution, not per kernel, and never changes which launcher runs. Each execution logs a
     ``flex_run`` event (sampled like every fused per-call event: the first few per layer and
     phase, then counters) with the number of fused FlexAttention calls it made, named per run
-    per run (``Namer``: under ``watch()``, or without it for a frame of a module). The wrapper goes in through the patch registry, so
-    ``disable()`` puts the graph's own callable back."""
+    (``Namer``; without ``watch()`` too, see ``Namer.unwatched``). The wrapper goes in through
+    the patch registry, so ``disable()`` puts the graph's own callable back."""
     fn = getattr(compiled, "current_callable", None)
     if fn is None or getattr(fn, "_fusionguard_records", None) is not None or not records:
         return
