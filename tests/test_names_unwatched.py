@@ -74,6 +74,21 @@ def test_per_block_compile_without_watch_names_each_block(guard, dynamo_reset, f
     assert flex_events("partial_names") == []
 
 
+def test_dense_calls_without_watch_are_named_by_the_module_running_them(guard, dynamo_reset, fresh):
+    """Per-block compile with layer 1's attention in a ``torch.compiler.disable``d method: its
+    calls run eagerly, densely, and are named by the attention module whose forward made them."""
+    log = guard(keep_all=True)
+    model = Model(brk="disable")
+    for block in model.layers:
+        block.compile()
+    with pytest.warns(fusionguard.DenseFallbackWarning, match="forward in layers.1.attn"):
+        steps(model)
+    assert [e["layer"] for e in flex_events()] == ["layers.1.attn"] * 2
+    expected = {("layers.0.attn", "forward"): (2, 0), ("layers.1.attn", "forward"): (0, 2)}
+    assert rows() == expected
+    assert report_rows(log) == expected
+
+
 def test_whole_model_compile_without_watch_names_match_named_modules(guard, dynamo_reset, fresh):
     """torch.compile(model): one graph with both layers' calls, named as named_modules() says."""
     log = guard(keep_all=True)

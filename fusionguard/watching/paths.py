@@ -27,6 +27,7 @@ import torch
 
 from .._logger import logger
 from .._state import STATE, internal_error
+from ..dynamo_signals import is_torch_file
 from .naming import _WRAPPER_ATTRS, clean_name
 
 # (a scan keeps at most this many modules' parents; a process past it gets partial names)
@@ -168,19 +169,23 @@ def _find(module: torch.nn.Module) -> Optional[str]:
 
 
 def is_module_forward(f: Any) -> bool:
-    """A frame running a module's own ``forward`` (its ``self`` read only then: before Python
-    3.13 reading a frame's locals leaves a snapshot on it until it returns)."""
+    """A frame running the ``forward`` of one of the user's modules (not torch's own, e.g. the
+    ``GraphModule`` an ``aot_eager`` graph runs in, generated code: ``<eval_with_key>``). Its ``self`` is read only then: before
+    Python 3.13 reading a frame's locals leaves a snapshot on it until it returns."""
     c = f.f_code
-    return c.co_name == "forward" and "self" in c.co_varnames and isinstance(f.f_locals.get("self"), torch.nn.Module)
+    if c.co_name != "forward" or "self" not in c.co_varnames or c.co_filename.startswith("<") or is_torch_file(c.co_filename):
+        return False
+    return isinstance(f.f_locals.get("self"), torch.nn.Module)
 
 
 def caller_name(frame: Any, limit: int = 60) -> Optional[str]:
     """Without ``watch()``: the name of the module whose ``forward`` (innermost) is on the stack
     from ``frame``: the layer of a dense call, or of a compiled function's one call (Hugging
-    Face's compiled ``flex_attention``, called from each attention layer)."""
+    Face's compiled ``flex_attention``, called from each attention layer). None for the
+    outermost module itself (a model is not a layer, as under ``watch()``)."""
     f = frame
     while f is not None and limit > 0:
         if is_module_forward(f):
-            return module_path(f.f_locals.get("self"))
+            return module_path(f.f_locals.get("self")) or None
         f, limit = f.f_back, limit - 1
     return None
