@@ -272,7 +272,10 @@ class Namer:
         ``forward`` called it now (``torch.compile(flex_attention)`` serves every layer)."""
         if self.caller is None:
             self.caller = _ModuleForward()
-        name = module_path(self.caller.get())
+        module = self.caller.get()
+        if module is None and self.caller.misses >= 8:
+            self.unwatched = False  # called from no module's forward: runs keep the fixed names
+        name = module_path(module)
         if not name:
             return fixed
         names = self.built.get(name)
