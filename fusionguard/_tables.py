@@ -147,6 +147,7 @@ class ModulePaths:
         self.tops: Dict[int, Any] = {}  # id(outermost module) -> ref, as of the last scan
         self.partial: Dict[str, int] = {}  # class name -> instances named partially so far
         self.scans = 0
+        self.scan_s = 0.0  # seconds spent scanning
         self.noted = False
 
     def __len__(self) -> int:  # (what is held: empty after reset, like the other tables)

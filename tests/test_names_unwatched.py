@@ -19,6 +19,7 @@ import torch
 
 import fusionguard
 from fusionguard import _state, report
+from fusionguard.watching import paths
 from fusionguard.watching.paths import module_path
 
 from compile_models import Block, Model, tokens
@@ -122,15 +123,16 @@ def test_blocks_no_model_holds_get_partial_distinct_names_and_one_note(guard, dy
     notes = flex_events("partial_names")
     assert len(notes) == 1 and notes[0]["fix"] == "fusionguard.watch(model)"
     assert [line for line in capsys.readouterr().err.splitlines() if "partial" in line] == [
-        "fusionguard: layer names such as 'Block[0].…' are partial: the model around these modules "
-        "is not known (several live modules of that class); fusionguard.watch(model) gives full names"
+        "fusionguard: layer names such as 'Block[0].…' are partial: no single model holding these "
+        "modules was found; fusionguard.watch(model) gives full names"
     ]
     assert report_rows(log) == {(n, "forward"): (2, 0) for n in names}
 
 
 def test_module_path_follows_wrappers_and_models_made_later(fresh):
-    """torch.compile's and DDP-like wrappers add no name (as under watch()); a model created after
-    the first lookup is found by a new scan; two live models of one class get partial roots."""
+    """torch.compile's wrapper adds no name (as under watch()); a model created after the first
+    lookup is found by a new scan; two live models of one class get partial roots, and so do
+    modules met after the scans' budget is spent."""
     _state.reset_for_tests()
     model = Model()
     wrapped = torch.compile(model)  # an OptimizedModule holding model as _orig_mod
@@ -144,7 +146,12 @@ def test_module_path_follows_wrappers_and_models_made_later(fresh):
     other = Model()
     assert module_path(other.layers[0].attn) == "Model[0].layers.0.attn"  # two Models: partial
     assert module_path(model.layers[0].attn) == "layers.0.attn"  # named before: kept
-    del wrapped, other
+    _state.STATE.caches.module_paths.scans = paths.MAX_SCANS  # (a program that made modules forever)
+    late = Model()
+    assert module_path(late.layers[1]) == "Block[0]"  # no scan: partial, still its own
+    assert module_path(late.layers[1].attn) == "Block[0].attn"
+    assert module_path(late.layers[0]) == "Block[1]"
+    del wrapped, other, late
     _state.reset_for_tests()
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import time
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -32,7 +33,10 @@ from .naming import _WRAPPER_ATTRS, clean_name
 
 # (a scan keeps at most this many modules' parents; a process past it gets partial names)
 MAX_MODULES = 1_000_000
-MAX_SCANS = 64  # per process: a program creating modules forever does not scan forever
+# per process: a program creating modules forever does not scan forever (its later modules get
+# partial names, found without a scan)
+MAX_SCANS = 16
+MAX_SCAN_S = 2.0
 
 
 def _paths() -> Any:
@@ -46,7 +50,15 @@ def _alive(entry: Optional[Tuple[Any, ...]], module: Any) -> bool:
 
 def _scan() -> None:
     """Every live module's parent, from one pass over the objects the collector tracks."""
-    _paths().scans += 1
+    t0 = time.perf_counter()
+    try:
+        _scan_now()
+    finally:
+        _paths().scans += 1
+        _paths().scan_s += time.perf_counter() - t0
+
+
+def _scan_now() -> None:
     parents: Dict[int, Tuple[Any, Any, str]] = {}
     objects = gc.get_objects()
     try:  # (filtered by exact type in C: no object's own __class__ or __getattr__ runs)
@@ -97,6 +109,17 @@ def _same_class_tops(top: torch.nn.Module) -> int:
     return n
 
 
+def _partial_root(top: torch.nn.Module) -> str:
+    """``Class[i]``: ``top``'s class and the order in which its instances were named partially."""
+    paths = _paths()
+    cls = type(top).__name__
+    i = paths.partial.get(cls, 0)
+    paths.partial[cls] = i + 1
+    root = f"{cls}[{i}]"
+    _note_partial(root)
+    return root
+
+
 def _name_tree(chain: List[torch.nn.Module]) -> None:
     """Name every module of ``top`` (the unwrapped outermost module, its wrappers ``chain``): its
     own paths, or under a partial root ``Class[i]`` when other live modules of its class are
@@ -107,11 +130,7 @@ def _name_tree(chain: List[torch.nn.Module]) -> None:
     if _alive(known, top):
         root = known[1]
     elif _same_class_tops(top) > 1:
-        cls = type(top).__name__
-        i = paths.partial.get(cls, 0)
-        paths.partial[cls] = i + 1
-        root = f"{cls}[{i}]"
-        _note_partial(root)
+        root = _partial_root(top)
     else:
         root = ""
     for m in chain[:-1]:
@@ -127,8 +146,8 @@ def _note_partial(example: str) -> None:
         return
     _paths().noted = True
     text = (
-        f"fusionguard: layer names such as '{example}.…' are partial: the model around these modules "
-        "is not known (several live modules of that class); fusionguard.watch(model) gives full names"
+        f"fusionguard: layer names such as '{example}.…' are partial: no single model holding these "
+        "modules was found; fusionguard.watch(model) gives full names"
     )
     logger.info(text)
     STATE.log.emit("info", "partial_names", example=example, fix="fusionguard.watch(model)")
@@ -136,7 +155,7 @@ def _note_partial(example: str) -> None:
 
 def module_path(module: Any) -> Optional[str]:
     """The name of ``module`` from the outermost module holding it ('' for that module itself,
-    ``Class[i]...`` when partial); None when it cannot be found (a lookup error, too many scans)."""
+    ``Class[i]...`` when partial); None when it cannot be found (a lookup error)."""
     if not isinstance(module, torch.nn.Module):
         return None
     entry = _paths().names.get(id(module))
@@ -153,8 +172,13 @@ def module_path(module: Any) -> Optional[str]:
 def _find(module: torch.nn.Module) -> Optional[str]:
     paths = _paths()
     if not _alive(paths.parents.get(id(module)), module) and not _alive((paths.tops.get(id(module)),), module):
-        if paths.scans >= MAX_SCANS:
-            return None
+        if paths.scans >= MAX_SCANS or paths.scan_s >= MAX_SCAN_S:
+            # no more scans: the module alone, partially named, still apart from the others
+            root = _partial_root(module)
+            for name, m in module.named_modules():
+                if not _alive(paths.names.get(id(m)), m):
+                    paths.names[id(m)] = (weakref.ref(m), ".".join(x for x in (root, clean_name(name)) if x))
+            return root
         _scan()
     top, seen = module, {id(module)}
     while len(seen) < 256:
