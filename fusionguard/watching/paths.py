@@ -37,6 +37,7 @@ MAX_MODULES = 1_000_000
 # partial names, found without a scan)
 MAX_SCANS = 16
 MAX_SCAN_S = 2.0
+MAX_NAMES = 200_000
 
 
 def _paths() -> Any:
@@ -120,16 +121,19 @@ def _partial_root(top: torch.nn.Module) -> str:
     return root
 
 
-def _name_tree(chain: List[torch.nn.Module]) -> None:
+def _name_tree(chain: List[torch.nn.Module], partial: bool = False) -> None:
     """Name every module of ``top`` (the unwrapped outermost module, its wrappers ``chain``): its
     own paths, or under a partial root ``Class[i]`` when other live modules of its class are
-    outermost too (a module added to a model named before keeps that model's root)."""
+    outermost too, or ``partial`` (a module added to a model named before keeps that model's
+    root)."""
     paths = _paths()
+    if len(paths.names) > MAX_NAMES:  # (models made and dropped all along: forget the dead)
+        paths.names = {k: e for k, e in paths.names.items() if e[0]() is not None}
     top = chain[-1]
     known = paths.names.get(id(top))
     if _alive(known, top):
         root = known[1]
-    elif _same_class_tops(top) > 1:
+    elif partial or _same_class_tops(top) > 1:
         root = _partial_root(top)
     else:
         root = ""
@@ -174,11 +178,9 @@ def _find(module: torch.nn.Module) -> Optional[str]:
     if not _alive(paths.parents.get(id(module)), module) and not _alive((paths.tops.get(id(module)),), module):
         if paths.scans >= MAX_SCANS or paths.scan_s >= MAX_SCAN_S:
             # no more scans: the module alone, partially named, still apart from the others
-            root = _partial_root(module)
-            for name, m in module.named_modules():
-                if not _alive(paths.names.get(id(m)), m):
-                    paths.names[id(m)] = (weakref.ref(m), ".".join(x for x in (root, clean_name(name)) if x))
-            return root
+            _name_tree([module], partial=True)
+            entry = paths.names.get(id(module))
+            return entry[1] if _alive(entry, module) else None
         _scan()
     top, seen = module, {id(module)}
     while len(seen) < 256:
