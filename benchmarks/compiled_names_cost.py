@@ -3,7 +3,8 @@
 - per graph run under watch(): a 2-block model with each block compiled in place
   (``block.compile()``: one graph, named by the block running it) and the same model compiled
   whole (one graph of both layers' calls), fusionguard's enabled flag on/off on alternate steps
-  (benchmarks/paired.py); per step and per graph run;
+  (benchmarks/paired.py); per step and per graph run; per-block again without watch() (issue
+  28: named from the model holding the block), and the one lookup that finds that model;
 - the search ``enable()`` makes for graphs compiled before it: N small graphs compiled first
   (the same code in N functions: Inductor's cache answers after the first), then the search.
 
@@ -13,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import sys
@@ -56,15 +58,15 @@ def main() -> None:
     fusionguard.enable(log_path=False)
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     x = tokens(device=args.device)
-    for pattern in ("per_block", "whole"):
+    for pattern in ("per_block", "whole", "per_block_unwatched"):
         model = Model().to(args.device)
-        if pattern == "per_block":
+        if pattern.startswith("per_block"):
             for block in model.layers:
                 block.compile()
             step = model
         else:
             step = torch.compile(model)
-        with fusionguard.watch(model), torch.no_grad():
+        with fusionguard.watch(model) if pattern != "per_block_unwatched" else contextlib.nullcontext(), torch.no_grad():
             for _ in range(5):
                 step(x)
             before = STATE.counts.get("fused_runs_forward", 0)
@@ -75,7 +77,23 @@ def main() -> None:
             f"{diff * 1e6:+.2f} us per step, {runs} graph run(s) per step (median of {args.pairs} pairs)"
         )
     fusionguard.disable()
+    paths_cost()
     search_cost(args.graphs)
+
+
+def paths_cost() -> None:
+    """The lookup that names a module without watch(): one pass over the live objects."""
+    from fusionguard.watching import paths
+
+    best = float("inf")
+    for _ in range(5):
+        STATE.caches.module_paths.clear()
+        STATE.caches.module_paths.noted = True  # (the partial-names note once, not per round)
+        model = Model()
+        t0 = time.perf_counter()
+        assert str(paths.module_path(model.layers[1].attn)).endswith("layers.1.attn")
+        best = min(best, time.perf_counter() - t0)
+    print(f"names without watch(): {len(gc.get_objects()):,} gc objects: first module_path() {best * 1e3:.1f} ms (best of 5)")
 
 
 if __name__ == "__main__":

@@ -138,6 +138,26 @@ class Stats:
             return out
 
 
+class ModulePaths:
+    """Module names found without ``watch()`` (``watching.paths``): by identity, checked through
+    a weak reference; the last scan's parent links and outermost modules."""
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        self.names: Dict[int, Tuple[Any, str]] = {}  # id(module) -> (ref, name)
+        self.parents: Dict[int, Tuple[Any, Any, str]] = {}  # id(child) -> (ref child, ref parent, key)
+        self.tops: Dict[int, Any] = {}  # id(outermost module) -> ref, as of the last scan
+        self.partial: Dict[str, int] = {}  # class name -> instances named partially so far
+        self.scans = 0
+        self.scan_s = 0.0  # seconds spent scanning
+        self.noted = False
+
+    def __len__(self) -> int:  # (what is held: empty after reset, like the other tables)
+        return len(self.names) + len(self.parents) + len(self.tops) + len(self.partial) + self.scans + self.noted
+
+
 class Caches:
     """What the dense path works out once and looks up after: bounded, keyed so that a stale
     entry is never returned (each user checks identity or bounds the size)."""
@@ -152,6 +172,8 @@ class Caches:
         self.code_kinds: Dict[int, Tuple[Any, int, Optional[Any], bool]] = {}
         # rescue: Dynamo backends looked up once ("inductor")
         self.backends: Dict[str, Any] = {}
+        # watching.paths: module names without watch()
+        self.module_paths = ModulePaths()
 
     def reset(self) -> None:
         for table in vars(self).values():

@@ -14,6 +14,7 @@ from . import profiling
 from . import torch_internals as ti
 from ._state import STATE, count, internal_error
 from .watching.naming import clean_name, flex_layer, in_backward, resolve_watched_name, watched_name, is_watching
+from .watching.paths import caller_name, is_module_forward, module_path
 
 
 _SOURCE_PART = re.compile(r"\[(?:'([^']*)'|(\d+))\]|\.(\w+)")
@@ -80,6 +81,14 @@ def dynamo_names() -> Optional[Tuple[List[str], Optional["_FrameLocal"], Any]]:
     return rels, _FrameLocal((code.co_name,), code.co_filename, local), root
 
 
+def root_prefix(module: Any) -> Optional[str]:
+    """The name of a compiled frame's module: its watched name under ``watch()`` (None if it is
+    not watched), else its path from the outermost module holding it (``watching.paths``)."""
+    if module is None:
+        return None
+    return watched_name(module) if is_watching() else module_path(module)
+
+
 def join_names(prefix: Optional[str], rels: List[str], outer: str = "") -> List[Optional[str]]:
     """Full names of calls at ``rels``: under the watched module ``prefix`` ('' for a watched
     model), else (a frame rooted outside the watched models) joined to the hook layer around
@@ -142,6 +151,17 @@ class _WatchedSelf(_FrameLocal):
         return "self" in f.f_code.co_varnames and watched_name(f.f_locals.get("self")) is not None
 
 
+class _ModuleForward(_FrameLocal):
+    """The nearest frame running a module's own ``forward``: without ``watch()``, the layer that
+    called a compiled function (found once per graph, then kept like any other)."""
+
+    def __init__(self) -> None:
+        super().__init__((), "", "self")
+
+    def _match(self, f: Any) -> bool:
+        return is_module_forward(f)
+
+
 def _aot_ctx() -> "_FrameLocal":
     """AOTAutograd's autograd ``ctx``: shared by a forward run and its backward."""
     return _FrameLocal(("forward", "backward", "_backward_impl", "_fwd_fn", "_bwd_fn", "call_compiled_backward"), ti.AOT_RUNTIME_DIR, "ctx")
@@ -184,38 +204,55 @@ def compile_names(calls: List[Dict[str, Any]], source: Optional[str], around: Op
         rels, finder, root = dyn
         if phase == "backward":
             rels = rels[::-1]
-        prefix = watched_name(root) if root is not None else None
-        return join_names(prefix, rels, outer), "nn_module_stack", Namer(phase, len(calls), rels, finder, outer)
+        prefix = root_prefix(root)
+        joined = join_names(prefix, rels, outer)
+        namer = Namer(phase, len(calls), rels, finder, outer)
+        if any(joined) or phase == "backward" or len(calls) != 1 or is_watching():
+            return joined, "nn_module_stack", namer
+        return _caller_names(namer)
     namer = Namer(phase, len(calls), None, None, around or "")
     if phase == "backward":
         names = _ctx_names(_aot_ctx().get(), len(calls), True)
         if names is not None:
             return list(names), "forward_run", namer
+    elif len(calls) == 1 and not around and not is_watching():
+        return _caller_names(namer)
     return None, None, namer
 
 
+def _caller_names(namer: "Namer") -> Tuple[Optional[List[Optional[str]]], Optional[str], "Namer"]:
+    """Without ``watch()``, a compiled function's one call (compiled inside its first call, so
+    the stack holds the caller): named by the module whose ``forward`` called it."""
+    name = caller_name(sys._getframe(2), limit=400)
+    return ([name], "caller", namer) if name else (None, None, namer)
+
+
 class Namer:
-    """Names a compiled graph's calls at each run under ``watch()``; results built once per set of
-    names (a run looks them up). Forward: the compile-time paths joined to the watched name of
+    """Names a compiled graph's calls at each run under ``watch()`` (without it, the module is
+    named by ``watching.paths``); results built once per set of names (a run looks them up). Forward: the compile-time paths joined to the watched name of
     the module the frame runs for now (read from the running frame, ``_FrameLocal``); the names
     go on AOTAutograd's ``ctx`` for the backward. Backward: the names its forward left on the
     ``ctx``. A graph with one call and nothing better: the layer running now (hooks, backward
     span; ``_hook_names``)."""
 
-    __slots__ = ("phase", "n", "rels", "root", "outer", "ctx", "built")
+    __slots__ = ("phase", "n", "rels", "root", "outer", "ctx", "built", "unwatched", "caller")
 
     def __init__(self, phase: str, n: int, rels: Optional[List[str]], root: Optional[_FrameLocal], outer: str) -> None:
         self.phase, self.n, self.rels, self.root, self.outer = phase, n, rels, root, outer
         self.ctx = _aot_ctx()
         self.built: Dict[Any, Any] = {}
+        # without watch(): a frame of a module (one graph may serve every block), a backward
+        # (named by its forward run) or a graph of one call (named by the layer calling it) is
+        # still named per run; others keep their compile-time names
+        self.unwatched = phase == "backward" or (rels is not None and root is not None) or n == 1
+        self.caller: Optional[_FrameLocal] = None
 
     def names(self) -> Optional[Tuple[Optional[str], ...]]:
         if self.phase == "backward":
             return _ctx_names(self.ctx.get(), self.n, True)
         if self.rels is None or self.root is None:
             return None  # (a frame of no module: a function compiled, called from the layers)
-        module = self.root.get()
-        prefix = watched_name(module) if module is not None else None
+        prefix = root_prefix(self.root.get())
         names = self.built.get(prefix)
         if names is None:
             names = self.built[prefix] = tuple(join_names(prefix, self.rels, self.outer))
@@ -226,7 +263,25 @@ class Namer:
         names = self.names()
         if names is None or not any(names):
             names = _hook_names(fixed)
+            if self.n == 1 and self.phase == "forward" and not is_watching():
+                names = self._caller_names(names)
         self._to_backward(names)
+        return names
+
+    def _caller_names(self, fixed: Tuple[Optional[str], ...]) -> Tuple[Optional[str], ...]:
+        """Without ``watch()``: the one call of a compiled function, named by the module whose
+        ``forward`` called it now (``torch.compile(flex_attention)`` serves every layer)."""
+        if self.caller is None:
+            self.caller = _ModuleForward()
+        module = self.caller.get()
+        if module is None and self.caller.misses >= 8:
+            self.unwatched = False  # called from no module's forward: runs keep the fixed names
+        name = module_path(module)
+        if not name:
+            return fixed
+        names = self.built.get(name)
+        if names is None:
+            names = self.built[name] = (name,)
         return names
 
     def _to_backward(self, names: Tuple[Optional[str], ...]) -> None:
@@ -279,8 +334,8 @@ def count_runs(compiled: Any, records: List[Dict[str, Any]], namer: Optional[Nam
     execution, not per kernel, and never changes which launcher runs. Each execution logs a
     ``flex_run`` event (sampled like every fused per-call event: the first few per layer and
     phase, then counters) with the number of fused FlexAttention calls it made, named per run
-    under ``watch()`` (``Namer``). The wrapper goes in through the patch registry, so
-    ``disable()`` puts the graph's own callable back."""
+    (``Namer``; without ``watch()`` too, see ``Namer.unwatched``). The wrapper goes in through
+    the patch registry, so ``disable()`` puts the graph's own callable back."""
     fn = getattr(compiled, "current_callable", None)
     if fn is None or getattr(fn, "_fusionguard_records", None) is not None or not records:
         return
@@ -310,7 +365,7 @@ def count_runs(compiled: Any, records: List[Dict[str, Any]], namer: Optional[Nam
 
     def run_names(n: int, names: Tuple[Any, ...]) -> Tuple[Any, ...]:
         if namer is not None:
-            if is_watching():
+            if namer.unwatched or is_watching():
                 return namer.run(names)
         elif n == 1:
             return _hook_names(names)

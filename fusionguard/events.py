@@ -12,6 +12,7 @@ KNOWN_EVENTS = frozenset(
         "flex_run", "rescue_failed", "dense_calls", "watch_traced", "compiled_before_enable",
         "recompile_pressure", "no_flex_calls",
         "mask_build", "mask_builds",
+        "partial_names",
     }
 )
 #: About one FlexAttention call, compile or layer: the "last FlexAttention event" of a crash.

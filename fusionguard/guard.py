@@ -29,7 +29,7 @@ from ._state import STATE, count, dense_allowed_here, internal_error
 from .dynamo_signals import SIGNALS, is_torch_file, reason_summary
 from .errors import DenseFallbackError
 from .torch_internals import dynamo_counters, dynamo_skips_frames, eval_frame_callback, is_concrete, is_fullgraph_hook, nested_flex_codes
-from .watching import naming
+from .watching import naming, paths
 
 # Set by FlexAttentionAutogradOp.forward's wrapper: the dense forward drops its record here so
 # that ctx (and so the backward, possibly on another thread) can carry it.
@@ -336,6 +336,8 @@ def _check_dense(phase: str, args: tuple, kwargs: dict, frame: Any) -> Tuple[Opt
         diagnosis = causes.diagnose_backward(origin, frame)
         call_site = (origin or {}).get("call_site") or causes.user_call_site(frame)
     layer = (origin or {}).get("layer") if phase == "backward" and origin else naming.note_flex_call(frame if phase == "forward" else None)
+    if layer is None and phase == "forward" and frame is not None and not naming.is_watching():
+        layer = paths.caller_name(frame)  # (no watch(): the module whose forward made the call)
     # The debug flag is the user asking for the dense path, as allow_dense() is: logged, never
     # warned about or blocked.
     allowed = (

@@ -8,6 +8,7 @@ SCENARIO:
   fsdp2  per-block compile under FSDP2 (torchtitan's pattern): fully_shard each block, then
          block.compile(), the whole model sharded; two inference steps inside watch(model);
          each rank writes OUT_DIR/rows{R}.json (summary) and OUT_DIR/counts{R}.json
+  fsdp2_unwatched  the same without watch() (as under ``fusionguard run``)
   strict strict mode; rank 0 runs its call inside allow_dense(), rank 1's call raises
          DenseFallbackError; rank 0 then waits in a barrier that rank 1 never reaches
 
@@ -18,6 +19,7 @@ say how far each rank got.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -69,8 +71,8 @@ def main() -> None:
     elif scenario == "rank1":
         if rank == 1:
             attention(16)
-    elif scenario == "fsdp2":
-        fsdp2_per_block(out, rank)
+    elif scenario in ("fsdp2", "fsdp2_unwatched"):
+        fsdp2_per_block(out, rank, watch=scenario == "fsdp2")
         finish(out, rank)
         return
     elif scenario == "strict":
@@ -103,7 +105,7 @@ def main() -> None:
     finish(out, rank)
 
 
-def fsdp2_per_block(out: Path, rank: int) -> None:
+def fsdp2_per_block(out: Path, rank: int, watch: bool = True) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     try:
@@ -121,7 +123,7 @@ def fsdp2_per_block(out: Path, rank: int) -> None:
         fully_shard(block, mesh=mesh)
         block.compile()
     fully_shard(model, mesh=mesh)
-    with fusionguard.watch(model), torch.no_grad():
+    with fusionguard.watch(model) if watch else contextlib.nullcontext(), torch.no_grad():
         for _ in range(2):
             model(tokens(seed=rank))
     rows = [{k: r[k] for k in ("layer", "phase", "calls", "fused", "dense")} for r in fusionguard.summary()]

@@ -160,13 +160,15 @@ def test_strict_rank_raises_torchrun_stops_the_group(tmp_path):
 
 @torchrun
 @pytest.mark.slow
-def test_fsdp2_per_block_compile_names_each_block_on_every_rank(tmp_path):
+@pytest.mark.parametrize("scenario", ["fsdp2", "fsdp2_unwatched"])
+def test_fsdp2_per_block_compile_names_each_block_on_every_rank(tmp_path, scenario):
     """torchtitan's pattern under torchrun: fully_shard per block, block.compile(), two steps in
-    watch(model). One compiled graph serves both blocks; each run is named by the block running
-    it, per rank; the report sums the ranks."""
+    watch(model), or without watch() (issue 28: the blocks are found in the model holding them).
+    One compiled graph serves both blocks; each run is named by the block running it, per rank;
+    the report sums the ranks."""
     from fusionguard import report
 
-    proc = launch("fsdp2", tmp_path, timeout=LAUNCH_TIMEOUT * 4)  # (two ranks compile at once)
+    proc = launch(scenario, tmp_path, timeout=LAUNCH_TIMEOUT * 4)  # (two ranks compile at once)
     assert proc.returncode == 0, output(proc)
     logs = rank_logs(tmp_path)
     expected = [

@@ -179,3 +179,62 @@ def test_compiled_model_inductor_is_fused_per_layer(inductor_model_run, hf_wrapp
 def test_compiled_model_layer_names_match_watch(inductor_model_run):
     log, _ = inductor_model_run
     assert sorted(c["layer"] for c in kinds(log, "flex_compile")) == LAYERS
+
+
+_UNWATCHED = """
+import json, sys, torch, warnings
+warnings.simplefilter("ignore")
+from transformers import LlamaConfig, LlamaForCausalLM
+
+cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                  intermediate_size=128, vocab_size=128, attn_implementation="flex_attention")
+model = LlamaForCausalLM(cfg).eval()
+ids = torch.randint(0, 128, (1, 32))
+with torch.no_grad():  # no watch(): a script knowing nothing of fusionguard
+    for _ in range(2):
+        model(ids)  # eager layers calling transformers' compiled flex_attention
+    with torch.compiler.set_stance("force_eager"):
+        model(ids)  # dense, in every layer
+    compiled = torch.compile(model)  # the whole model
+    for _ in range(2):
+        compiled(ids)
+import fusionguard
+attn = [n for n, m in model.named_modules() if type(m).__name__ == "LlamaAttention"]
+json.dump({"rows": list(fusionguard.summary()), "attn": attn}, open(sys.argv[1], "w"), default=str)
+"""
+
+
+def test_without_watch_under_fusionguard_run_names_match_named_modules(tmp_path):
+    """Issue 28: without watch(), Dynamo's names are relative to the frame it compiled (the model
+    compiled whole runs the inner LlamaModel's: ``layers.0.self_attn``; transformers' compiled
+    flex_attention: none); fusionguard finds the frame's module in the model holding it, or the
+    layer calling the compiled function, so every row says what ``named_modules()`` says
+    (``model.layers.0.self_attn``): fused calls of both paths and dense ones, per layer."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    from fusionguard import report
+
+    script, logs, out = tmp_path / "infer.py", tmp_path / "logs", tmp_path / "out.json"
+    script.write_text(_UNWATCHED)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FUSIONGUARD")}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "fusionguard", "run", "--log", f"{logs}/", "--", sys.executable, str(script), str(out)],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["attn"] == LAYERS
+    expected = {(n, "forward"): (4, 1) for n in LAYERS}
+    assert {(r["layer"], r["phase"]): (r["fused"], r["dense"]) for r in result["rows"]} == expected
+    (log,) = logs.glob("*.jsonl")
+    compiles = [(e["layer"], e["named_from"]) for e in read_jsonl(log) if e["event"] == "flex_compile"]
+    assert compiles == [(LAYERS[0], "caller"), (LAYERS[0], "nn_module_stack"), (LAYERS[1], "nn_module_stack")]
+    assert [e["layer"] for e in read_jsonl(log) if e["event"] == "flex_call"] == LAYERS
+    rep = report.build([str(logs)])
+    assert {(r["layer"], r["phase"]): (r["fused"], r["dense"]) for r in rep["rows"]} == expected
+    assert not [w for w in rep["warnings"] if "partial" in w]

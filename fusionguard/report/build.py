@@ -174,6 +174,8 @@ def build_report(agg: Aggregator) -> Dict[str, Any]:
         warnings.append("unknown event kinds ignored: " + ", ".join(f"{k} ({v})" for k, v in sorted(agg.unknown.items())))
     if agg.key_overflow:
         warnings.append(f"more than {MAX_KEYS} layer/phase pairs: the rest are counted under {OTHER_LAYERS!r}")
+    if agg.kinds.get("partial_names"):  # (layer names without watch(): see docs/compiled.md)
+        warnings.append("some layer names are partial (Class[i]...: the model holding them was not known); fusionguard.watch(model) gives full names")
     if agg.kinds.get("internal_error"):
         warnings.append(f"{agg.kinds['internal_error']} fusionguard internal_error event(s): see the log")
 
