@@ -96,7 +96,8 @@ def trace(model, shape, path: str, steps: int) -> List[Dict[str, Any]]:
 def summarise(events: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """Per fusionguard range name: count, CPU durations, GPU kernel time launched inside, kernels."""
     xs = [e for e in events if e.get("ph") == "X" and "dur" in e]
-    ranges = [e for e in xs if str(e.get("name", "")).startswith(PREFIX)]
+    # the CPU-side ranges (a CUDA trace mirrors each as a ``gpu_user_annotation`` on the stream)
+    ranges = [e for e in xs if str(e.get("name", "")).startswith(PREFIX) and e.get("cat") != "gpu_user_annotation"]
     kernels_by_corr: Dict[Any, List[Dict[str, Any]]] = {}
     for e in xs:
         if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):

@@ -58,13 +58,16 @@ def _is_identity(fn: Any) -> bool:
 
 def _captured_bytes(buffers: Any, q_len: int, kv_len: int) -> int:
     """Bytes per score element added by captured tensors indexed by query *and* key position
-    (e.g. a ``[H, Q, KV]`` bias): vmap gathers them to the full score shape. Smaller ones (a
-    per-token document id) are gathered per dimension and broadcast: no score-sized copy."""
+    (e.g. a ``[H, Q, KV]`` bias): vmap gathers them to the full score shape, and broadcasts an
+    int64 index grid per indexed dimension to that shape too (measured on the H200: a float32
+    ``bias[h, q, kv]`` made the forward 32 B per score element, where 4 + 3 x 8 + 4 predicts 32).
+    Smaller ones (a per-token document id) are gathered per dimension and broadcast: no
+    score-sized copy."""
     total = 0
     for t in buffers or ():
         numel = getattr(t, "numel", None)
         if callable(numel) and numel() >= q_len * kv_len:
-            total += _itemsize(t.dtype)
+            total += _itemsize(t.dtype) + 8 * int(getattr(t, "dim", lambda: 2)())
     return total
 
 
@@ -99,11 +102,13 @@ def predict_dense(phase: str, q: Any, k: Any, v: Any, score_mod: Any = None, sco
     if phase == "forward":
         # masking: scores, mask, a score_mod's result, then a captured tensor's gather (inside
         # score_mod) or the ``where`` result, whichever is larger; vs ``_safe_softmax``
-        per = max(w + 1 + extra_mod + max(captured, w), 3 * w + 1)
+        per = max(w + max(captured, 1 + extra_mod + w), 3 * w + 1)
         return s * per + repeats + lse
     # (a captured tensor's gather is freed before the peak: measured 28 B/elt with a bias, 30
     # with ``s * 2``, 26 with none, bf16; CPU, the same elementwise allocations as CUDA)
-    per = 6 * w + d + extra_mod
+    # a captured score-sized tensor: eager autograd re-gathers it with its index grids (H200,
+    # float32 ``bias[h, q, kv]``: 48 B per element eager, 32 under aot_eager: the safe side kept)
+    per = 6 * w + d + extra_mod + captured - (4 if captured else 0)
     grads = bq * hq * q_len * dqk * d + bq * hkv * kv_len * (dqk + dv) * d + bq * hq * kv_len * dv * d
     return s * per + repeats + grads + 2 * lse
 

@@ -42,6 +42,21 @@ def test_prediction_within_15_percent_of_the_measured_peak(shape, backend):
         assert abs(bench.error(row, key)) <= 0.15, (key, row)
 
 
+@pytest.mark.parametrize("backend", bench.BACKENDS)
+@pytest.mark.parametrize("shape", bench.EXTRA_SHAPES, ids=[s[0] for s in bench.EXTRA_SHAPES])
+def test_a_captured_score_sized_tensor_forward_within_15_percent_backward_not_under(shape, backend):
+    """A captured ``[H, Q, KV]`` bias (index grids): the forward is held to 15 %; the backward is
+    never predicted below the measured peak (eager re-gathers it, aot_eager does not)."""
+    try:
+        row = bench.measure(shape, backend)
+    finally:
+        fusionguard.disable()
+        torch.cuda.empty_cache()
+    print("\n" + bench.table([row]))
+    assert abs(bench.error(row, "fwd")) <= 0.15, row
+    assert bench.error(row, "bwd") >= -0.05, row
+
+
 def _ballast(leave: int) -> list:
     """Fill the device until about ``leave`` bytes can still be allocated (1 GiB chunks)."""
     chunks = []
@@ -73,8 +88,9 @@ def test_oom_mode_blocks_a_backward_that_cannot_fit_before_allocating_and_runs_o
         fusionguard.enable(mode="oom", log_path=str(tmp_path / "fg.jsonl"))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
+            seen = len(fusionguard.events("flex_call"))
             out = flex_attention(q, k, v, block_mask=mask, enable_gqa=True)  # fits: runs, warned
-            (e_fwd,) = fusionguard.events("flex_call")
+            (e_fwd,) = fusionguard.events("flex_call")[seen:]
             assert e_fwd["action"] == "warn" and e_fwd["predicted_bytes"] < e_fwd["free_bytes"]
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()

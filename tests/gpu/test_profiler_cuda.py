@@ -82,7 +82,7 @@ def test_dense_forward_and_backward_ranges_hold_their_kernels(fresh, tmp_path):
     model = Model().cuda()
     with fusionguard.watch(model, memory=False):
         events = _traced(model, tmp_path, "dense")
-    ours = [e for e in events if e["name"].startswith("fusionguard: ")]
+    ours = [e for e in events if e["name"].startswith("fusionguard: ") and e.get("cat") == "user_annotation"]  # (CUDA traces mirror each as gpu_user_annotation)
     names = sorted({e["name"] for e in ours})
     size = "1.05 MB"  # 1*4*256*256 fp32
     assert names == sorted(f"fusionguard: dense {p} layers.{i} (eager_call, {size})" for p in ("forward", "backward") for i in (0, 1)), names
@@ -96,7 +96,7 @@ def test_fused_graph_runs_are_ranges_naming_their_layers(fresh, tmp_path):
     compiled = torch.compile(model)
     with fusionguard.watch(model, memory=False):
         events = _traced(compiled, tmp_path, "fused")
-    ours = [e for e in events if e["name"].startswith("fusionguard: ")]
+    ours = [e for e in events if e["name"].startswith("fusionguard: ") and e.get("cat") == "user_annotation"]  # (CUDA traces mirror each as gpu_user_annotation)
     names = [e["name"] for e in ours]
     for phase in ("forward", "backward"):  # (a backward names its calls last to first)
         runs = [n for n in names if n.startswith(f"fusionguard: fused {phase} ")]
