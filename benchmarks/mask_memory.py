@@ -52,7 +52,7 @@ print(json.dumps({"n": n, "kind": kind, "how": how, "measured": peak, "estimate"
 
 
 def run(n: int, kind: str, how: str, device: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH")) if x), "OMP_NUM_THREADS": "1"}
     env.pop("FUSIONGUARD", None)
     p = subprocess.run([sys.executable, "-c", CHILD, str(n), kind, how, device], capture_output=True, text=True, env=env, timeout=1800)
     if p.returncode != 0:

@@ -35,7 +35,8 @@ def assert_guard_works_after(guard):
     q, k, v = qkv()
     with pytest.raises(fusionguard.DenseFallbackError):
         flex_attention(q, k, v)
-    assert [(e["event"], e.get("action")) for e in read_jsonl(log)][-2:] == [("header", None), ("flex_call", "raise")]
+    seen = [(e["event"], e.get("action")) for e in read_jsonl(log) if e["event"] != "compiled_before_enable"]  # (graphs of earlier tests)
+    assert seen[-2:] == [("header", None), ("flex_call", "raise")], seen
 
 
 class BytesPath:
