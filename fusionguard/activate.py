@@ -146,11 +146,9 @@ class _TorchWatcher:
             # A finder put in front of us later (pytest's assertion rewriter, which loads the
             # modules of plugins such as fusionguard) would load our modules past us: go first
             # again. Harmless: we find nothing ourselves and ask the others in their order.
-            try:
-                meta.remove(self)
-                meta.insert(0, self)
-            except ValueError:
-                pass
+            # One slice assignment: another thread iterating sys.meta_path never sees it
+            # without a finder (remove-then-insert did, for a moment).
+            meta[:] = [self] + [f for f in meta if f is not self]
         tid = _thread.get_ident()
         if tid in self.busy or not (name == "torch" or _ours(name)):
             if self.torch_imported and tid not in self.busy:  # waiting on a module loaded by another finder
@@ -231,7 +229,8 @@ def launch_env(mode: Optional[str] = None, log: Optional[str] = None, environ: O
     kept exactly, empty ones included (an empty entry puts the working directory on
     ``sys.path``), after the hook directory."""
     env = dict(os.environ if environ is None else environ)
-    env[ENV] = mode or env.get(ENV) or "warn"
+    # (whitespace is unset, as check_mode and the hook read it: warn, never a value the hook ignores)
+    env[ENV] = mode or (env.get(ENV) or "").strip().lower() or "warn"
     if log:
         path = os.path.abspath(os.path.expanduser(log))
         env["FUSIONGUARD_LOG"] = path + os.sep if log.endswith(("/", os.sep)) else path
@@ -344,6 +343,11 @@ def run(cmd: Sequence[str], mode: Optional[str] = None, log: Optional[str] = Non
         sys.stderr.write(bad)
         return 2
     env = launch_env(mode, log)
+    if env[ENV] == "off":  # an exported kill switch, left over: say so, never run unguarded silently
+        sys.stderr.write(
+            f"fusionguard run: {ENV}=off in the environment: the command runs without fusionguard "
+            "(unset it, or pass --strict / --warn / --oom)\n"
+        )
     warning = unreachable_warning(cmd, env)
     if warning:
         sys.stderr.write(warning)

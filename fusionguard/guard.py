@@ -17,6 +17,7 @@ import functools
 import itertools
 import logging
 import sys
+import threading
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -285,9 +286,26 @@ def format_message(event: Dict[str, Any]) -> str:
     if ev:
         lines.append(f"  evidence: {ev}")
     lines.append(f"  fix:      {event.get('fix')}")
-    if action == "raise":
+    if action == "raise" and event.get("recompute") and event.get("native_thread"):
+        lines.append(
+            "  (a forward re-run by activation checkpointing during backward, on a thread autograd started: no "
+            "allow_dense() block reaches it; to let it run dense on purpose, run the backward on your thread "
+            "inside the block: `with fusionguard.allow_dense(), torch.autograd.set_multithreading_enabled(False): "
+            "loss.backward()`)"
+        )
+    elif action == "raise":
         lines.append("  (to let this call run dense on purpose: `with fusionguard.allow_dense(): ...`)")
     return "\n".join(lines)
+
+
+# What ``threading`` calls a thread it did not create (autograd's device threads, a native worker).
+_DUMMY_THREAD: Any = getattr(threading, "_DummyThread", ())
+
+
+def _foreign_thread() -> bool:
+    """True on a thread Python's ``threading`` did not create (autograd's device threads): the
+    ``allow_dense()`` block of the code that called ``backward()`` is not visible there."""
+    return isinstance(threading.current_thread(), _DUMMY_THREAD)
 
 
 def _memory(phase: str, args: tuple, kwargs: dict, q: Any, k: Any) -> Tuple[Optional[int], Optional[int]]:
@@ -373,6 +391,8 @@ def _check_dense(phase: str, args: tuple, kwargs: dict, frame: Any) -> Tuple[Opt
         fields["device_name"] = _device_name(q.device.index if q.device.index is not None else torch.cuda.current_device())
     if phase == "forward" and naming.in_backward():
         fields["recompute"] = True  # activation checkpointing re-running a forward in backward
+        if action == "raise" and _foreign_thread():  # (looked at only when it is blocked)
+            fields["native_thread"] = True  # autograd's own thread (CUDA's device threads)
     count(f"dense_{phase}")
     STATE.stats.on_dense(layer, phase, diagnosis.cause, fields.get("scores_bytes"), bool(fields.get("recompute")))
     site = call_site or {}

@@ -24,7 +24,11 @@ a directory, default ``fusionguard.jsonl`` in pytest's base temporary directory)
 - ``FUSIONGUARD=off`` in the environment (the kill switch) wins over the option: nothing is
   enabled, and the header and summary say so.
 - ``@pytest.mark.fusionguard_allow_dense`` runs a test inside ``fusionguard.allow_dense()`` (an
-  eager reference computation, say): its dense calls are logged as allowed and never fail it.
+  eager reference computation, say): the dense calls that block allows are logged as allowed and
+  do not fail it. By allow_dense()'s exact thread rule (docs/guarantees.md), on CUDA a backward
+  whose forward ran outside the block and an activation-checkpointing re-run forward run on
+  autograd's device thread, outside the block, and still fail the test (unless the test calls
+  ``backward()`` under ``torch.autograd.set_multithreading_enabled(False)``).
 
 A test that calls ``fusionguard.enable(...)`` / ``disable()`` itself changes the session guard;
 the plugin puts the session's configuration back before the next test.

@@ -296,3 +296,49 @@ def test_nested_blocks_and_an_inner_one_left_elsewhere(guard, math_spy):
     with pytest.raises(fusionguard.DenseFallbackError):
         dense_forward()
     assert [e["action"] for e in flex_events()] == ["allow", "raise"]
+
+
+# -- a checkpoint re-run forward blocked on a thread autograd (not Python) started -------------
+
+HINT = "torch.autograd.set_multithreading_enabled(False)"
+
+
+def checkpointed_step():
+    """A forward under non-reentrant activation checkpointing inside the block, its backward
+    after the block: the backward re-runs the dense forward outside any block."""
+    from torch.utils.checkpoint import checkpoint
+
+    q, k, v = qkv(requires_grad=True)
+    with fusionguard.allow_dense():
+        out = checkpoint(lambda q, k, v: op_call(q, k, v)[0], q, k, v, use_reentrant=False)
+    out.sum().backward()
+    return "ran"
+
+
+def test_a_recompute_blocked_on_a_native_thread_names_the_single_threaded_backward(guard, math_spy):
+    """On CUDA the re-run happens on autograd's device thread, which Python did not create; here
+    the same event on CPU, from a ``_thread.start_new_thread`` thread (autograd runs a CPU
+    backward on the calling thread): the error says how to run that backward inside the block."""
+    guard(strict=True)
+    got = in_native_thread(checkpointed_step)
+    error = got.get("error")
+    assert isinstance(error, fusionguard.DenseFallbackError), got
+    assert len(math_spy) == 1, "the re-run forward's dense math ran"
+    fwd, rerun = flex_events()
+    assert (fwd["action"], rerun["action"], rerun["phase"]) == ("allow", "raise", "forward")
+    assert rerun["recompute"] is True and rerun["native_thread"] is True
+    assert HINT in str(error) and "activation checkpointing" in str(error)
+    assert "to let this call run dense on purpose: `with fusionguard.allow_dense(): ...`" not in str(error)
+    assert error.event["native_thread"] is True
+
+
+def test_a_recompute_blocked_on_a_python_thread_keeps_the_plain_hint(guard, math_spy):
+    """The same re-run on a thread ``threading`` knows (this test's): not autograd's own thread,
+    so the message keeps the usual hint and the event has no ``native_thread``."""
+    guard(strict=True)
+    with pytest.raises(fusionguard.DenseFallbackError) as info:
+        checkpointed_step()
+    rerun = flex_events()[-1]
+    assert rerun["recompute"] is True and "native_thread" not in rerun
+    assert HINT not in str(info.value)
+    assert "`with fusionguard.allow_dense(): ...`" in str(info.value)

@@ -293,3 +293,31 @@ def test_a_bad_mode_exits_2_before_starting_anything(tmp_path):
         marker.unlink()
     p = _run(cmd[:4] + ["--strict"] + cmd[4:], tmp_path, FUSIONGUARD="stirct")  # the flag decides: the variable is not passed on
     assert p.returncode == 0 and marker.exists(), p.stderr
+
+
+def test_a_whitespace_mode_is_the_default_warn_never_an_unguarded_run(tmp_path):
+    """``FUSIONGUARD='  '`` reads as unset (warn) for the launcher's check: the command gets warn,
+    not the blank value the start-up hook would ignore (an unguarded run, silently)."""
+    code = "import os, torch, fusionguard; print(repr(os.environ['FUSIONGUARD']), fusionguard.is_enabled())"
+    p = _run([PY, "-m", "fusionguard", "run", "--", PY, "-c", code], tmp_path, FUSIONGUARD="  ")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.split() == ["'warn'", "True"], p.stdout + p.stderr[-3000:]
+    assert activate.launch_env(None, None, {"FUSIONGUARD": " Strict\t"})["FUSIONGUARD"] == "strict"
+    assert activate.launch_env(None, None, {"FUSIONGUARD": "\t"})["FUSIONGUARD"] == "warn"
+
+
+def test_an_exported_off_is_said_by_the_launcher_once(tmp_path):
+    """``FUSIONGUARD=off`` left exported: the command runs unguarded, as asked, and the launcher
+    says so on stderr; a mode flag overrides the variable, and then nothing is said."""
+    cmd = [PY, "-m", "fusionguard", "run", "--", PY, "-c", "print('ran')"]
+    for off in ("off", " OFF "):
+        p = _run(cmd, tmp_path, FUSIONGUARD=off)
+        assert p.returncode == 0 and p.stdout.strip() == "ran", p.stderr
+        assert p.stderr.splitlines() == [
+            "fusionguard run: FUSIONGUARD=off in the environment: the command runs without fusionguard "
+            "(unset it, or pass --strict / --warn / --oom)"
+        ], p.stderr
+    p = _run(cmd[:4] + ["--warn"] + cmd[4:], tmp_path, FUSIONGUARD="off")
+    assert p.returncode == 0 and p.stdout.strip() == "ran" and p.stderr == "", p.stderr
+    p = _run(cmd, tmp_path)
+    assert p.returncode == 0 and p.stderr == "", p.stderr

@@ -115,9 +115,11 @@ def test_a_checkpoint_recompute_needs_the_backward_on_the_calling_thread(guard):
     q, k, v, mask = make()
     with fusionguard.allow_dense():
         out = checkpoint(attend, q, k, v, mask, use_reentrant=False)
-        with pytest.raises(fusionguard.DenseFallbackError, match="dense FlexAttention forward"):
+        with pytest.raises(fusionguard.DenseFallbackError, match="dense FlexAttention forward") as info:
             backward(out)  # the re-run forward, on the device thread
     assert q.grad is None
+    assert info.value.event.get("recompute") is True and info.value.event.get("native_thread") is True
+    assert "torch.autograd.set_multithreading_enabled(False)" in str(info.value), "the error names the way to allow it"
 
     q, k, v, mask = make(seed=1)
     with fusionguard.allow_dense(), torch.autograd.set_multithreading_enabled(False):
