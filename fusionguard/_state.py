@@ -100,7 +100,8 @@ class State:
     threading.locals ``watching.naming._BW_OPEN``, ``watching.hooks._FRAMES``,
     ``inductor._TL``, ``crash._in_hook``. Locks re-created in a forked child: see
     ``_locks_after_fork``. Looked-up-once constants of the torch release (``torch_internals``,
-    ``dynamo_signals._TORCH_DIR``, ``log._TRACE``) are facts of the process, not state; so are
+    ``dynamo_signals._TORCH_DIR``, ``log._TRACE``, ``masks._fix``; ``masks._limits``, each
+    device's memory) are facts of the process, not state; so are
     counters that only hand out unique numbers (``guard._TOKENS``, ``watching.memory._ORDER``),
     the wrappers built at install (``guard._WRAPPERS``), the weak marks of allowed forwards'
     results (``guard._ALLOWED_FORWARDS``: they live and die with those tensors) and the
