@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Union
 
 from . import _lifecycle
 from ._config import Config, check_log_path, check_options, resolve_log_path
-from ._state import ALLOW_DENSE, STATE, Allowance
+from ._state import STATE, close_allowance, open_allowance
 from ._version import __version__
 from .activate import switched_off
 from .errors import DenseFallbackError, DenseFallbackWarning
@@ -150,18 +150,11 @@ def allow_dense() -> Iterator[None]:
     forward made inside it, wherever autograd runs that backward. Never another thread's calls.
     Leaving the block in another asyncio context than the one that entered it is fine.
     """
-    block = Allowance(ALLOW_DENSE.get())
-    ALLOW_DENSE.set(block)
+    block = open_allowance()
     try:
         yield
     finally:
-        block.open = False  # closed in every context that holds it, this one or not
-        inner = ALLOW_DENSE.get()
-        while inner is not None and not inner.open:  # this context's innermost, if it is ours
-            if inner is block:  # (or inside it, closed elsewhere): back to what was outside it
-                ALLOW_DENSE.set(block.outer)
-                break
-            inner = inner.outer
+        close_allowance(block)  # closed in every context that holds it, this one or not
 
 
 def events(kind: Optional[str] = None) -> List[Dict[str, Any]]:

@@ -50,6 +50,9 @@ class Config:
     def __post_init__(self) -> None:
         if self.fsync != "always" and not isinstance(self.fsync, bool):
             raise TypeError(f"fusionguard.enable(): fsync must be True, False or 'always', not {self.fsync!r}")
+        if isinstance(self.strict, str) and self.strict.strip().lower() in MODES:
+            raise TypeError(f"fusionguard.enable(): strict must be True or False, not {self.strict!r}; "
+                            f"a mode by name is mode={self.strict.strip().lower()!r}")
         for name in ("strict", "rescue", "keep_all"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"fusionguard.enable(): {name} must be True or False, not {getattr(self, name)!r}")
@@ -72,6 +75,8 @@ class Config:
             )
         if self.mask_limit is not None and (isinstance(self.mask_limit, bool) or not isinstance(self.mask_limit, int) or self.mask_limit < 0):
             raise ValueError(f"fusionguard.enable(): mask_limit must be None or a number of bytes >= 0, not {self.mask_limit!r}")
+        if isinstance(self.mode, str):  # case-insensitive, as FUSIONGUARD=, --fusionguard= and the ini option
+            self.mode = self.mode.strip().lower()
         if self.mode is not None and self.mode not in MODES:
             raise ValueError(f"fusionguard.enable(): mode must be one of {', '.join(MODES)}, not {self.mode!r}")
         if self.strict and self.mode not in (None, "strict"):

@@ -95,12 +95,13 @@ class State:
     and ``release_native()`` may let go of them).
 
     Per thread or per context by design, so module-level, not here: the ContextVars
-    ``ALLOW_DENSE`` (this module), ``guard._FORWARD_SLOT`` / ``_BACKWARD_ORIGIN`` / ``_INLINED``,
+    ``_ALLOW_DENSE`` (this module), ``guard._FORWARD_SLOT`` / ``_BACKWARD_ORIGIN`` / ``_INLINED``,
     ``rescue.RESCUING``, ``watching.naming.LAYER``, ``watching.memory.OPEN``; the
     threading.locals ``watching.naming._BW_OPEN``, ``watching.hooks._FRAMES``,
     ``inductor._TL``, ``crash._in_hook``. Locks re-created in a forked child: see
     ``_locks_after_fork``. Looked-up-once constants of the torch release (``torch_internals``,
-    ``dynamo_signals._TORCH_DIR``, ``log._TRACE``) are facts of the process, not state; so are
+    ``dynamo_signals._TORCH_DIR``, ``log._TRACE``, ``masks._fix``; ``masks._limits``, each
+    device's memory) are facts of the process, not state; so are
     counters that only hand out unique numbers (``guard._TOKENS``, ``watching.memory._ORDER``),
     the wrappers built at install (``guard._WRAPPERS``), the weak marks of allowed forwards'
     results (``guard._ALLOWED_FORWARDS``: they live and die with those tensors) and the
@@ -157,7 +158,7 @@ class State:
 STATE = State()
 
 class Allowance:
-    """One open ``allow_dense()`` block: ``ALLOW_DENSE`` holds the innermost one of the context.
+    """One open ``allow_dense()`` block: ``_ALLOW_DENSE`` holds the innermost one of the context.
 
     Closed by flipping ``open`` at the block's exit, never by resetting a context-variable token:
     an asyncio block may end in another context (an async yield fixture's teardown), where a
@@ -177,17 +178,40 @@ class Allowance:
 
 # The innermost allow_dense() block of this thread / task (contextvars: a thread, or an asyncio
 # task, sees only the blocks it entered or inherited in a copied context; see dense_allowed_here).
-ALLOW_DENSE: contextvars.ContextVar[Optional[Allowance]] = contextvars.ContextVar("fusionguard_allow_dense", default=None)
+# Private: its value stays truthy after its block closes, so ``if _ALLOW_DENSE.get():`` would be a
+# strict-mode bypass. Read it only through ``dense_allowed_here()``; change it only through
+# ``open_allowance`` / ``close_allowance`` (tests/test_wiring.py checks that no other module does).
+_ALLOW_DENSE: contextvars.ContextVar[Optional[Allowance]] = contextvars.ContextVar("fusionguard_allow_dense", default=None)
 
 
 def dense_allowed_here() -> bool:
-    """True inside an open ``allow_dense()`` block of this context: the dense path only."""
-    block = ALLOW_DENSE.get()
+    """True inside an open ``allow_dense()`` block of this context: the one test of an allowance."""
+    block = _ALLOW_DENSE.get()
     while block is not None:
         if block.open:
             return True
         block = block.outer
     return False
+
+
+def open_allowance() -> Allowance:
+    """``allow_dense()``'s entry: a new innermost block in this context."""
+    block = Allowance(_ALLOW_DENSE.get())
+    _ALLOW_DENSE.set(block)
+    return block
+
+
+def close_allowance(block: Allowance) -> None:
+    """``allow_dense()``'s exit, in whatever context it runs: the block is closed in every
+    context that holds it; this context goes back to what was outside it when the block (or a
+    block inside it, closed elsewhere) is its innermost."""
+    block.open = False
+    inner = _ALLOW_DENSE.get()
+    while inner is not None and not inner.open:
+        if inner is block:
+            _ALLOW_DENSE.set(block.outer)
+            break
+        inner = inner.outer
 
 
 _COUNT_LOCK = threading.Lock()

@@ -13,6 +13,7 @@ trace-time note records the compiled build once per compile): nothing is added t
 from __future__ import annotations
 
 import inspect
+import operator
 import sys
 from typing import Any, Callable, Dict, Optional, Tuple
 
@@ -21,7 +22,7 @@ import torch
 from . import causes
 from ._format import human_bytes, site_text
 from ._logger import dense_text
-from ._state import ALLOW_DENSE, STATE, count, internal_error
+from ._state import STATE, count, dense_allowed_here, internal_error
 from .dense_memory import default_mask_limit, free_bytes, mask_build_bytes
 from .errors import DenseFallbackError
 from .torch_internals import block_sizes, create_block_mask_code, mask_home
@@ -30,7 +31,8 @@ from .watching import naming
 _is_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", lambda: False)
 _is_dynamo_compiling: Callable[[], bool] = getattr(torch.compiler, "is_dynamo_compiling", _is_compiling)
 
-_limits: Dict[str, Optional[int]] = {}  # device type -> the default limit, read once
+_limits: Dict[Tuple[str, Optional[int]], Optional[int]] = {}  # (device type, index) -> the default limit, read once
+_fix: Optional[str] = None  # fix_text(), worked out once per process (the torch release does not change)
 
 
 def _note_compiled() -> int:
@@ -53,7 +55,15 @@ except Exception:  # pragma: no cover - very old torch
 
 
 def fix_text() -> str:
-    """The fix, naming ``_compile=True`` only where this release still accepts it."""
+    """The fix, naming ``_compile=True`` only where this release still accepts it (the
+    signature is read once per process, not at every eager build)."""
+    global _fix
+    if _fix is None:
+        _fix = _fix_text()
+    return _fix
+
+
+def _fix_text() -> str:
     compile_flag = ""
     try:
         params = inspect.signature(mask_home()["create_block_mask"]).parameters
@@ -73,18 +83,38 @@ def _limit(device: Any) -> Optional[int]:
     if limit is not None:
         return int(limit)
     kind = getattr(device, "type", "cpu")
-    if kind not in _limits:  # read at the first build on that kind of device, not at enable()
-        _limits[kind] = default_mask_limit(device)
-    return _limits[kind]
+    index = getattr(device, "index", None)
+    if kind == "cuda" and index is None:  # (a build on CUDA initialises it anyway)
+        index = torch.cuda.current_device()
+    key = (kind, index)  # per device: two GPUs of one host may differ in memory
+    if key not in _limits:  # read at the first build on that device, not at enable()
+        _limits[key] = default_mask_limit(torch.device(kind, index) if index is not None else device)
+    return _limits[key]
+
+
+def _size(x: Any, default: Optional[int] = None) -> Optional[int]:
+    """An integer size as PyTorch takes it: an int, a NumPy integer, a 0-d integer tensor
+    (``operator.index``); ``default`` for None; None for anything else (PyTorch then says what
+    is wrong) or a negative size. ``B=0`` stays 0."""
+    if x is None:
+        return default
+    if isinstance(x, bool) or (isinstance(x, torch.Tensor) and x.dim() != 0):  # (a 1-element tensor has __index__ too)
+        return None
+    try:
+        n = operator.index(x)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    return n if n >= 0 else None
 
 
 def _dims(args: tuple, kwargs: dict) -> Optional[Tuple[Any, int, int, int, int, Any]]:
-    """The build's arguments; None when they are not plain sizes (PyTorch then says what is wrong)."""
+    """The build's arguments; None when they are not sizes (PyTorch then says what is wrong) or
+    the build is on the meta device (it allocates nothing: tracing, as the flex guard has it)."""
     names = ("mod_fn", "B", "H", "Q_LEN", "KV_LEN", "device")
     values = {**dict(zip(names, args)), **kwargs}
-    b, h = values.get("B"), values.get("H")
-    sizes = (b or 1, h or 1, values.get("Q_LEN"), values.get("KV_LEN"))
-    if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in sizes):
+    b, h = _size(values.get("B"), 1), _size(values.get("H"), 1)  # None: broadcast over it
+    q_len, kv_len = _size(values.get("Q_LEN")), _size(values.get("KV_LEN"))
+    if b is None or h is None or q_len is None or kv_len is None:
         return None
     device = values.get("device")
     if device is None:
@@ -94,7 +124,9 @@ def _dims(args: tuple, kwargs: dict) -> Optional[Tuple[Any, int, int, int, int, 
         dev = torch.device(device or "cpu")
     except (RuntimeError, TypeError, ValueError):
         return None
-    return values.get("mod_fn"), int(b or 1), int(h or 1), int(values["Q_LEN"]), int(values["KV_LEN"]), dev
+    if dev.type == "meta":
+        return None
+    return values.get("mod_fn"), b, h, q_len, kv_len, dev
 
 
 def message(event: Dict[str, Any]) -> str:
@@ -135,7 +167,7 @@ def _check(frame: Any, args: tuple, kwargs: dict) -> Tuple[Optional[Dict[str, An
     free = free_bytes(device)
     over = limit is not None and estimate > limit
     wont_fit = free is not None and estimate > free
-    if ALLOW_DENSE.get():
+    if dense_allowed_here():
         action = "allow"
     elif (over and STATE.config.strict) or (wont_fit and STATE.config.mode == "oom"):
         action = "raise"

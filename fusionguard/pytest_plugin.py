@@ -49,11 +49,16 @@ PROPERTY = "fusionguard"
 MARKER = "fusionguard_allow_dense"
 
 
+def _mode_word(value: str) -> str:
+    return value.strip().lower()
+
+
 def pytest_addoption(parser: Any) -> None:
     group = parser.getgroup("fusionguard", "fusionguard: catch FlexAttention's dense fallback")
     group.addoption(
         "--fusionguard",
         action="store",
+        type=_mode_word,  # (case-insensitive, as FUSIONGUARD=, the ini option and enable(mode=))
         choices=MODES,
         default=None,
         metavar="MODE",

@@ -65,7 +65,7 @@ class Sampler:
         first: int = DEFAULT_FUSED_FIRST,
         every: int = DEFAULT_FUSED_EVERY,
         keep_all: bool = False,
-        aggregate: Tuple[str, ...] = ("alloc_delta", "peak_delta", "scores_bytes", "estimated_bytes"),
+        aggregate: Tuple[str, ...] = ("alloc_delta", "peak_delta", "scores_bytes", "estimated_bytes", "predicted_bytes"),
         max_keys: int = 100_000,
         dense_first: int = DEFAULT_FUSED_FIRST,
         dense_every: int = DEFAULT_FUSED_EVERY,

@@ -21,7 +21,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 import fusionguard
 
-from conftest import flex_events, op_call, qkv
+from conftest import PUBLIC, causal, flex_events, op_call, qkv
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -342,3 +342,77 @@ def test_a_recompute_blocked_on_a_python_thread_keeps_the_plain_hint(guard, math
     assert rerun["recompute"] is True and "native_thread" not in rerun
     assert HINT not in str(info.value)
     assert "`with fusionguard.allow_dense(): ...`" in str(info.value)
+# -- create_block_mask follows the same rule (issue #25 part 2 guard, fixed after #27) ---------
+
+MASK_LIMIT = 200_000  # bytes: a 256 x 256 block mask (655 KB estimated) is above it
+
+
+def dense_mask():
+    PUBLIC.create_block_mask(causal, 1, 1, 256, 256, device="cpu")
+    return "ran"
+
+
+def mask_actions():
+    return [e["action"] for e in fusionguard.events("mask_build")]
+
+
+def test_a_mask_build_in_a_context_copied_inside_a_block_closed_elsewhere_is_blocked(guard):
+    """The block is entered in one context and left in another: the first context still holds
+    the (closed) block, which must allow nothing there any more."""
+    guard(strict=True, mask_limit=MASK_LIMIT)
+    setup_ctx = contextvars.copy_context()
+    outcomes = []
+
+    def call():
+        try:
+            outcomes.append(dense_mask())
+        except fusionguard.DenseFallbackError:
+            outcomes.append("blocked")
+
+    async def main():
+        fixture = allowing_fixture()
+        await asyncio.create_task(anext(fixture), context=setup_ctx)
+        setup_ctx.run(call)  # inside the open block: allowed
+        with pytest.raises(StopAsyncIteration):
+            await asyncio.create_task(anext(fixture), context=contextvars.copy_context())
+        setup_ctx.run(call)  # the context still holds the closed block: blocked
+
+    asyncio.run(main())
+    assert outcomes == ["ran", "blocked"]
+    assert mask_actions() == ["allow", "raise"]
+
+
+def test_a_task_created_in_a_block_that_builds_a_mask_after_it_closed_is_blocked(guard):
+    guard(strict=True, mask_limit=MASK_LIMIT)
+    outcomes = {}
+
+    async def attempt(name):
+        try:
+            outcomes[name] = dense_mask()
+        except fusionguard.DenseFallbackError:
+            outcomes[name] = "blocked"
+
+    async def main():
+        closed = asyncio.Event()
+
+        async def late():
+            await closed.wait()
+            await attempt("late task")
+
+        with fusionguard.allow_dense():
+            await attempt("inside")
+            task = asyncio.create_task(late())  # copies the context: holds the block
+        closed.set()
+        await task
+
+    asyncio.run(main())
+    assert outcomes == {"inside": "ran", "late task": "blocked"}
+    assert mask_actions() == ["allow", "raise"]
+
+
+def test_a_mask_build_on_another_thread_is_blocked_while_a_block_is_open(guard):
+    guard(strict=True, mask_limit=MASK_LIMIT)
+    with HeldOpen():
+        got = in_native_thread(dense_mask)
+    assert isinstance(got.get("error"), fusionguard.DenseFallbackError), got
+    assert mask_actions() == ["raise"]

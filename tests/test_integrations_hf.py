@@ -236,3 +236,17 @@ def test_import_fusionguard_imports_no_framework():
     code = "import sys, fusionguard; print(sorted(m for m in ('transformers', 'lightning', 'pytorch_lightning') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
     assert out.strip() == "[]"
+
+
+def test_the_oom_mode_reaches_the_config_and_a_bad_option_names_the_callback(tmp_path, cleanup):
+    """#25 part 4 through the integration: ``FusionGuardCallback(mode="oom")`` enables the oom
+    mode at the Trainer's creation (never strict); a bad option fails when the callback is made."""
+    trainer_for(tiny_llama(), tmp_path, callbacks=[FusionGuardCallback(mode="oom", log_path=str(tmp_path / "fg.jsonl"))])
+    assert fusionguard.is_enabled()
+    assert (_state.STATE.config.mode, _state.STATE.config.strict) == ("oom", False)
+    assert read_jsonl(tmp_path / "fg.jsonl")[0]["config"]["mode"] == "oom"
+    for bad, word in (({"mode": "stirct"}, "mode"), ({"strict": True, "mode": "oom"}, "strict=True"), ({"nope": 1}, "nope"),
+                      ({"log_path": b"x"}, "log_path")):
+        with pytest.raises((TypeError, ValueError)) as info:
+            FusionGuardCallback(**bad)
+        assert str(info.value).startswith("FusionGuardCallback()") and word in str(info.value), info.value

@@ -173,3 +173,17 @@ def test_missing_lightning_one_line_error():
             "except ImportError as e: print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
     assert out.strip() == "fusionguard.integrations.lightning needs lightning: pip install 'fusionguard[lightning]'"
+
+
+def test_the_oom_mode_reaches_the_config_and_a_bad_option_names_the_callback(tmp_path, said):
+    """``FusionGuardCallback(mode="oom")``: the oom mode at ``setup`` (never strict; on CPU nothing
+    is known not to fit, so a dense call warns and runs); a bad option fails when it is made."""
+    cb = FusionGuardCallback(mode="oom", log_path=str(tmp_path / "fg.jsonl"))
+    trainer(L, tmp_path, cb, limit_val_batches=1).validate(make_module(L.LightningModule), verbose=False)
+    assert (_state.STATE.config.mode, _state.STATE.config.strict) == ("oom", False)
+    actions = {e["action"] for e in read_jsonl(tmp_path / "fg.jsonl") if e["event"] == "flex_call"}
+    assert actions == {"warn"}
+    for bad, word in (({"mode": "stirct"}, "mode"), ({"nope": 1}, "nope")):
+        with pytest.raises((TypeError, ValueError)) as info:
+            FusionGuardCallback(**bad)
+        assert str(info.value).startswith("FusionGuardCallback()") and word in str(info.value), info.value

@@ -215,13 +215,14 @@ def test_prediction_follows_dtype_score_mod_and_captured_tensors():
     assert dense_memory.predict_dense("backward", q, k, v, score_mod=lambda s_, b, h, m, n: s_ * 2) - base == 4 * s
     bias = torch.zeros(2, 64, 64)  # indexed by q and kv: gathered to the score shape
     doc = torch.zeros(64, dtype=torch.long)  # per token: broadcast, no score-sized copy
-    # a captured [H, Q, KV] bias: gathered to the score shape inside score_mod (forward); its
-    # gather is freed before the backward's peak; a per-token tensor is broadcast, never gathered
+    # a captured [H, Q, KV] bias: gathered to the score shape inside score_mod with an int64
+    # index grid per indexed dimension (H200: 32 B per element forward for a float32 bias);
+    # eager autograd re-gathers it in the backward; a per-token tensor is broadcast, never gathered
     fwd = dense_memory.predict_dense("forward", q, k, v)
     adds = lambda s_, b, h, m, n: s_ + bias[h, m, n]  # noqa: E731
-    assert dense_memory.predict_dense("forward", q, k, v, adds, (bias,), (doc,)) == fwd  # 4+1+4+4 = 13 = 3w+1
-    assert dense_memory.predict_dense("forward", q, k, v, adds, (bias, bias), ()) - fwd == 4 * s
-    assert dense_memory.predict_dense("backward", q, k, v, adds, (bias,), (doc,)) - base == 4 * s
+    assert dense_memory.predict_dense("forward", q, k, v, adds, (bias,), (doc,)) - fwd == (32 - 13) * s  # 4 + (4 + 3 x 8) vs 3w+1
+    assert dense_memory.predict_dense("forward", q, k, v, adds, (bias, bias), ()) - fwd == (4 + 2 * 28 - 13) * s
+    assert dense_memory.predict_dense("backward", q, k, v, adds, (bias,), (doc,)) - base == (4 + 28 - 4) * s
     assert base > 2 * fwd - 4 * s  # backward about twice the forward (seed: 17.8 vs 8.9 GB)
 
 
@@ -231,6 +232,10 @@ def test_mode_values_and_conflicts(guard):
     assert config.mode == "oom" and config.strict is False, "oom is never truthy where code tests strict"
     guard(mode="strict")
     assert _state.STATE.config.strict is True
+    guard(mode=" OOM ")  # any case, as FUSIONGUARD=, --fusionguard= and the ini option
+    assert (_state.STATE.config.mode, _state.STATE.config.strict) == ("oom", False)
+    with pytest.raises(TypeError, match=r"strict must be True or False, not 'oom'; a mode by name is mode='oom'"):
+        fusionguard.enable(strict="oom", log_path=False)
     for bad in ({"mode": "OOM!"}, {"strict": True, "mode": "oom"}, {"mask_limit": -1}, {"mask_limit": True}, {"mask_limit": 1.5}):
         strict = bad.pop("strict", False)
         with pytest.raises(ValueError, match="mode|mask_limit|strict"):
@@ -258,7 +263,7 @@ _SHOW = "import torch, fusionguard; from fusionguard._state import STATE; print(
 
 
 def test_fusionguard_env_and_run_spell_oom(tmp_path):
-    p = subprocess.run([sys.executable, "-c", _SHOW], capture_output=True, text=True, cwd=tmp_path, env=_env(FUSIONGUARD="oom", FUSIONGUARD_LOG=str(tmp_path / "a.jsonl"), PYTHONPATH=f"{ROOT / 'fusionguard' / '_startup'}{os.pathsep}{ROOT}"), timeout=120)
+    p = subprocess.run([sys.executable, "-c", _SHOW], capture_output=True, text=True, cwd=tmp_path, env=_env(FUSIONGUARD="Oom", FUSIONGUARD_LOG=str(tmp_path / "a.jsonl"), PYTHONPATH=f"{ROOT / 'fusionguard' / '_startup'}{os.pathsep}{ROOT}"), timeout=120)
     assert p.stdout.split() == ["oom", "False"], p.stderr[-2000:]
     p = subprocess.run([sys.executable, "-m", "fusionguard", "run", "--oom", "--log", str(tmp_path / "b.jsonl"), "--", sys.executable, "-c", _SHOW], capture_output=True, text=True, cwd=tmp_path, env=_env(), timeout=120)
     assert p.stdout.split() == ["oom", "False"], p.stderr[-2000:]
@@ -270,9 +275,53 @@ pytest_plugins = ["pytester"]
 
 
 def test_pytest_option_and_ini_spell_oom(pytester):
+    """In any case, as FUSIONGUARD= and enable(mode=) take it."""
     pytester.makepyfile(test_inner="import fusionguard\nfrom fusionguard._state import STATE\n\ndef test_mode():\n    assert STATE.config.mode == 'oom' and not STATE.config.strict\n")
-    result = pytester.runpytest_subprocess("-p", "fusionguard.pytest_plugin", "--fusionguard=oom", "-p", "no:cacheprovider")
+    result = pytester.runpytest_subprocess("-p", "fusionguard.pytest_plugin", "--fusionguard=OOM", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
-    pytester.makeini("[pytest]\nfusionguard = oom\n")
+    pytester.makeini("[pytest]\nfusionguard = Oom\n")
     result = pytester.runpytest_subprocess("-p", "fusionguard.pytest_plugin", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
+
+
+# --- sizes as PyTorch takes them; builds that allocate nothing ---------------------------------
+
+
+def test_numpy_and_tensor_sizes_are_guarded_like_ints(guard):
+    """NumPy integers and a 0-d tensor are sizes to PyTorch (``operator.index``): strict mode
+    blocks them as it blocks ints (they slipped through unguarded)."""
+    np = pytest.importorskip("numpy")
+    guard(strict=True, mask_limit=LIMIT)
+    for b, h, q_len, kv_len in ((1, 1, np.int64(256), np.int64(256)), (torch.tensor(1), np.int32(1), 256, torch.tensor(256))):
+        with pytest.raises(fusionguard.DenseFallbackError) as info:
+            PUBLIC.create_block_mask(causal, b, h, q_len, kv_len, device="cpu")
+        assert info.value.event["shape"] == [1, 1, 256, 256]
+    assert [e["action"] for e in _builds()] == ["raise", "raise"]
+    with pytest.raises(TypeError):  # not a size: PyTorch's own error, nothing of ours
+        PUBLIC.create_mask(causal, 1, 1, torch.tensor([256]), 256, device="cpu")
+    assert len(_builds()) == 2
+
+
+def test_a_batch_of_zero_is_zero_not_one(guard):
+    guard(strict=True, mask_limit=1)
+    mask = PUBLIC.create_mask(causal, 0, 1, 64, 64, device="cpu")  # B=0: nothing to build
+    assert mask.shape == (0, 1, 64, 64)
+    (e,) = _builds()
+    assert e["shape"] == [0, 1, 64, 64] and e["estimated_bytes"] == 0 and e["action"] == "log"
+    with pytest.raises(fusionguard.DenseFallbackError):  # B=None broadcasts: one batch, above 1 byte
+        PUBLIC.create_mask(causal, None, 1, 64, 64, device="cpu")
+    assert _builds()[-1]["shape"] == [1, 1, 64, 64]
+
+
+def test_a_build_on_the_meta_device_allocates_nothing_and_is_not_guarded(guard):
+    guard(strict=True, mask_limit=1)
+    mask = PUBLIC.create_block_mask(causal, 1, 1, 256, 256, device="meta")
+    assert mask.shape == (1, 1, 256, 256)
+    assert _builds() == []
+
+
+def test_the_fix_text_is_worked_out_once(guard):
+    from fusionguard import masks
+
+    assert masks.fix_text() is masks.fix_text()
+    assert "torch.compile(create_block_mask)" in masks.fix_text()

@@ -176,6 +176,8 @@ def test_frames_without_flex_are_not_counted(guard, dynamo_reset, dynamo_config)
 
 
 def test_off_and_with_a_limit_of_one(guard, dynamo_reset, dynamo_config):
+    """``recompile_warn_at=0``: never. A recompile limit of 1: nothing to warn before (the first
+    compile is the last); the limit itself is still named at the dense call it causes."""
     dynamo_config(recompile_limit=8)
     guard(recompile_warn_at=0)
     compiled = torch.compile(attend, backend="aot_eager", dynamic=False)
@@ -184,6 +186,18 @@ def test_off_and_with_a_limit_of_one(guard, dynamo_reset, dynamo_config):
         for L in (16, 24, 32, 40, 48):
             compiled(*qkv(L=L))
     assert flex_events("recompile_pressure") == []
+
+    torch._dynamo.reset()
+    dynamo_config(recompile_limit=1)
+    guard()  # the default threshold: half the limit, always below it
+    compiled = torch.compile(attend, backend="aot_eager", dynamic=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for L in (16, 24):
+            compiled(*qkv(L=L))
+    assert flex_events("recompile_pressure") == []
+    causes = [e["cause"] for e in flex_events()]  # (aot_eager runs flex dense: non_inductor_backend)
+    assert "recompile_limit" in causes, f"the second length hit the limit of 1 and ran eagerly: {causes}"
 
 
 def test_a_warning_turned_error_never_reaches_dynamo(guard, dynamo_reset, dynamo_config):

@@ -29,13 +29,13 @@ from conftest import ROOT, qkv, read_jsonl, run_cli
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
 ROW_KEYS = {
-    "layer", "phase", "dense", "allowed", "fused", "compiles", "blocked", "inlined", "causes",
+    "layer", "phase", "dense", "allowed", "fused", "compiles", "blocked", "oom_blocked", "inlined", "causes",
     "alloc_delta_median", "alloc_delta_max", "peak_delta_median", "peak_delta_max", "memory_samples",
-    "scores_bytes_max", "templates", "first_dense", "first_dense_call_site", "dense_ranks", "fused_ranks",
+    "scores_bytes_max", "predicted_bytes_max", "templates", "first_dense", "first_dense_call_site", "dense_ranks", "fused_ranks",
 }
 TOP_KEYS = {
     "report_version", "run", "totals", "masks", "rows", "ranks", "disagreements", "endings", "crashes", "files", "ignored", "warnings",
-    "first_events", "recompile_pressure", "no_flex_calls",
+    "first_events", "recompile_pressure", "no_flex_calls", "oom",
 }
 SITE = {"file": "train.py", "line": 7, "function": "attention"}
 
@@ -662,3 +662,54 @@ def test_the_devices_line_of_512_hosts_is_counted_by_kind_and_json_keeps_every_h
     # a few hosts: each one, as before
     rc, out, _ = run_cli(capsys, *[tmp_path / "logs" / f"r{i}.jsonl" for i in (0, 511)])
     assert "  devices:  gpu-node-0000.cluster.example.com: 8× NVIDIA H200; gpu-node-0511.cluster.example.com: 4× NVIDIA A100-SXM4-80GB" in out
+
+
+# -- #25 part 4: the prediction and the oom mode's blocks -------------------------------------------
+
+
+def test_the_dense_prediction_of_a_real_call_is_kept_per_row(guard, capsys):
+    """A real dense call in the oom mode (CPU: nothing known not to fit, so it warns and runs):
+    its ``predicted_bytes`` is the row's ``predicted_bytes_max``; nothing counts as oom-blocked."""
+    log = guard(mode="oom")
+    q, k, v = qkv(L=16, KV=24)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        flex_attention(q, k, v)
+    import fusionguard
+
+    (e,) = fusionguard.events("flex_call")
+    fusionguard.disable()
+    rep = as_json(capsys, log)
+    (row,) = rep["rows"]
+    assert row["predicted_bytes_max"] == e["predicted_bytes"] > row["scores_bytes_max"]
+    assert rep["totals"]["predicted_bytes_max"] == e["predicted_bytes"]
+    assert (row["oom_blocked"], rep["totals"]["oom_blocked_calls"], rep["oom"]["blocked"]) == (0, 0, 0)
+    rc, out, _ = run_cli(capsys, log)
+    assert rc == 0 and "oom mode" not in out
+
+
+def test_a_call_the_oom_mode_blocked_reads_apart_from_a_strict_block(tmp_path, capsys):
+    """CPU has no free_bytes: the oom-blocked call is a log line as a CUDA run writes it."""
+    dense = dict(phase="backward", path="dense", cause="eager_call", action="raise", allowed=False, call_site=SITE, scores_bytes=4_000_000_000)
+    log = write(tmp_path / "fg.jsonl", [
+        header(),
+        ev("flex_call", 2, layer="layers.0", **{**dense, "phase": "forward"}, predicted_bytes=3_000_000_000, free_bytes=None),  # strict
+        ev("flex_call", 3, layer="layers.1", **dense, predicted_bytes=9_100_000_000, free_bytes=4_000_000_000, blocked_by="oom"),
+        ev("flex_call", 4, layer="layers.1", **dense, predicted_bytes=7_000_000_000, free_bytes=5_000_000_000, blocked_by="oom"),
+        ev("dense_calls", 5, layer="layers.1", phase="backward", path="dense", cause="eager_call", action="warn", count=3, total=4,
+           predicted_bytes_max=9_900_000_000, scores_bytes_max=4_000_000_000),
+        ev("shutdown", 6, reason="exit"),
+    ])
+    rep = as_json(capsys, log)
+    t = rep["totals"]
+    assert (t["blocked_calls"], t["oom_blocked_calls"], t["predicted_bytes_max"]) == (3, 2, 9_900_000_000)
+    rows = {(r["layer"], r["phase"]): r for r in rep["rows"]}
+    assert (rows[("layers.0", "forward")]["oom_blocked"], rows[("layers.1", "backward")]["oom_blocked"]) == (0, 2)
+    assert rows[("layers.1", "backward")]["predicted_bytes_max"] == 9_900_000_000  # the sampled counter's max too
+    assert rep["oom"] == {"blocked": 2, "needed_bytes": 9_100_000_000, "free_bytes": 4_000_000_000, "layer": "layers.1",
+                          "phase": "backward", "call_site": "train.py:7 in attention"}
+    rc, out, _ = run_cli(capsys, log)
+    assert rc == 0
+    assert "DENSE: 6 dense FlexAttention calls (3 blocked)" in out
+    assert ("oom mode: 2 dense call(s) blocked, predicted not to fit (needed 9.10 GB, the device could give 4.00 GB; "
+            "layers.1 backward at train.py:7 in attention)") in out

@@ -364,3 +364,45 @@ def test_the_banner_says_how_real_runs_ended(tmp_path, capsys):
         assert [(tr.attrs["data-layer"], int(c["dense"]), int(c["fused"]), int(c["blocked"])) for tr, c in zip(rows, cells)] == [
             (r["layer"], r["dense"], r["fused"], r["blocked"]) for r in json.loads(out)["rows"]
         ]
+
+
+def findings_run(tmp_path):
+    """A log with each of #25's findings: recompile pressure (a hostile function name), a model
+    that never called FlexAttention, eager mask builds, a call the oom mode blocked."""
+    site = {"file": "train.py", "line": 9, "function": "<script>alert(5)</script>"}
+    return write(tmp_path / "findings.jsonl", [
+        header(100, 0),
+        ev("recompile_pressure", 2, file="train.py", line=9, function="<script>alert(5)</script>", compiles=4, limit=8,
+           varies="q dim 2 varies", reason="tensor 'q' size mismatch at index 2. expected 2048, actual 1536", fix="mark the dim dynamic"),
+        ev("no_flex_calls", 3, model="</style>Llama", attn_implementation="sdpa"),
+        {**ev("mask_build", 4, path="dense", shape=[1, 1, 4096, 4096], estimated_bytes=170_000_000, action="warn", call_site=site), "kind": "block_mask"},
+        ev("flex_call", 5, layer="layers.0", phase="backward", path="dense", cause="eager_call", action="raise", allowed=False,
+           scores_bytes=4_000_000_000, predicted_bytes=9_100_000_000, free_bytes=4_000_000_000, blocked_by="oom", call_site=site),
+        ev("shutdown", 6, reason="exit"),
+    ])
+
+
+def test_the_banner_shows_the_text_reports_findings_as_text(tmp_path, capsys):
+    """#25's findings on the page (S2): the text report's own lines, escaped; checked in the page
+    source here and, where a Chromium is installed, in the DOM it builds."""
+    from fusionguard.report.render import notice_lines
+
+    run = findings_run(tmp_path)
+    rep = build([str(run)])
+    lines = notice_lines(rep)
+    assert lines[0].startswith("recompile pressure: 1 frame at 4 of 8 compiles (q dim 2 varies)")
+    assert any(x.startswith("no FlexAttention: 1 watched model") for x in lines)
+    assert any(x.startswith("DENSE MASKS: 1 eager mask build(s)") for x in lines)
+    assert lines[-1].startswith("oom mode: 1 dense call(s) blocked, predicted not to fit (needed 9.10 GB, the device could give 4.00 GB")
+    page = report_html.render_html(rep)
+    assert "<script>alert(5)" not in page and "&lt;script&gt;alert(5)&lt;/script&gt;" in page and "</style>Llama" not in page
+    if BROWSER is None:
+        return
+    path = tmp_path / "findings.html"
+    path.write_text(page)
+    dom, console = browse(path, tmp_path, "--dump-dom")
+    assert console == []
+    root = DOM(dom).root
+    assert [n.tag for n in root.all() if n.tag in ("script", "img")] == []
+    shown = [p.text() for p in next(root.all("div", id="notices")).all("p") if p.has_class("notice")]
+    assert shown == lines  # the same words, markup as text

@@ -63,3 +63,22 @@ def test_dynamo_lookups_answer_on_this_torch_and_nothing_where_missing():
     # a release that keeps a name elsewhere: "nothing", never an exception
     assert ti._dynamo_attr("torch._dynamo.no_such_module", "x") is None
     assert ti._dynamo_attr("torch._dynamo.utils", "no_such_name") is None
+
+
+def test_the_allow_dense_context_variable_is_read_only_through_dense_allowed_here():
+    """Its value (an ``Allowance``) stays truthy after the block closes: a module testing
+    ``if <var>.get():`` lets dense work through in a context copied inside a closed block. Only
+    ``_state`` (``dense_allowed_here``, ``open_allowance``, ``close_allowance``) may touch it."""
+    touching = []
+    for name in CLEAN + ["torch_internals.py"]:
+        if name == "_state.py":
+            continue
+        for node in ast.walk(ast.parse((PKG / name).read_text(), name)):
+            ident = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+            if ident is None and isinstance(node, ast.alias):
+                ident = node.name
+            if ident is not None and ident.lstrip("_") == "ALLOW_DENSE":
+                touching.append(f"{name}:{getattr(node, 'lineno', '?')} {ident}")
+    assert touching == []
+    state = (PKG / "_state.py").read_text()
+    assert "_ALLOW_DENSE.get()" in state, "the check looks for the name the variable has"

@@ -46,12 +46,16 @@ class Session:
     its settings stand) and watches the model; ``stop`` leaves the watch; the process's exit
     disables only what this session enabled."""
 
-    def __init__(self, strict: bool, options: Dict[str, Any]) -> None:
-        from .._config import Config, check_options
+    def __init__(self, strict: bool, options: Dict[str, Any], owner: str = "FusionGuardCallback") -> None:
+        from .._config import Config, check_log_path, check_options
 
         rest = {k: v for k, v in options.items() if k != "log_path"}
-        check_options(rest)
-        Config(strict=strict, **rest)  # a bad option value: the same error as enable()'s, now, not at the Trainer's start
+        try:  # a bad option: enable()'s error, now (not at the Trainer's start), naming the callback
+            check_options(rest)
+            check_log_path(options.get("log_path"))
+            Config(strict=strict, **rest)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(str(exc).replace("fusionguard.enable()", f"{owner}()")) from None
         self.strict = strict
         self.options = options
         self.enabled_here = False

@@ -42,10 +42,12 @@ class _Mixin:
 
     def __init__(self, strict: bool = False, stop_on_dense: bool = False, **options: Any) -> None:
         """strict: raise before a dense kernel allocates; stop_on_dense: warn mode, stop the fit
-        (``trainer.should_stop``) after the first batch that ran dense; options: ``enable()``'s."""
+        (``trainer.should_stop``) after the first batch that ran dense; options: ``enable()``'s,
+        e.g. ``mode="oom"``: dense calls run, except one predicted not to fit on its CUDA device,
+        which raises before it allocates (the same as ``FUSIONGUARD=oom``)."""
         super().__init__()
         self.stop_on_dense = bool(stop_on_dense)
-        self.session = Session(strict, options)
+        self.session = Session(strict, options, type(self).__name__)
         self._verdict_done = False
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:

@@ -36,6 +36,8 @@ class FusionGuardCallback(TrainerCallback):
 
     strict:       raise ``DenseFallbackError`` before a dense FlexAttention kernel allocates (when this
                   callback enables fusionguard; an earlier ``fusionguard.enable()`` keeps its settings).
+                  ``mode="oom"`` instead (an option): dense calls run, except one predicted not to fit
+                  on its CUDA device, which raises before it allocates (the same as ``FUSIONGUARD=oom``).
     stop_on_dense: warn mode: stop training (``control.should_training_stop``) at the first step
                   that ran dense, instead of training on at dense memory.
     options:      passed to ``fusionguard.enable()`` (``log_path=...``, ``rescue=...``).
@@ -43,7 +45,7 @@ class FusionGuardCallback(TrainerCallback):
 
     def __init__(self, strict: bool = False, stop_on_dense: bool = False, **options: Any) -> None:
         self.stop_on_dense = bool(stop_on_dense)
-        self.session = Session(strict, options)
+        self.session = Session(strict, options, type(self).__name__)
         self._verdict_done = False
         self._stopped = False
         self._training = False

@@ -99,12 +99,13 @@ def _short(x: Any, n: int = 200) -> Any:
 class Counts:
     """One process's counts for one (layer, phase)."""
 
-    __slots__ = ("dense", "allowed", "blocked", "causes", "runs", "rescued", "layer_calls", "summary_fused", "fused", "compiles", "inlined")
+    __slots__ = ("dense", "allowed", "blocked", "oom_blocked", "causes", "runs", "rescued", "layer_calls", "summary_fused", "fused", "compiles", "inlined")
 
     def __init__(self) -> None:
         self.dense = 0  # dense calls that were not allowed (warned or blocked)
         self.allowed = 0  # dense calls inside allow_dense() (or the debug flag): on purpose
         self.blocked = 0
+        self.oom_blocked = 0  # of the blocked: by the oom mode (predicted not to fit), not by strict mode
         self.causes: Dict[str, int] = {}  # of the dense (not allowed) calls
         self.runs = 0  # fused calls executed by compiled graphs (flex_run, its counters)
         self.rescued = 0  # rescued calls (flex_call path "rescued")
@@ -124,12 +125,13 @@ class Counts:
 class KeyStats:
     """Across all processes, per (layer, phase): memory and the first dense call."""
 
-    __slots__ = ("alloc", "peak", "scores_max", "first_dense", "templates")
+    __slots__ = ("alloc", "peak", "scores_max", "predicted_max", "first_dense", "templates")
 
     def __init__(self) -> None:
         self.alloc = Reservoir()
         self.peak = Reservoir()
         self.scores_max: Optional[int] = None
+        self.predicted_max: Optional[int] = None  # the largest predicted extra peak of a dense call (#25 part 4)
         self.first_dense: Optional[Dict[str, Any]] = None
         self.templates: Dict[str, int] = {}
 
@@ -163,7 +165,7 @@ class Stream:
 
 _COMPACT = ("seq", "ts", "event", "level", "layer", "phase", "path", "cause", "thread")
 _EXTRA = {
-    "flex_call": ("action", "scores_bytes"),
+    "flex_call": ("action", "scores_bytes", "predicted_bytes", "free_bytes", "blocked_by"),
     "layer_memory": ("alloc_delta", "peak_delta", "recompute"),
     "fused_calls": ("count", "total"),
     "dense_calls": ("count", "total", "action"),
@@ -210,6 +212,8 @@ class Aggregator:
         self.firsts: Dict[str, Dict[str, Any]] = {}  # per known event kind, its earliest event (compacted)
         self.pressure: Dict[Tuple[Any, Any, Any], Dict[str, Any]] = {}  # recompile_pressure, per frame
         self.no_flex: Dict[Tuple[Any, Any], Dict[str, Any]] = {}  # no_flex_calls, per model and implementation
+        # dense calls the oom mode blocked (blocked_by "oom"): how many, and the one that needed most
+        self.oom: Dict[str, Any] = {"blocked": 0, "needed_bytes": None, "free_bytes": None, "layer": None, "phase": None, "call_site": None}
 
     # keys
     def _key(self, e: dict) -> Tuple[str, str]:
@@ -364,6 +368,12 @@ class Aggregator:
                 c.causes[cause] = c.causes.get(cause, 0) + n
                 if e.get("action") == "raise":
                     c.blocked += n
+                    if e.get("blocked_by") == "oom":
+                        c.oom_blocked += n
+                        self._oom(e, n)
+                pb = _count(e.get("predicted_bytes" if kind == "flex_call" else "predicted_bytes_max"))
+                if pb is not None and (ks.predicted_max is None or pb > ks.predicted_max):
+                    ks.predicted_max = pb
                 if sb is not None and (ks.scores_max is None or sb > ks.scores_max):
                     ks.scores_max = sb
                 fd = ks.first_dense
@@ -434,6 +444,16 @@ class Aggregator:
             "varies": _text(e.get("varies")), "reason": _text(e.get("reason")), "fix": _text(e.get("fix")),
             "processes": (old["processes"] + 1) if old else 1,
         }
+
+    def _oom(self, e: dict, n: int) -> None:
+        """A dense call the oom mode blocked: counted; the largest need kept with what the
+        device could still give at that call."""
+        o = self.oom
+        o["blocked"] += n
+        needed = _count(e.get("predicted_bytes"))
+        if needed is not None and (o["needed_bytes"] is None or needed > o["needed_bytes"]):
+            o.update(needed_bytes=needed, free_bytes=_count(e.get("free_bytes")), layer=_text(e.get("layer")),
+                     phase=_text(e.get("phase")), call_site=e.get("call_site") if isinstance(e.get("call_site"), dict) else None)
 
     def _no_flex(self, e: dict) -> None:
         """A watched model whose forward made no FlexAttention call: one entry per model class

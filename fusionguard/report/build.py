@@ -72,6 +72,7 @@ def build_report(agg: Aggregator) -> Dict[str, Any]:
             total.fused += c.fused
             total.compiles += c.compiles
             total.blocked += c.blocked
+            total.oom_blocked += c.oom_blocked
             total.inlined += c.inlined
             for k, v in c.causes.items():
                 total.causes[k] = total.causes.get(k, 0) + v
@@ -95,6 +96,7 @@ def build_report(agg: Aggregator) -> Dict[str, Any]:
                 "dense": total.dense,
                 "allowed": total.allowed,
                 "blocked": total.blocked,
+                "oom_blocked": total.oom_blocked,
                 "fused": total.fused,
                 "compiles": total.compiles,
                 "inlined": total.inlined,
@@ -105,6 +107,7 @@ def build_report(agg: Aggregator) -> Dict[str, Any]:
                 "peak_delta_max": ks.peak.max,
                 "memory_samples": max(ks.alloc.n, ks.peak.n),
                 "scores_bytes_max": ks.scores_max,
+                "predicted_bytes_max": ks.predicted_max,
                 "templates": sorted(ks.templates),
                 "first_dense": fd,
                 "first_dense_call_site": site_text(fd.get("call_site")) if fd else None,
@@ -231,16 +234,19 @@ def build_report(agg: Aggregator) -> Dict[str, Any]:
             "dense_calls": total_dense,
             "dense_pairs": sum(1 for r in rows if r["dense"]),
             "blocked_calls": sum(r["blocked"] for r in rows),
+            "oom_blocked_calls": sum(r["oom_blocked"] for r in rows),
             "allowed_dense_calls": sum(r["allowed"] for r in rows),
             "fused_calls": sum(r["fused"] for r in rows),
             "compiles": sum(r["compiles"] for r in rows),
             "causes": _sum_causes(rows),
             "scores_bytes_max": max((r["scores_bytes_max"] for r in rows if r["scores_bytes_max"] is not None), default=None),
+            "predicted_bytes_max": max((r["predicted_bytes_max"] for r in rows if r["predicted_bytes_max"] is not None), default=None),
             "recompile_pressure_frames": len(agg.pressure),
             "no_flex_models": len(agg.no_flex),
         },
         "recompile_pressure": sorted(agg.pressure.values(), key=lambda p: (-(p["compiles"] or 0), str(p["file"]), p["line"] or 0)),
         "no_flex_calls": sorted(agg.no_flex.values(), key=lambda m: (str(m["model"]), str(m["attn_implementation"]))),
+        "oom": {**{k: v for k, v in agg.oom.items() if k != "call_site"}, "call_site": site_text(agg.oom["call_site"]) if agg.oom["call_site"] else None},
         "masks": {**{k: v for k, v in agg.masks.items() if k != "call_site"}, "first_call_site": site_text(agg.masks["call_site"]) if agg.masks["call_site"] else None},
         "rows": rows,
         "ranks": rank_rows,

@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from .._format import escape, human_bytes
 from .._version import __version__
 from . import chart
-from .render import MAX_CRASHES_SHOWN, fmt_duration, fmt_ts, rank_ranges
+from .render import MAX_CRASHES_SHOWN, fmt_duration, fmt_ts, notice_lines, rank_ranges
 
 MAX_TEXT = 300  # characters of one string from a log in a cell (crash messages: MAX_MESSAGE)
 MAX_MESSAGE = 2000
@@ -37,6 +37,7 @@ MAX_RANK_COLUMNS = 64
 MAX_PROCESSES = 256
 MAX_CRASHES = max(16, MAX_CRASHES_SHOWN)
 MAX_LIST = 8
+MAX_NOTICES = 40  # the banner's finding lines (recompile pressure, no FlexAttention, masks, oom mode)
 #: The bound the tests hold the page to, with hostile logs (see docs/cli.md).
 MAX_PAGE_BYTES = 16_000_000
 
@@ -49,6 +50,8 @@ main{padding:0 24px 40px}
 .banner{padding:16px 24px;color:#fff}
 .banner h1{margin:0 0 4px;font-size:22px}
 .banner p{margin:2px 0}
+.banner .notice{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:12px;white-space:pre-wrap}
+.banner .note{color:#eee}
 .b-ok{background:#2e7d32}.b-dense{background:#b3261e}.b-crash{background:#6d0f0a}.b-stopped{background:#a75a00}.b-none{background:#555}
 h2{font-size:17px;margin:28px 0 8px;border-bottom:1px solid #ddd;padding-bottom:4px}
 table{border-collapse:collapse;background:#fff;font-size:13px}
@@ -198,11 +201,15 @@ def _banner(rep: Dict[str, Any]) -> str:
     if totals["causes"]:
         causes = list(totals["causes"].items())
         also += "; causes: " + ", ".join(f"{k} ×{v:,}" for k, v in causes[:MAX_LIST]) + (" …" if len(causes) > MAX_LIST else "")
+    notices = notice_lines(rep)  # the text report's own lines: one wording, one counting path
+    shown = "".join(f'<p class="notice">{_t(line, MAX_TEXT * 3)}</p>' for line in notices[:MAX_NOTICES])
     return (
         f'<header class="banner {css}" id="verdict" data-ending="{kind}">'
         f"<h1>{_t(verdict)}</h1>"
         f'<p id="ending"><b>Run ended:</b> {_t(sentence, MAX_TEXT * 2)}</p>'
-        f"<p>{_t(also, MAX_TEXT * 3)}</p></header>"
+        f"<p>{_t(also, MAX_TEXT * 3)}</p>"
+        + (f'<div id="notices">{shown}{_more(MAX_NOTICES, len(notices), "lines")}</div>' if notices else "")
+        + "</header>"
     )
 
 

@@ -127,7 +127,7 @@ def render_text(rep: Dict[str, Any]) -> str:
         out.append(f"  warning:  {w}")
     out.append("")
 
-    early = _early_lines(rep)
+    early = early_lines(rep)
     if early:
         out.extend(early + [""])
 
@@ -151,6 +151,8 @@ def render_text(rep: Dict[str, Any]) -> str:
                 f"DENSE: {totals['dense_calls']:,} dense FlexAttention call{'s' if totals['dense_calls'] != 1 else ''}{blocked} in "
                 f"{totals['dense_pairs']} layer/phase pair{'s' if totals['dense_pairs'] != 1 else ''}; causes: {causes_text(totals['causes'])}{big}"
             )
+            if totals.get("oom_blocked_calls"):
+                out.append(oom_line(rep))
             out.append(f"  also: {fused}, {graphs}" + (f"; {allowed_text}" if allowed else ""))
         else:
             out.append(f"OK: no dense FlexAttention; {fused}, {graphs}")
@@ -256,7 +258,36 @@ def pressure_line(frames: List[Dict[str, Any]]) -> str:
     return f"recompile pressure: {n} frame{'s' if n != 1 else ''} {at}" + (f" ({varies})" if varies else "")
 
 
-def _early_lines(rep: Dict[str, Any]) -> List[str]:
+def oom_line(rep: Dict[str, Any]) -> str:
+    """``oom mode: 1 dense call(s) blocked (needed 9.1 GB, the device could give 4.0 GB)``: calls
+    the oom mode blocked as predicted not to fit, told apart from strict mode's blocks."""
+    o = rep.get("oom") or {}
+    n = (rep.get("totals") or {}).get("oom_blocked_calls") or o.get("blocked") or 0
+    numbers = []
+    if o.get("needed_bytes") is not None:
+        numbers.append(f"needed {human_bytes(o['needed_bytes'])}")
+    if o.get("free_bytes") is not None:
+        numbers.append(f"the device could give {human_bytes(o['free_bytes'])}")
+    where = " ".join(str(x) for x in (o.get("layer"), o.get("phase")) if x)
+    site = f" at {o['call_site']}" if o.get("call_site") else ""
+    detail = f" ({', '.join(numbers)}" + (f"; {where}" if where else "") + f"{site})" if numbers else ""
+    return f"oom mode: {n:,} dense call(s) blocked, predicted not to fit{detail}"
+
+
+def notice_lines(rep: Dict[str, Any]) -> List[str]:
+    """Every finding beside the per-layer counts, as ``render_text`` words it: recompile
+    pressure, models without FlexAttention, eager mask builds, the oom mode's blocks (for the
+    HTML page; strings as they are in ``rep``: escape them for the medium)."""
+    out = early_lines(rep)
+    masks = rep.get("masks") or {}
+    if masks.get("dense") or masks.get("compiled"):
+        out.append(masks_text(masks))
+    if (rep.get("totals") or {}).get("oom_blocked_calls"):
+        out.append(oom_line(rep))
+    return out
+
+
+def early_lines(rep: Dict[str, Any]) -> List[str]:
     """What was seen coming before any dense call: recompile pressure, models that never called
     FlexAttention (strings already escaped)."""
     out: List[str] = []
