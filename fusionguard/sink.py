@@ -258,7 +258,11 @@ class FileSink:
                 if exc.errno in (None, errno.ELOOP, errno.ENXIO):  # (None: open_regular's "not a regular file")
                     self._lock_failed = True
                 return None
-            st = os.fstat(fd)
+            try:
+                st = os.fstat(fd)
+            except OSError:
+                os.close(fd)
+                return None
             self._lock_fd, self._lock_ident = fd, (st.st_ino, st.st_dev)
         return self._lock_fd
 
