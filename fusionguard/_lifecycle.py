@@ -69,7 +69,8 @@ def _open_log(config: Config, live: Any) -> None:
     STATE.crash_fields = {}
     if config.log_path is not None:
         try:
-            STATE.log.open(config.log_path, fsync=config.fsync, max_bytes=config.log_max_bytes, backups=config.log_backups, mode=config.log_mode)
+            STATE.log.open(config.log_path, fsync=config.fsync, max_bytes=config.log_max_bytes, backups=config.log_backups, mode=config.log_mode,
+                           shared=STATE.log_dir is None)  # (a log directory: a file per process)
             STATE.durable_keys.clear()
             _announce(config.log_path)
             STATE.crash_fields = crash.capture_native(config.log_path, config.log_mode)

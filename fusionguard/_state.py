@@ -318,7 +318,7 @@ def _open_child_log_now(parent_sink: Any) -> None:
         config.log_path = path
     try:
         STATE.log.attach(FileSink(path, fsync=parent_sink.fsync, max_bytes=parent_sink.max_bytes, backups=parent_sink.backups,
-                                  preamble=STATE.log.header_copy, mode=config.log_mode))
+                                  preamble=STATE.log.header_copy, mode=config.log_mode, shared=STATE.log_dir is None))
     except OSError as exc:
         write_stderr(f"fusionguard: forked process {os.getpid()} cannot open its log {path!r} ({exc}); its events are kept in memory only\n")
         return

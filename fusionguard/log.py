@@ -201,10 +201,14 @@ class EventLog:
             if self.on_sink_resume is not None and self._sink_reports <= 6:
                 self.on_sink_resume(sink.unwritten)
 
-    def open(self, path: str, fsync: Union[bool, str], max_bytes: Optional[int] = None, backups: int = 3, mode: int = DEFAULT_LOG_MODE) -> None:
+    def open(
+        self, path: str, fsync: Union[bool, str], max_bytes: Optional[int] = None, backups: int = 3, mode: int = DEFAULT_LOG_MODE,
+        shared: bool = True,
+    ) -> None:
+        """Write to the file at ``path`` (``shared=False``: no other process writes it)."""
         self.close()
         self._rank.reset()  # enable() again: torchrun / a spawn may have set RANK since
-        self.attach(FileSink(path, fsync=fsync, max_bytes=max_bytes, backups=backups, preamble=self.header_copy, mode=mode))
+        self.attach(FileSink(path, fsync=fsync, max_bytes=max_bytes, backups=backups, preamble=self.header_copy, mode=mode, shared=shared))
 
     def attach(self, sink: Optional[FileSink]) -> None:
         """Write to ``sink`` from now on (the previous one is left as it is)."""

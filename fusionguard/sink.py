@@ -13,11 +13,16 @@ beside the log (``<path>.lock``: it is never renamed, unlike the log, so one acq
 enough; a lock on the log file itself has to be taken again on each new file, and a writer can
 be outrun there for ever), checks under it that its file is still the one at ``path`` (reopening
 when another process rotated), rotates, and writes. A process killed while holding the lock
-releases it.
+releases it. Its first line in a file another process started follows its own header copy, so
+``report`` knows every line's host however many backups are pruned. A lock file removed while
+held (an ``rm`` of the log's files) is noticed after ``flock`` (the path names another file, or
+none) and the lock taken again on the file now there, so every process locks one file again.
+A sink of one process (a file per process in a log directory: ``shared=False``) needs no lock.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import threading
@@ -30,6 +35,9 @@ except ImportError:  # pragma: no cover - Windows: rotation stays per process, a
 
 #: New log and crash files: readable by their owner only (``enable(log_mode=0o640)`` widens).
 DEFAULT_LOG_MODE = 0o600
+
+#: Lock files locked and found replaced (removed, recreated) before a write goes on unlocked.
+_LOCK_TRIES = 8
 
 
 def open_regular(path: str, mode: int = DEFAULT_LOG_MODE, flags: int = os.O_WRONLY | os.O_APPEND) -> int:
@@ -82,23 +90,28 @@ class FileSink:
         backups: int = 3,
         preamble: Optional[Callable[[], Optional[str]]] = None,
         mode: int = DEFAULT_LOG_MODE,
+        shared: bool = True,
     ) -> None:
         """``max_bytes``: rotate when the file would grow past it (None or 0: never);
         ``backups``: rotated files kept (``path.1`` newest ... ``path.N``; 0: the full file is
-        removed); ``preamble``: returns the line (a header copy) that starts each new file;
-        ``mode``: permissions of a file this sink creates (an existing file keeps its own)."""
+        removed); ``preamble``: returns this process's header copy, written before its first
+        line in each file it did not open itself; ``mode``: permissions of a file this sink
+        creates (an existing file keeps its own); ``shared``: other processes may write this
+        path (False: a file of its own, rotated without the lock file)."""
         self.path = path
         self.fsync = fsync
         self.max_bytes = int(max_bytes) if max_bytes else None
         self.backups = max(0, int(backups))
         self.preamble = preamble
         self.mode = mode
+        self.shared = shared
         self.rotations = 0
         self.unwritten = 0  # events whose write failed (disk full, ...): in memory only
         self._torn = False  # a failed write may have left part of a line: close it before the next
-        self._fresh = False  # opened after a rotation: its first write starts it with the header copy
+        self._fresh = False  # reopened (a rotation): its first write puts the header copy first
         self._lock_fd: Optional[int] = None  # <path>.lock, opened on the first rotating write
-        self._lock_failed = False
+        self._lock_ident: tuple = ()  # (inode, device) of _lock_fd's file
+        self._lock_failed = False  # for good: the lock path is a symlink or not a regular file
         self._lock = threading.Lock()
         parent = os.path.dirname(os.path.abspath(path))
         os.makedirs(parent, exist_ok=True)
@@ -171,11 +184,11 @@ class FileSink:
     def _write_rotating(self, data: bytes, max_bytes: int) -> None:
         """Append ``data`` under the lock file's ``flock`` (see the module docstring): follow
         another process's rotation, rotate when the file would grow past ``max_bytes`` (an
-        empty file never: a header copy and one event larger than that share a file), start a
-        file this process opened empty with the header copy. The files let go of are fsync-ed
-        and closed after the lock is released."""
-        lock_fd = self._lock_file()
-        locked = lock_fd is not None and _flock(lock_fd, True)
+        empty file never: a header copy and one event larger than that share a file), put this
+        process's header copy before its first line in a file it reopened (one it rotated to,
+        or one another process started). The files let go of are fsync-ed and closed after the
+        lock is released."""
+        lock_fd = self._acquire()
         old: List[int] = []
         try:
             fd = self._fd
@@ -184,20 +197,22 @@ class FileSink:
                 fd = self._reopen(old)  # OSError: this event stays in memory; the next one tries again
                 at_path = self._at_path()
             size = at_path.st_size if at_path is not None else os.fstat(fd).st_size
-            if size and size + len(data) > max_bytes and self._rotate():
+            head = self._preamble() if self._fresh else b""
+            if size and size + len(head) + len(data) > max_bytes and self._rotate():
                 size = os.fstat(self._reopen(old)).st_size
+                head = self._preamble()
             if self._torn:
                 self._write_bytes(b"\n")  # see write(): the fragment is ended first
                 self._torn = False
                 size += 1
-            if self._fresh:
-                if size == 0:
-                    size += self._write_preamble()
-                self._fresh = False
+            if head:
+                self._write_bytes(head)
+                size += len(head)
+            self._fresh = False
             self._write_bytes(data)
             self._size = size + len(data)
         finally:
-            if locked and lock_fd is not None:
+            if lock_fd is not None:
                 _flock(lock_fd, False)
             for fd in old:
                 try:
@@ -206,17 +221,58 @@ class FileSink:
                     pass
                 os.close(fd)
 
+    def _acquire(self) -> Optional[int]:
+        """``flock`` the lock file and return its descriptor; None: this write goes on
+        unlocked (no lock file wanted or possible, no ``flock``). A lock file removed or
+        replaced since it was opened locks nothing any more (a process started since locks the
+        new one): it is let go and the file at the path opened and locked instead, a few times
+        at most (someone removing it in a loop cannot hold a write up for ever)."""
+        lockpath = self.path + ".lock"
+        for _ in range(_LOCK_TRIES):
+            fd = self._lock_file()
+            if fd is None or not _flock(fd, True):
+                return None
+            try:
+                now = os.stat(lockpath, follow_symlinks=False)
+                if (now.st_ino, now.st_dev) == self._lock_ident:
+                    return fd
+            except FileNotFoundError:
+                pass
+            except OSError:
+                return fd  # (cannot tell: keep the lock held)
+            _flock(fd, False)
+            self._close_lock()
+        return None
+
     def _lock_file(self) -> Optional[int]:
         """The descriptor of ``<path>.lock`` (opened read-only, so whoever may read the log may
         lock it; created with the log's mode, never removed: removing a lock file races with its
-        next user); None where it cannot be opened (a planted symlink, a read-only directory):
-        rotation then goes on unlocked, as before."""
-        if self._lock_fd is None and not self._lock_failed:
+        next user); None where it is not wanted (``shared=False``) or cannot be opened: rotation
+        then goes on unlocked, as before. A symlink, FIFO or other non-regular file there is
+        refused for good; any other failure (ENOSPC, EMFILE, EACCES) is tried again on the next
+        write."""
+        if self._lock_fd is None and self.shared and not self._lock_failed:
             try:
-                self._lock_fd = open_regular(self.path + ".lock", self.mode, flags=os.O_RDONLY)
+                fd = open_regular(self.path + ".lock", self.mode, flags=os.O_RDONLY)
+            except OSError as exc:
+                if exc.errno in (None, errno.ELOOP, errno.ENXIO):  # (None: open_regular's "not a regular file")
+                    self._lock_failed = True
+                return None
+            try:
+                st = os.fstat(fd)
             except OSError:
-                self._lock_failed = True
+                os.close(fd)
+                return None
+            self._lock_fd, self._lock_ident = fd, (st.st_ino, st.st_dev)
         return self._lock_fd
+
+    def _close_lock(self) -> None:
+        fd, self._lock_fd, self._lock_ident = self._lock_fd, None, ()
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     def _at_path(self) -> Optional[os.stat_result]:
         """The path's ``lstat`` while it still names the open file (one system call for both
@@ -247,8 +303,7 @@ class FileSink:
 
     def _reopen(self, old: List[int]) -> int:
         """Let go of the current file (into ``old``, fsync-ed and closed by the caller) and open
-        the one at ``path``; its first write puts the header copy at its top if it is still
-        empty then."""
+        the one at ``path``; this process's first line in it follows its header copy."""
         if self._fd is not None:
             old.append(self._fd)
             self._fd = None
@@ -258,31 +313,28 @@ class FileSink:
         self._fresh = True
         return fd
 
-    def _write_preamble(self) -> int:
+    def _preamble(self) -> bytes:
+        """This process's header copy, encoded (empty where there is none)."""
         if self.preamble is None:
-            return 0
+            return b""
         try:
             line = self.preamble()
         except Exception:
             line = None
-        if not line:
-            return 0
-        data = (line + "\n").encode("utf-8", "replace")
-        self._write_bytes(data)
-        return len(data)
+        return (line + "\n").encode("utf-8", "replace") if line else b""
 
     def after_fork_in_child(self) -> None:
         """A forked child lets go of the parent's file and lock file: their descriptors closed
         (no fsync: the file is the parent's; a lock file shared with the parent would lock
         nothing between them), a free lock; the settings stay, for the child's own file."""
         self._lock = threading.Lock()
-        for fd in (self._fd, self._lock_fd):
-            if fd is not None:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-        self._fd = self._lock_fd = None
+        if self._fd is not None:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+        self._fd = None
+        self._close_lock()
 
     def close(self) -> None:
         with self._lock:
@@ -293,6 +345,4 @@ class FileSink:
                     pass
                 os.close(self._fd)
                 self._fd = None
-            if self._lock_fd is not None:
-                os.close(self._lock_fd)
-                self._lock_fd = None
+            self._close_lock()

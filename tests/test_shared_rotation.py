@@ -21,7 +21,9 @@ from conftest import child_env, read_jsonl, run_cli
 from fusionguard.sink import FileSink
 
 PY = sys.executable
-MAX_BYTES = 8192
+# Each process puts its header copy (about 1.5 kB) before its first line in every file it writes
+# to, so 4 processes need a file well above 4 x 1.5 kB for their events.
+MAX_BYTES = 16384
 BACKUPS = 1000  # enough that rotation itself drops nothing: every line must be found
 
 # One writer: enable() with rotation on the shared path, say it is ready, wait for the go file
@@ -48,6 +50,13 @@ if how == "flex":
 else:
     for i in range(n):
         STATE.log.emit_fields("warning", "flex_call", {"layer": "layers.%%d" %% (i %% 4), "phase": "forward", "path": "dense", "cause": "eager_call", "action": "logged"})
+together = int(sys.argv[5]) if len(sys.argv) > 5 else 0  # the writers that end together (0: no wait)
+if together:
+    open(os.path.join(barrier, "done.%%d" %% os.getpid()), "w").close()
+    while len([f for f in os.listdir(barrier) if f.startswith("done.")]) < together and time.monotonic() < deadline:
+        time.sleep(0.001)
+    for i in range(20):  # the last files hold both processes' lines, interleaved
+        STATE.log.emit_fields("warning", "flex_call", {"layer": "end", "phase": "forward", "path": "dense", "cause": "eager_call", "action": "logged"})
 fusionguard.disable()
 """
 
@@ -97,21 +106,23 @@ print(json.dumps({"parent": os.getpid(), "status": status, "hung": hung}))
 _PART = re.compile(r"^fg\.jsonl(?:\.(\d+))?$")
 
 
-def _script(tmp_path: Path, name: str, code: str) -> Path:
+def _script(tmp_path: Path, name: str, code: str, max_bytes: int = MAX_BYTES, backups: int = BACKUPS) -> Path:
     script = tmp_path / f"{name}.py"
-    script.write_text(textwrap.dedent(code % {"max_bytes": MAX_BYTES, "backups": BACKUPS}))
+    script.write_text(textwrap.dedent(code % {"max_bytes": max_bytes, "backups": backups}))
     return script
 
 
-def _run_writers(tmp_path: Path, processes: int, n: int, how: str) -> Path:
-    """``processes`` independent Python processes writing ``n`` dense events each to one path."""
+def _run_writers(tmp_path: Path, processes: int, n: int, how: str, max_bytes: int = MAX_BYTES, backups: int = BACKUPS,
+                 together: bool = False) -> Path:
+    """``processes`` independent Python processes writing ``n`` dense events each to one path
+    (``together``: then 20 more each once all are done, and disable())."""
     logs, barrier = tmp_path / "logs", tmp_path / "barrier"
     logs.mkdir()
     barrier.mkdir()
-    script = _script(tmp_path, "writer", WRITER)
+    script = _script(tmp_path, "writer", WRITER, max_bytes, backups)
     log = logs / "fg.jsonl"
     procs = [
-        subprocess.Popen([PY, str(script), str(log), str(n), how, str(barrier)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        subprocess.Popen([PY, str(script), str(log), str(n), how, str(barrier), str(processes if together else 0)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, env=child_env(), cwd=tmp_path)
         for _ in range(processes)
     ]
@@ -263,3 +274,152 @@ def test_a_planted_lock_file_link_is_not_followed_and_rotation_goes_on(tmp_path)
     assert sink.rotations >= 2, "without its lock the log still rotates (unlocked, as a lone writer)"
     parts = sorted(tmp_path.glob("fg.jsonl*"), key=lambda p: -int(p.suffix[1:]) if p.suffix[1:].isdigit() else 0)
     assert [e["i"] for p in parts if not p.is_symlink() for e in read_jsonl(p)] == list(range(10))
+
+
+# -- the lock file itself: removed mid-run, not wanted, failing for a moment --------------------
+
+# A bare FileSink writer: N numbered lines to the shared path; after its first line (its lock file
+# is open then) it says so and waits for the go file.
+SINK_WRITER = """
+import os, sys, time
+from fusionguard.sink import FileSink
+log, who, n, barrier, max_bytes = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
+sink = FileSink(log, fsync=False, max_bytes=max_bytes, backups=100000)
+pad = "x" * 60
+sink.write('{"event": "probe", "who": "%s", "i": 0, "pad": "%s"}' % (who, pad), False)
+open(os.path.join(barrier, "ready." + who), "w").close()
+deadline = time.monotonic() + 120
+while not os.path.exists(os.path.join(barrier, "go")) and time.monotonic() < deadline:
+    time.sleep(0.005)
+for i in range(1, n):
+    sink.write('{"event": "probe", "who": "%s", "i": %d, "pad": "%s"}' % (who, i, pad), False)
+sink.close()
+"""
+
+
+def _wait_for(path: Path, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 120
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, f"{path.name} never came"
+        time.sleep(0.01)
+
+
+def test_a_lock_file_removed_mid_run_is_locked_again_by_every_process(tmp_path):
+    """The reviewer's case: ``<log>.lock`` removed after the first writer opened it, before the
+    second started; without noticing, each locks its own file and lines are lost."""
+    n, max_bytes = 6000, 8192
+    logs, barrier = tmp_path / "logs", tmp_path / "barrier"
+    logs.mkdir()
+    barrier.mkdir()
+    script = tmp_path / "sink_writer.py"
+    script.write_text(textwrap.dedent(SINK_WRITER))
+    log = logs / "fg.jsonl"
+    procs = []
+    try:
+        for who in ("a", "b"):
+            procs.append(subprocess.Popen([PY, str(script), str(log), who, str(n), str(barrier), str(max_bytes)],
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(), cwd=tmp_path))
+            _wait_for(barrier / f"ready.{who}", procs[-1])
+            if who == "a":
+                (logs / "fg.jsonl.lock").unlink()  # an `rm` of the lock file while "a" holds it open
+        (barrier / "go").touch()
+        for p in procs:
+            _, err = p.communicate(timeout=300)
+            assert p.returncode == 0, err[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    got: dict = {"a": [], "b": []}
+    too_big = []
+    for f in logs.iterdir():
+        if _PART.match(f.name):
+            if f.stat().st_size > max_bytes:
+                too_big.append(f.stat().st_size)
+            for e in read_jsonl(f):
+                got[e["who"]].append(e["i"])
+    lost = {who: n - len(set(i)) for who, i in got.items()}
+    assert lost == {"a": 0, "b": 0} and not too_big, f"lines lost {lost}; {len(too_big)} files past {max_bytes} bytes"
+    assert sorted(got["a"]) == list(range(n)) and sorted(got["b"]) == list(range(n))
+
+
+def test_default_backups_report_shows_only_the_real_processes(tmp_path, capsys):
+    """Default ``log_backups`` (3): the files left may hold none of a process's own header,
+    only files another process started; its header copy before its first line there keeps
+    ``report`` from inventing a host-less process that "stopped"."""
+    n = 300
+    logs = _run_writers(tmp_path, 2, n, "events", max_bytes=4096, backups=3, together=True)
+    names = sorted(f.name for f in logs.iterdir())
+    assert names == ["fg.jsonl", "fg.jsonl.1", "fg.jsonl.2", "fg.jsonl.3", "fg.jsonl.lock"], names
+    rc, out, _ = run_cli(capsys, logs, "--format", "json")
+    assert rc == 0
+    rep = json.loads(out)
+    endings = [(e["host"] is not None, e["ending"]) for e in rep["endings"]]
+    assert rep["run"]["processes"] == 2 and endings == [(True, "disable"), (True, "disable")], rep["endings"]
+    assert rep["crashes"] == []
+    for f in logs.glob("fg.jsonl*"):
+        if f.suffix == ".lock":
+            continue
+        seen = set()
+        for e in read_jsonl(f):
+            if e["event"] == "header":
+                seen.add(e["pid"])
+            assert e["pid"] in seen, f"{f.name}: a line of pid {e['pid']} before its header (copy)"
+
+
+ROTATING_ENABLE = """
+import sys
+import fusionguard
+from fusionguard._state import STATE
+fusionguard.enable(log_path=sys.argv[1], log_max_bytes=1024, keep_all=True)
+for i in range(40):
+    STATE.log.emit_fields("warning", "flex_call", {"layer": "l", "phase": "forward", "path": "dense", "cause": "eager_call", "action": "logged"})
+fusionguard.disable()
+"""
+
+
+@pytest.mark.parametrize("mode", ["directory", "file"])
+def test_a_lock_file_only_where_several_processes_may_share_the_path(tmp_path, mode):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    target = str(logs) + os.sep if mode == "directory" else str(logs / "fg.jsonl")
+    proc = subprocess.run([PY, "-c", ROTATING_ENABLE, target], capture_output=True, text=True, env=child_env(), cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    names = sorted(f.name for f in logs.iterdir())
+    assert any(name.endswith(".jsonl.3") for name in names), names  # it rotated
+    locks = [name for name in names if name.endswith(".lock")]
+    assert locks == ([] if mode == "directory" else ["fg.jsonl.lock"]), names
+
+
+EMFILE_THEN_FREE = """
+import os, resource, sys
+from fusionguard.sink import FileSink
+path = sys.argv[1]
+sink = FileSink(path, fsync=False, max_bytes=4096)
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+held = []
+try:
+    while True:
+        held.append(os.open(os.devnull, os.O_RDONLY))
+except OSError as exc:
+    assert exc.errno == 24, exc  # EMFILE: no descriptor left for the lock file
+sink.write('{"event": "probe", "i": 0}', False)  # written unlocked
+print("after EMFILE:", os.path.exists(path + ".lock"))
+for fd in held:
+    os.close(fd)
+sink.write('{"event": "probe", "i": 1}', False)
+print("after freeing:", os.path.exists(path + ".lock"), sink._lock_fd is not None)
+sink.close()
+"""
+
+
+def test_a_passing_failure_to_open_the_lock_file_is_tried_again(tmp_path):
+    """EMFILE (or ENOSPC) opening ``<log>.lock`` is a moment: the next write locks; only a
+    symlink or a non-regular file there gives the lock up for good (see the planted link test)."""
+    path = tmp_path / "fg.jsonl"
+    proc = subprocess.run([PY, "-c", EMFILE_THEN_FREE, str(path)], capture_output=True, text=True, env=child_env(), cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[:2] == ["after EMFILE: False", "after freeing: True True"], proc.stdout
+    assert [e["i"] for e in read_jsonl(path)] == [0, 1]
