@@ -9,6 +9,8 @@ FRAMEWORK:
              through flex, which CPU lacks), then evaluate() over 4 rows of lengths LENGTHS (the
              Trainer hands rank R rows R and R + 2); the callback logs to its default file
              (``fusionguard.rank{R}.jsonl`` in the working directory, OUT_DIR);
+  hf_stop    the same Trainer with stop_on_dense=True and 3 steps, but rank 0's model runs sdpa:
+             only rank 1 runs dense; the ranks must stop together (no evaluate());
   lightning  lightning.pytorch Trainer(strategy="ddp", accelerator="cpu", devices=2).validate()
              over the same 4 lengths; the callback logs to OUT_DIR/logs/ (a file per rank).
 
@@ -31,13 +33,14 @@ LENGTHS = (16, 24, 32, 40)  # evaluation rows: rank R runs rows R and R + 2
 TRAIN_STEPS = 2
 
 
-def hf(out: Path, rank: int) -> dict:
+def hf(out: Path, rank: int, stop: bool = False) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
     from fusionguard.integrations.transformers import FusionGuardCallback
 
     cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-                      intermediate_size=128, vocab_size=256, attn_implementation="flex_attention")
+                      intermediate_size=128, vocab_size=256,
+                      attn_implementation="sdpa" if stop and rank == 0 else "flex_attention")
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     for name, p in model.named_parameters():
@@ -52,15 +55,16 @@ def hf(out: Path, rank: int) -> dict:
         return out
 
     args = TrainingArguments(output_dir=str(out / "out"), per_device_train_batch_size=1, per_device_eval_batch_size=1,
-                             max_steps=TRAIN_STEPS, logging_steps=1, report_to=[], use_cpu=True, disable_tqdm=True,
-                             save_strategy="no", ddp_backend="gloo")
+                             max_steps=TRAIN_STEPS + stop, logging_steps=1, report_to=[], use_cpu=True, disable_tqdm=True,
+                             save_strategy="no", ddp_backend="gloo", ddp_find_unused_parameters=False)
     trainer = Trainer(model=model, args=args, train_dataset=rows([16] * 4), eval_dataset=rows(LENGTHS),
-                      callbacks=[FusionGuardCallback()])
+                      callbacks=[FusionGuardCallback(stop_on_dense=stop)])
     with torch.compiler.set_stance("force_eager"):
         trainer.train()
-        metrics = trainer.evaluate()
+        metrics = {} if stop else trainer.evaluate()
     return {"metrics": metrics, "log_history": trainer.state.log_history,
-            "world_size": trainer.args.world_size, "process_index": trainer.args.process_index}
+            "world_size": trainer.args.world_size, "process_index": trainer.args.process_index,
+            "global_step": trainer.state.global_step}
 
 
 def lightning(out: Path, rank: int) -> dict:
@@ -114,7 +118,10 @@ def main() -> None:
     framework, out = sys.argv[1], Path(sys.argv[2])
     rank = int(os.environ["RANK"])
     warnings.filterwarnings("ignore")  # torch's "flex_attention called without torch.compile", ours
-    result = {"hf": hf, "lightning": lightning}[framework](out, rank)
+    if framework == "hf_stop":
+        result = hf(out, rank, stop=True)
+    else:
+        result = {"hf": hf, "lightning": lightning}[framework](out, rank)
     (out / f"result{rank}.json").write_text(json.dumps(result, default=str))
 
 

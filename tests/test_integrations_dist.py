@@ -120,3 +120,19 @@ def test_lightning_ddp_every_rank_logs_rank0_speaks(tmp_path):
     assert speakers(texts, r"^fusionguard: (step|validation)") == [0]
     assert speakers(texts, r"^fusionguard summary:") == [0]
     assert "fusionguard" not in proc.stdout + proc.stderr
+
+
+def test_hf_stop_on_dense_stops_every_rank_together(tmp_path):
+    """Only rank 1 runs dense (rank 0's model runs sdpa): a rank stopping alone would leave the
+    other failing (gloo) or waiting (NCCL) in its next step's collective. Every rank stops at
+    step 1, and rank 0 says which rank ran dense."""
+    proc, texts = run("hf_stop", tmp_path)
+    results = [json.loads((tmp_path / f"result{rank}.json").read_text()) for rank in (0, 1)]
+    assert [r["global_step"] for r in results] == [1, 1], "both ranks stop after step 1 (of 3)"
+    logs = [read_jsonl(tmp_path / f"fusionguard.rank{rank}.jsonl") for rank in (0, 1)]
+    assert flex_calls(logs[0]) == []
+    assert [c["layer"] for c in flex_calls(logs[1])] == list(HF_LAYERS)
+    assert speakers(texts, r"^fusionguard: step 1: no FlexAttention call: the model never ran flex "
+                           r"\(config\._attn_implementation='sdpa'\)$") == [0, 0]  # rank 0's own verdict, again with the stop
+    assert speakers(texts, r"^fusionguard: stop_on_dense: dense FlexAttention on rank 1 at step 1: training stops$") == [0]
+    assert speakers(texts, r"^fusionguard: stop_on_dense") == [0]
