@@ -11,6 +11,8 @@ FRAMEWORK:
              (``fusionguard.rank{R}.jsonl`` in the working directory, OUT_DIR);
   hf_stop    the same Trainer with stop_on_dense=True and 3 steps, but rank 0's model runs sdpa:
              only rank 1 runs dense; the ranks must stop together (no evaluate());
+  lightning_stop  the same module's fit() (max_steps=3, only a head after the frozen attention
+             trains) with stop_on_dense=True; rank 0's layers run sdpa, rank 1's flex (dense);
   lightning  lightning.pytorch Trainer(strategy="ddp", accelerator="cpu", devices=2).validate()
              over the same 4 lengths; the callback logs to OUT_DIR/logs/ (a file per rank).
 
@@ -67,7 +69,7 @@ def hf(out: Path, rank: int, stop: bool = False) -> dict:
             "global_step": trainer.state.global_step}
 
 
-def lightning(out: Path, rank: int) -> dict:
+def lightning(out: Path, rank: int, stop: bool = False) -> dict:
     import lightning.pytorch as L
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -76,20 +78,23 @@ def lightning(out: Path, rank: int) -> dict:
     D = 16
 
     class Attn(torch.nn.Module):
-        def __init__(self):
+        def __init__(self, flex):
             super().__init__()
             self.qkv = torch.nn.Linear(D, 3 * D)
+            self.attention = flex_attention if flex else torch.nn.functional.scaled_dot_product_attention
 
         def forward(self, x):
             B, S, _ = x.shape
             q, k, v = self.qkv(x).view(B, S, 3, 2, D // 2).permute(2, 0, 3, 1, 4)
-            return flex_attention(q, k, v).transpose(1, 2).reshape(B, S, D)
+            return self.attention(q, k, v).transpose(1, 2).reshape(B, S, D)
 
     class Net(L.LightningModule):
         def __init__(self):
             super().__init__()
             torch.manual_seed(0)
-            self.layers = torch.nn.ModuleList([Attn(), Attn()])
+            flex = not (stop and rank == 0)
+            self.layers = torch.nn.ModuleList([Attn(flex), Attn(flex)]).requires_grad_(False)  # no backward through flex
+            self.head = torch.nn.Linear(D, D)
 
         def forward(self, x):
             for layer in self.layers:
@@ -101,16 +106,30 @@ def lightning(out: Path, rank: int) -> dict:
             self.log("val_loss", loss, batch_size=1, sync_dist=True)
             return loss
 
+        def training_step(self, batch, idx):
+            return self.head(self(batch)).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.head.parameters(), lr=0.1)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader([torch.randn(16, D) for _ in LENGTHS], batch_size=1)
+
         def val_dataloader(self):
             g = torch.Generator().manual_seed(0)
             data = [torch.randn(n, D, generator=g) for n in LENGTHS]
             return torch.utils.data.DataLoader(data, batch_size=1)
 
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", callbacks=[FusionGuardCallback(log_path=str(out / "logs") + os.sep)],
+    cb = FusionGuardCallback(stop_on_dense=stop, log_path=str(out / "logs") + os.sep)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", callbacks=[cb], max_steps=3, limit_val_batches=0 if stop else None,
                         logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
-    [metrics] = trainer.validate(Net())
+    if stop:
+        trainer.fit(Net())
+        metrics = {}
+    else:
+        [metrics] = trainer.validate(Net())
     return {"metrics": {k: float(v) for k, v in metrics.items()}, "world_size": trainer.world_size,
-            "global_rank": trainer.global_rank}
+            "global_rank": trainer.global_rank, "global_step": trainer.global_step}
 
 
 @record
@@ -118,10 +137,8 @@ def main() -> None:
     framework, out = sys.argv[1], Path(sys.argv[2])
     rank = int(os.environ["RANK"])
     warnings.filterwarnings("ignore")  # torch's "flex_attention called without torch.compile", ours
-    if framework == "hf_stop":
-        result = hf(out, rank, stop=True)
-    else:
-        result = {"hf": hf, "lightning": lightning}[framework](out, rank)
+    run, stop = {"hf": (hf, False), "hf_stop": (hf, True), "lightning": (lightning, False), "lightning_stop": (lightning, True)}[framework]
+    result = run(out, rank, stop)
     (out / f"result{rank}.json").write_text(json.dumps(result, default=str))
 
 

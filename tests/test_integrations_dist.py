@@ -7,7 +7,8 @@ with only lm_head trainable, then evaluate()) and the real Lightning Trainer (st
 validate()), flex forced dense in warn mode. Evaluation rows have distinct lengths, and each
 framework hands rank R rows R and R + 2: a rank's log shows whose calls it counted. torchrun
 redirects each rank's stdout and stderr to its own file (``--redirects 3``), so what each rank
-printed is known. About 15-20 s a launch on 2 cores, most of it imports.
+printed is known. ``stop_on_dense`` with only rank 1 dense: every rank stops at the same step.
+About 15-20 s a launch on 2 cores (4 launches), most of it imports.
 """
 
 from __future__ import annotations
@@ -134,5 +135,20 @@ def test_hf_stop_on_dense_stops_every_rank_together(tmp_path):
     assert [c["layer"] for c in flex_calls(logs[1])] == list(HF_LAYERS)
     assert speakers(texts, r"^fusionguard: step 1: no FlexAttention call: the model never ran flex "
                            r"\(config\._attn_implementation='sdpa'\)$") == [0, 0]  # rank 0's own verdict, again with the stop
+    assert speakers(texts, r"^fusionguard: stop_on_dense: dense FlexAttention on rank 1 at step 1: training stops$") == [0]
+    assert speakers(texts, r"^fusionguard: stop_on_dense") == [0]
+
+
+def test_lightning_stop_on_dense_stops_every_rank_together(tmp_path):
+    """The same with Lightning's fit() under strategy="ddp" (trainer.should_stop on every rank)."""
+    pytest.importorskip("lightning.pytorch")
+    proc, texts = run("lightning_stop", tmp_path)
+    results = [json.loads((tmp_path / f"result{rank}.json").read_text()) for rank in (0, 1)]
+    assert [r["global_step"] for r in results] == [1, 1], "both ranks stop after step 1 (of 3)"
+    files = sorted((tmp_path / "logs").glob("fusionguard.rank*.pid*.jsonl"))
+    logs = [read_jsonl(f) for f in files]
+    assert flex_calls(logs[0]) == []
+    assert [c["layer"] for c in flex_calls(logs[1])] == list(L_LAYERS)
+    assert speakers(texts, r"^fusionguard: step 1: no FlexAttention call: the model never ran flex$") == [0]
     assert speakers(texts, r"^fusionguard: stop_on_dense: dense FlexAttention on rank 1 at step 1: training stops$") == [0]
     assert speakers(texts, r"^fusionguard: stop_on_dense") == [0]
