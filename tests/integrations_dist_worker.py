@@ -16,7 +16,7 @@ FRAMEWORK:
   lightning  lightning.pytorch Trainer(strategy="ddp", accelerator="cpu", devices=2).validate()
              over the same 4 lengths; the callback logs to OUT_DIR/logs/ (a file per rank).
 
-Each rank writes OUT_DIR/result{R}.json (the metrics its Trainer holds). The process group is the
+FG_INTEG_DEVICE=cuda: the same on two GPUs with NCCL (one per rank). Each rank writes OUT_DIR/result{R}.json (the metrics its Trainer holds). The process group is the
 framework's (accelerate's or Lightning's), not this worker's.
 """
 
@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
+DEVICE = os.environ.get("FG_INTEG_DEVICE", "cpu")  # "cuda": NCCL (tests/gpu/test_integrations_dist_cuda.py)
 LENGTHS = (16, 24, 32, 40)  # evaluation rows: rank R runs rows R and R + 2
 TRAIN_STEPS = 2
 
@@ -57,8 +58,8 @@ def hf(out: Path, rank: int, stop: bool = False) -> dict:
         return out
 
     args = TrainingArguments(output_dir=str(out / "out"), per_device_train_batch_size=1, per_device_eval_batch_size=1,
-                             max_steps=TRAIN_STEPS + stop, logging_steps=1, report_to=[], use_cpu=True, disable_tqdm=True,
-                             save_strategy="no", ddp_backend="gloo", ddp_find_unused_parameters=False)
+                             max_steps=TRAIN_STEPS + stop, logging_steps=1, report_to=[], use_cpu=DEVICE == "cpu", disable_tqdm=True,
+                             save_strategy="no", ddp_backend="gloo" if DEVICE == "cpu" else "nccl", ddp_find_unused_parameters=False)
     trainer = Trainer(model=model, args=args, train_dataset=rows([16] * 4), eval_dataset=rows(LENGTHS),
                       callbacks=[FusionGuardCallback(stop_on_dense=stop)])
     with torch.compiler.set_stance("force_eager"):
@@ -121,7 +122,7 @@ def lightning(out: Path, rank: int, stop: bool = False) -> dict:
             return torch.utils.data.DataLoader(data, batch_size=1)
 
     cb = FusionGuardCallback(stop_on_dense=stop, log_path=str(out / "logs") + os.sep)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", callbacks=[cb], max_steps=3, limit_val_batches=0 if stop else None,
+    trainer = L.Trainer(accelerator=DEVICE, devices=2, strategy="ddp", callbacks=[cb], max_steps=3, limit_val_batches=0 if stop else None,
                         logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
     if stop:
         trainer.fit(Net())

@@ -127,6 +127,11 @@ def test_hf_stop_on_dense_stops_every_rank_together(tmp_path):
     """Only rank 1 runs dense (rank 0's model runs sdpa): a rank stopping alone would leave the
     other failing (gloo) or waiting (NCCL) in its next step's collective. Every rank stops at
     step 1, and rank 0 says which rank ran dense."""
+    check_hf_stop(tmp_path)
+
+
+def check_hf_stop(tmp_path):
+    """(also tests/gpu/test_integrations_dist_cuda.py, with NCCL)"""
     proc, texts = run("hf_stop", tmp_path)
     results = [json.loads((tmp_path / f"result{rank}.json").read_text()) for rank in (0, 1)]
     assert [r["global_step"] for r in results] == [1, 1], "both ranks stop after step 1 (of 3)"
@@ -141,6 +146,11 @@ def test_hf_stop_on_dense_stops_every_rank_together(tmp_path):
 
 def test_lightning_stop_on_dense_stops_every_rank_together(tmp_path):
     """The same with Lightning's fit() under strategy="ddp" (trainer.should_stop on every rank)."""
+    check_lightning_stop(tmp_path)
+
+
+def check_lightning_stop(tmp_path):
+    """(also tests/gpu/test_integrations_dist_cuda.py, with NCCL)"""
     pytest.importorskip("lightning.pytorch")
     proc, texts = run("lightning_stop", tmp_path)
     results = [json.loads((tmp_path / f"result{rank}.json").read_text()) for rank in (0, 1)]
