@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Sequence
 
 import pytest
 
@@ -28,7 +29,9 @@ LAUNCH_TIMEOUT = 90  # a launch takes ~10 s; the limit only stops a hung one
 torchrun = pytest.mark.skipif(sys.platform == "win32", reason="torchrun with gloo on localhost: Linux/macOS")
 
 
-def launch(scenario: str, out: Path, worker: Path = HERE / "dist_worker.py", timeout: float = LAUNCH_TIMEOUT) -> subprocess.CompletedProcess:
+def launch(scenario: str, out: Path, worker: Path = HERE / "dist_worker.py", timeout: float = LAUNCH_TIMEOUT,
+           options: Sequence[str] = ()) -> subprocess.CompletedProcess:
+    """torchrun (with torchrun ``options``) WORKER SCENARIO OUT in OUT, two workers."""
     env = dict(os.environ)
     env.update(
         OMP_NUM_THREADS="1",
@@ -42,6 +45,7 @@ def launch(scenario: str, out: Path, worker: Path = HERE / "dist_worker.py", tim
         "--nproc_per_node=2",
         "--standalone",
         "--monitor-interval=0.1",
+        *options,
         str(worker),
         scenario,
         str(out),

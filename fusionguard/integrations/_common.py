@@ -209,5 +209,37 @@ def _never_ran(layers: List[str], model: Any) -> List[str]:
         return []
 
 
+def dense_ranks(dense: bool) -> List[int]:
+    """The ranks whose run went dense, the same list on every rank (``stop_on_dense``). Under
+    several processes a collective that every rank must call: a rank that stopped alone would
+    leave the others waiting in their next collective (NCCL) or failing it (gloo). One small
+    all-reduce; on failure, this rank's own answer."""
+    from ..distributed import process_group_ready
+
+    if not process_group_ready():
+        return [0] if dense else []
+    try:
+        import torch
+        import torch.distributed as dist
+
+        nccl = "nccl" in str(dist.get_backend()) and torch.cuda.is_available()
+        flags = torch.zeros(dist.get_world_size(), dtype=torch.int32,
+                            device=torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu")
+        flags[dist.get_rank()] = int(dense)
+        dist.all_reduce(flags)
+        return [r for r, flag in enumerate(flags.tolist()) if flag]
+    except Exception as exc:
+        internal_error("integration dense_ranks", exc)
+        return [0] if dense else []
+
+
+def stop_text(ranks: List[int], where: str) -> str:
+    """``stop_on_dense``'s line on rank 0: which ranks ran dense (each rank's log names the layers)."""
+    from ..distributed import process_group_ready
+
+    on = f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" if process_group_ready() else ""
+    return f"fusionguard: stop_on_dense: dense FlexAttention{on} at {where}: training stops"
+
+
 def log_at(ok: bool) -> int:
     return logging.INFO if ok else logging.WARNING

@@ -21,7 +21,7 @@ import importlib
 import logging
 from typing import TYPE_CHECKING, Any, Dict
 
-from ._common import DENSE, FUSED, PEAK, Session, log_at, missing
+from ._common import DENSE, FUSED, PEAK, Session, dense_ranks, log_at, missing, stop_text
 from .._logger import say
 from .._state import internal_error
 
@@ -49,6 +49,7 @@ class _Mixin:
         self.stop_on_dense = bool(stop_on_dense)
         self.session = Session(strict, options, type(self).__name__)
         self._verdict_done = False
+        self._stopped = False
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         try:
@@ -99,10 +100,13 @@ class _Mixin:
             text, ok = self.session.verdict(label)
             if trainer.is_global_zero:
                 say(text + "\n", log_at(ok))
-        if self.stop_on_dense and label.startswith("step") and self.session.dense_seen() and not trainer.should_stop:
-            if trainer.is_global_zero:
-                say(f"fusionguard: stop_on_dense: dense FlexAttention at step {trainer.global_step}: the fit stops\n")
-            trainer.should_stop = True
+        if self.stop_on_dense and label.startswith("step") and not self._stopped:
+            ranks = dense_ranks(self.session.dense_seen())  # every rank stops, or none
+            if ranks:
+                self._stopped = True
+                if trainer.is_global_zero:
+                    say(stop_text(ranks, f"step {trainer.global_step}") + "\n")
+                trainer.should_stop = True
         if log:
             try:
                 for key, value in self.session.metrics().items():
@@ -113,6 +117,7 @@ class _Mixin:
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._verdict_done = False
+        self._stopped = False
         self.session.mark()
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ._common import Session, log_at, missing
+from ._common import Session, dense_ranks, log_at, missing, stop_text
 
 try:
     from transformers import TrainerCallback
@@ -101,12 +101,14 @@ class FusionGuardCallback(TrainerCallback):
             self._say_verdict(state, f"step {state.global_step + 1}")
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        if self.stop_on_dense and not self._stopped and self.session.dense_seen():
-            self._stopped = True
-            text, _ = self.session.verdict(f"step {state.global_step}")
-            if state.is_world_process_zero:
-                say(f"{text}\nfusionguard: stop_on_dense: training stops at step {state.global_step}\n")
-            control.should_training_stop = True
+        if self.stop_on_dense and not self._stopped:
+            ranks = dense_ranks(self.session.dense_seen())  # every rank stops, or none
+            if ranks:
+                self._stopped = True
+                text, _ = self.session.verdict(f"step {state.global_step}")
+                if state.is_world_process_zero:
+                    say(f"{text}\n{stop_text(ranks, f'step {state.global_step}')}\n")
+                control.should_training_stop = True
         return control
 
     def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
