@@ -240,6 +240,14 @@ class EventLog:
         if sink is not None:
             sink.close()
 
+    def written_in_full(self, event: str, fields: dict) -> bool:
+        """Whether a sampled event with these fields would be written whole (True when nothing
+        samples it)."""
+        sampler = self.sampler
+        if sampler is None or not Sampler.applies("warning", event, fields):
+            return True
+        return sampler.written_in_full(event, fields)
+
     def flush_sampler(self, durable: bool = True) -> None:
         """Write the pending ``fused_calls`` / ``dense_calls`` counters (calls not yet covered
         by a record). ``durable=False`` (the periodic flusher): written, never fsync-ed."""

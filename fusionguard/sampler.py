@@ -102,6 +102,17 @@ class Sampler:
             return path == "dense" and fields.get("action") in ("log", "warn", "allow")
         return path == "dense" and event == "flex_call" and fields.get("action") in ("warn", "allow")
 
+    def written_in_full(self, event: str, fields: dict) -> bool:
+        """Would ``offer`` keep this event whole now? A peek (nothing counted), for work worth
+        doing only for an event that is written: ``free_bytes`` asks the CUDA driver."""
+        if self.keep_all:
+            return True
+        site = fields.get("call_site") or {}
+        key = (fields.get("layer"), fields.get("phase"), event, fields.get("cause"), fields.get("action"), fields.get("traced"), site.get("file"), site.get("line"))
+        with self._lock:
+            w = self._keys.get(key)
+            return w is None or w.total < self.dense_first
+
     def offer(self, event: str, fields: dict) -> Any:
         """``"keep"``: write the event; ``None``: drop it; ``(event, fields)``: write that
         counter event instead."""
