@@ -68,7 +68,7 @@ def test_an_allowed_forwards_backward_runs_on_the_device_thread(guard, dynamo_re
         out = attend(q, k, v, block_mask=mask)
     backward(out)  # no block open anywhere
     assert q.grad is not None and torch.isfinite(q.grad.float()).all()
-    fwd, bwd = flex_events()
+    fwd, bwd = flex_events()[-2:]  # (an earlier test module's events may still be in memory)
     assert (fwd["phase"], fwd["action"]) == ("forward", "allow")
     assert (bwd["phase"], bwd["action"]) == ("backward", "allow")
     assert bwd["thread"] != fwd["thread"], "the backward did not run on autograd's device thread"
