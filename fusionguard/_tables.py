@@ -150,12 +150,13 @@ class ModulePaths:
         self.parents: Dict[int, Tuple[Any, Any, str]] = {}  # id(child) -> (ref child, ref parent, key)
         self.tops: Dict[int, Any] = {}  # id(outermost module) -> ref, as of the last scan
         self.partial: Dict[str, int] = {}  # class name -> instances named partially so far
+        self.rooted: Any = None  # weak ref to the one model named from the root (""), if any
         self.scans = 0
         self.scan_s = 0.0  # seconds spent scanning
         self.noted = False
 
     def __len__(self) -> int:  # (what is held: empty after reset, like the other tables)
-        return len(self.names) + len(self.parents) + len(self.tops) + len(self.partial) + self.scans + self.noted
+        return len(self.names) + len(self.parents) + len(self.tops) + len(self.partial) + self.scans + self.noted + (self.rooted is not None)
 
 
 class Caches:

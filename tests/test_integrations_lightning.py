@@ -125,6 +125,26 @@ def test_validate_dense_warn_exact_counts(tmp_path, said):
     assert not fusionguard.is_enabled()  # teardown: the callback had enabled it
 
 
+def test_layers_built_in_configure_model_are_watched(tmp_path, said):
+    """Lightning builds such layers after ``setup``: the callback watches at the loop's start, so
+    the verdict still names them."""
+    net = make_module(L.LightningModule)
+    layers = net.layers
+    del net.layers  # rebuilt where Lightning calls configure_model, after the callback's setup
+
+    def configure_model():
+        if not hasattr(net, "layers"):
+            net.layers = layers
+
+    net.configure_model = configure_model
+    cb = FusionGuardCallback(log_path=str(tmp_path / "fg.jsonl"))
+    with pytest.warns(fusionguard.DenseFallbackWarning):
+        trainer(L, tmp_path, cb).validate(net)
+    assert [m for m in said.lines if "batch 1" in m] == [
+        "fusionguard: validation batch 1: 2 FlexAttention layers, forward fused 0/2; dense: "
+        "layers.0 forward x1 (eager_call); layers.1 forward x1 (eager_call)"]
+
+
 def test_validate_strict_raises_crash_record_and_teardown(tmp_path, said):
     log = tmp_path / "fg.jsonl"
     cb = FusionGuardCallback(strict=True, log_path=str(log))

@@ -155,6 +155,27 @@ def test_module_path_follows_wrappers_and_models_made_later(fresh):
     _state.reset_for_tests()
 
 
+def test_two_models_of_different_classes_never_share_rows(fresh):
+    """A policy and a reward model (different classes, the same layer paths) alive together:
+    the first named keeps the root names, the other is named partially; never one name for both."""
+    _state.reset_for_tests()
+
+    class Reward(Model):
+        pass
+
+    policy, reward = Model(), Reward()
+    assert module_path(policy.layers[0].attn) == "layers.0.attn"
+    assert module_path(reward.layers[0].attn) == "Reward[0].layers.0.attn"
+    assert module_path(reward.layers[1].attn) == "Reward[0].layers.1.attn"
+    del policy
+    gc.collect()
+    newer = Reward()  # the rooted model is gone: a later one may take the root again
+    assert module_path(newer.layers[0].attn) in ("layers.0.attn", "Reward[1].layers.0.attn")
+    assert module_path(newer.layers[0].attn) != module_path(reward.layers[0].attn)
+    del reward, newer
+    _state.reset_for_tests()
+
+
 _RUN = textwrap.dedent(
     """
     import json, sys, torch

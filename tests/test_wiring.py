@@ -35,7 +35,7 @@ def _private_torch_names(path: pathlib.Path) -> list:
 
 
 #: Private names fusionguard reads that are not PyTorch's.
-NOT_TORCH = {"_at_fork_reinit", "_tmp_path_factory", "_attn_implementation", "_initializing", "_DummyThread"}  # CPython's lock re-init after fork; pytest's tmp_path factory; transformers' config; importlib's ModuleSpec flag of a module being executed; threading's class of a thread it did not create
+NOT_TORCH = {"_at_fork_reinit", "_tmp_path_factory", "_attn_implementation", "_compiler_ctx", "_initializing", "_DummyThread"}  # CPython's lock re-init after fork; pytest's tmp_path factory; transformers' config; importlib's ModuleSpec flag of a module being executed; threading's class of a thread it did not create
 
 
 def test_private_torch_names_live_in_torch_internals_only():

@@ -52,17 +52,33 @@ class _Mixin:
         self._stopped = False
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        # enable here; watch at the loop's start: Lightning builds layers in ``configure_model``
+        # after ``setup`` (2.6: setup, configure_model, strategy.setup, on_fit_start)
+        self._start(None)
+        self._verdict_done = False
+
+    def _start(self, pl_module: Any) -> None:
         try:
-            self.session.start(pl_module)
+            # ``trainer.fit(torch.compile(module))`` compiles the module's steps around its
+            # hooks: names only then (no hooks for Dynamo to trace, as for the HF Trainer)
+            compiled = getattr(pl_module, "_compiler_ctx", None) is not None
+            self.session.start(pl_module, hooks=not compiled)
         except Exception as exc:
             if type(exc).__name__ == "DenseFallbackError":
                 raise
             internal_error("lightning callback setup", exc)
-        self._verdict_done = False
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        if self.session.watch is None:
-            self.setup(trainer, pl_module, "fit")
+        self._start(pl_module)
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        self._start(pl_module)
+
+    def on_test_start(self, trainer: Any, pl_module: Any) -> None:
+        self._start(pl_module)
+
+    def on_predict_start(self, trainer: Any, pl_module: Any) -> None:
+        self._start(pl_module)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._finish(trainer)

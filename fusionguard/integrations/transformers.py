@@ -112,7 +112,9 @@ class FusionGuardCallback(TrainerCallback):
         return control
 
     def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if not self._verdict_done:
+        # inside train() (``eval_on_start=True`` evaluates before step 1) the first optimizer
+        # step gives the verdict, with the backward in it
+        if not self._verdict_done and not self._training:
             self._verdict_done = True
             self._say_verdict(state, "evaluation batch 1" if state.global_step == 0 else f"step {state.global_step}, evaluation batch 1")
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import sys
 import time
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
@@ -38,6 +39,10 @@ MAX_MODULES = 1_000_000
 MAX_SCANS = 16
 MAX_SCAN_S = 2.0
 MAX_NAMES = 200_000
+# A scan walks every object the collector tracks (about 60 ns each): past this many live blocks
+# (a dataset held as Python lists) one scan would stall the step for over a second: no scan,
+# names partial instead
+MAX_BLOCKS = 20_000_000
 
 
 def _paths() -> Any:
@@ -110,6 +115,14 @@ def _same_class_tops(top: torch.nn.Module) -> int:
     return n
 
 
+def _another_rooted(top: torch.nn.Module) -> bool:
+    """Another live model already has the root names (``layers.0.attn``): a second model, of
+    any class (a policy and a reward model), is named partially, never into the same rows."""
+    ref = _paths().rooted
+    held = ref() if ref is not None else None
+    return held is not None and held is not top
+
+
 def _partial_root(top: torch.nn.Module) -> str:
     """``Class[i]``: ``top``'s class and the order in which its instances were named partially."""
     paths = _paths()
@@ -133,10 +146,11 @@ def _name_tree(chain: List[torch.nn.Module], partial: bool = False) -> None:
     known = paths.names.get(id(top))
     if _alive(known, top):
         root = known[1]
-    elif partial or _same_class_tops(top) > 1:
+    elif partial or _same_class_tops(top) > 1 or _another_rooted(top):
         root = _partial_root(top)
     else:
         root = ""
+        paths.rooted = weakref.ref(top)
     for m in chain[:-1]:
         paths.names[id(m)] = (weakref.ref(m), root)
     for name, m in top.named_modules():
@@ -176,7 +190,7 @@ def module_path(module: Any) -> Optional[str]:
 def _find(module: torch.nn.Module) -> Optional[str]:
     paths = _paths()
     if not _alive(paths.parents.get(id(module)), module) and not _alive((paths.tops.get(id(module)),), module):
-        if paths.scans >= MAX_SCANS or paths.scan_s >= MAX_SCAN_S:
+        if paths.scans >= MAX_SCANS or paths.scan_s >= MAX_SCAN_S or sys.getallocatedblocks() > MAX_BLOCKS:
             # no more scans: the module alone, partially named, still apart from the others
             _name_tree([module], partial=True)
             entry = paths.names.get(id(module))
