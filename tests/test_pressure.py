@@ -150,7 +150,7 @@ def test_python_scalar_names_the_value(guard, dynamo_reset):
     q = qkv()[0]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for w in (1.0, 2.0):
+        for w in (1, 2):  # (an int: torch 2.15 makes a changing float a SymFloat, which flex refuses)
             compiled(q, w)
     (event,) = flex_events("recompile_pressure")
     assert event["varies"] == "w varies" and "as a tensor" in event["fix"]
