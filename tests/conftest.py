@@ -8,6 +8,7 @@ import functools
 import importlib
 import json
 import math
+import logging
 import os
 import subprocess
 import sys
@@ -245,3 +246,24 @@ def child_env(**extra):
         env.pop(name, None)
     env.update(extra)
     return env
+
+
+class Lines(logging.Handler):
+    """What fusionguard's logger said (pytest runs with -p no:logging: no caplog)."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture
+def fg_records():
+    """The lines logged through ``logging.getLogger("fusionguard")`` during the test."""
+    logger = logging.getLogger("fusionguard")
+    handler = Lines()
+    logger.addHandler(handler)
+    yield handler
+    logger.removeHandler(handler)

@@ -19,7 +19,7 @@ import torch
 
 import fusionguard
 from fusionguard import _state
-from conftest import fresh_hf_wrapper, read_jsonl
+from conftest import Lines, fresh_hf_wrapper, read_jsonl
 
 transformers = pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
@@ -62,28 +62,8 @@ def cleanup():
     _state.reset_for_tests()
 
 
-class Lines(logging.Handler):
-    """What fusionguard's logger said (pytest runs with -p no:logging: no caplog)."""
-
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.lines = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
-
-
 def verdicts(lines):
     return [m for m in lines.lines if "batch 1" in m]
-
-
-@pytest.fixture
-def fg_records():
-    logger = logging.getLogger("fusionguard")
-    handler = Lines()
-    logger.addHandler(handler)
-    yield handler
-    logger.removeHandler(handler)
 
 
 def test_evaluate_forced_dense_warn_counts_in_log_history(tmp_path, cleanup, fg_records):

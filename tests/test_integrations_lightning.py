@@ -22,7 +22,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 import fusionguard
 from fusionguard import _state
-from conftest import read_jsonl
+from conftest import Lines, read_jsonl
 
 L = pytest.importorskip("lightning.pytorch")
 
@@ -79,22 +79,9 @@ def trainer(pkg, tmp_path, cb, **kw):
                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, **kw)
 
 
-class Lines(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.lines = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
-
-
 @pytest.fixture
-def said():
-    logger = logging.getLogger("fusionguard")
-    handler = Lines()
-    logger.addHandler(handler)
-    yield handler
-    logger.removeHandler(handler)
+def said(fg_records):
+    yield fg_records
     fusionguard.disable()
     _state.reset_for_tests()
 
