@@ -26,8 +26,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import fusionguard  # noqa: E402
 from compile_models import Model, tokens  # noqa: E402
-from fusionguard import inductor  # noqa: E402
-from fusionguard._state import STATE  # noqa: E402
+from fusionguard.fused import inductor  # noqa: E402
+from fusionguard.core.state import STATE  # noqa: E402
 from paired import paired  # noqa: E402
 
 

@@ -21,7 +21,7 @@ import sys, torch
 torch.set_num_threads(1)
 from torch.nn.attention.flex_attention import create_block_mask, _identity
 from torch._higher_order_ops.flex_attention import flex_attention as op
-from fusionguard.dense_memory import predict_dense
+from fusionguard.dense.memory import predict_dense
 dt, hq, hkv, mod = getattr(torch, sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 Q, KV, D = 1024, 2048, 64
 def status(name): return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(name))

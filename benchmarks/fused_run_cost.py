@@ -13,7 +13,7 @@ import torch
 from torch.nn.attention.flex_attention import flex_attention
 
 import fusionguard
-from fusionguard._state import STATE
+from fusionguard.core.state import STATE
 from paired import paired
 
 

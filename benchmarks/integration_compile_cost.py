@@ -29,7 +29,7 @@ import warnings
 import torch
 
 import fusionguard
-from fusionguard import _state
+from fusionguard.core import state as _state
 
 
 def trial(variant: str, device: str, out: str) -> float:

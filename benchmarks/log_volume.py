@@ -28,9 +28,10 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from fusionguard import report  # noqa: E402
-from fusionguard.log import EventLog  # noqa: E402
-from fusionguard.sampler import DEFAULT_FUSED_EVERY, DEFAULT_FUSED_FIRST, Sampler  # noqa: E402
+
+from fusionguard.report.build import build as build_report_dict  # noqa: E402
+from fusionguard.eventlog.log import EventLog  # noqa: E402
+from fusionguard.eventlog.sampler import DEFAULT_FUSED_EVERY, DEFAULT_FUSED_FIRST, Sampler  # noqa: E402
 
 LAYERS = 32
 
@@ -98,7 +99,7 @@ def main() -> None:
         os.makedirs(d)
         res = run(os.path.join(d, "fg.jsonl"), a.calls, Sampler())
         t = time.perf_counter()
-        rep = report.build([d])
+        rep = build_report_dict([d])
         res["report_s"] = time.perf_counter() - t
         res["report_fused_calls"] = rep["totals"]["fused_calls"]
         res["report_peak_max"] = max(r["peak_delta_max"] for r in rep["rows"])
@@ -117,7 +118,7 @@ def main() -> None:
         d = os.path.join(work, "rotated")
         os.makedirs(d)
         res = run(os.path.join(d, "fg.jsonl"), a.calls, Sampler(keep_all=True), max_bytes=50_000_000, backups=3)
-        rep = report.build([d])
+        rep = build_report_dict([d])
         res["report_fused_calls"] = rep["totals"]["fused_calls"]
         out["keep_all_rotated"] = res
         print("keep_all + rotation (50 MB x 3 backups):", json.dumps(res), flush=True)

@@ -28,7 +28,7 @@ CHILD = r"""
 import json, sys, torch
 torch.set_num_threads(1)
 from torch.nn.attention.flex_attention import create_block_mask
-from fusionguard.dense_memory import mask_build_bytes
+from fusionguard.dense.memory import mask_build_bytes
 n, kind, how, device = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
 doc = (torch.arange(n, device=device) // 1000)
 def causal(b, h, q, kv): return q >= kv

@@ -17,7 +17,7 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import fusionguard
-from fusionguard._state import STATE
+from fusionguard.core.state import STATE
 
 GB = 1e9
 

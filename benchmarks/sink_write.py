@@ -18,7 +18,7 @@ import statistics
 import tempfile
 import time
 
-from fusionguard import sink as this_sink
+from fusionguard.eventlog import sink as this_sink
 
 LINE = json.dumps({"event": "flex_call", "level": "warning", "seq": 1, "pad": "x" * 640})
 

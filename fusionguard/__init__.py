@@ -16,16 +16,16 @@ import importlib
 import os
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Union
 
-from . import _lifecycle
-from ._config import Config, check_log_path, check_options, resolve_log_path
-from ._state import STATE, close_allowance, open_allowance
-from ._version import __version__
-from .activate import switched_off
-from .errors import DenseFallbackError, DenseFallbackWarning
+from fusionguard import _lifecycle
+from fusionguard.core.config import Config, check_log_path, check_options, resolve_log_path
+from fusionguard.core.state import STATE, close_allowance, open_allowance
+from fusionguard._version import __version__
+from fusionguard.activate import switched_off
+from fusionguard.errors import DenseFallbackError, DenseFallbackWarning
 
 if TYPE_CHECKING:  # imported lazily: `import fusionguard` must not import torch (pytest plugin)
-    from ._summary import Summary, export, summary
-    from .watching import peak_memory_allocated, watch
+    from fusionguard._summary import Summary, export, summary
+    from fusionguard.watching import peak_memory_allocated, watch
 
 _LAZY = {
     "Summary": "._summary",

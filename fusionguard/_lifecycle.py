@@ -13,17 +13,18 @@ import importlib
 import logging
 from typing import Any, Optional
 
-from . import crash
-from ._config import Config
-from ._state import STATE, emit, internal_error, write_stderr
-from .dynamo_signals import SIGNALS
-from .log import header_fields, to_torch_trace
-from .sampler import Sampler
+from fusionguard.eventlog import crash, diagnosis
+from fusionguard.core.config import Config
+from fusionguard.core.state import STATE, emit, internal_error, write_stderr
+from fusionguard.dense.dynamo_signals import SIGNALS
+from fusionguard.eventlog.header import header_fields
+from fusionguard.eventlog.log import to_torch_trace
+from fusionguard.eventlog.sampler import Sampler
 
 
 def _torch_side() -> Any:
-    """``fusionguard._install`` (imports torch): loaded by the first ``enable()``."""
-    return importlib.import_module("._install", __package__)
+    """``fusionguard.patch_sites`` (imports torch): loaded by the first ``enable()``."""
+    return importlib.import_module("fusionguard.patch_sites")
 
 
 def _announce(path: Optional[str]) -> None:
@@ -91,7 +92,7 @@ def _open_log(config: Config, live: Any) -> None:
 
 
 def _last_flex() -> Optional[dict]:
-    return crash.last_flex(STATE.log.memory)
+    return diagnosis.last_flex(STATE.log.memory)
 
 
 def _counts() -> dict:

@@ -7,8 +7,8 @@ import json
 import os
 from typing import Union
 
-from ._format import causes_text, count_text, mem_text, table
-from ._state import STATE
+from fusionguard.core.formatting import causes_text, count_text, mem_text, table
+from fusionguard.core.state import STATE
 
 COLUMNS = (
     "layer", "phase", "calls", "dense", "fused", "recompute", "causes",
@@ -18,7 +18,7 @@ COLUMNS = (
 
 class Summary(list):
     """A list of per-(layer, phase) rows (dicts) that prints as a table: the same layout, units
-    and cause style as ``fusionguard report`` (``fusionguard._format``)."""
+    and cause style as ``fusionguard report`` (``fusionguard.core.formatting``)."""
 
     def __str__(self) -> str:
         if not self:
@@ -49,7 +49,7 @@ def summary(all_ranks: bool = False) -> Summary:
     rows = STATE.stats.summary()
     rank = 0
     try:
-        from .log import rank_info
+        from fusionguard.eventlog.header import rank_info
 
         rank = rank_info()["rank"]
     except Exception:
@@ -58,7 +58,7 @@ def summary(all_ranks: bool = False) -> Summary:
         r["rank"] = rank
     if all_ranks:
         try:
-            from .distributed import gather_to_rank0
+            from fusionguard.core.distributed import gather_to_rank0
 
             gathered = gather_to_rank0(rows)
             if gathered is not None and rank == 0:

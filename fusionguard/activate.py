@@ -128,7 +128,7 @@ class _TorchWatcher:
     """Finds nothing itself; wraps the loader of ``torch`` so that ``enable()`` runs right after
     torch's own import finished, and the loaders of fusionguard's own modules: when one of them is
     what imports torch (``from fusionguard import watch`` before ``import torch``, ``import
-    fusionguard.guard``, the program's own ``enable()``), ``enable()`` waits until that import
+    fusionguard.dense.guard``, the program's own ``enable()``), ``enable()`` waits until that import
     finished (in the middle of it, it would find half-initialised modules: a circular import).
     Removes itself once ``enable()`` ran."""
 

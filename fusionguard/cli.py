@@ -24,7 +24,7 @@ import os
 import sys
 from typing import Any, Dict, List, Optional
 
-from ._version import __version__
+from fusionguard._version import __version__
 
 PLOT_HINT = "pip install 'fusionguard[plot]'  (or: pip install matplotlib)"
 
@@ -83,7 +83,7 @@ def _fail(command: str, message: str) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from . import activate
+    from fusionguard import activate
 
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
@@ -102,7 +102,7 @@ def _doctor(args: argparse.Namespace) -> int:
             return _fail("doctor", "--shape takes six positive integers B,HQ,HKV,Q,KV,D")
         if shape[1] % shape[2]:
             return _fail("doctor", "HQ must be a multiple of HKV (GQA)")
-    from . import doctor
+    from fusionguard import doctor
 
     problem = doctor.check_options(args.device, args.backend)
     if problem:
@@ -140,7 +140,7 @@ def _gates(args: argparse.Namespace, totals: Dict[str, Any]) -> List[str]:
 
 def _write_html(rep: Dict[str, Any], path: str) -> Optional[str]:
     """Write ``--html``; the problem when it cannot be written (None: written)."""
-    from .report.html import render_html
+    from fusionguard.report.html import render_html
 
     page = render_html(rep)
     try:
@@ -153,7 +153,10 @@ def _write_html(rep: Dict[str, Any], path: str) -> Optional[str]:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from . import report
+    from fusionguard.report.build import build as build_report_dict
+    from fusionguard.report.plot import plot, plot_target
+    from fusionguard.report.read import ReportError
+    from fusionguard.report.render import render_csv, render_json, render_text
 
     if args.last < 0:
         return _fail("report", "--last must be >= 0")
@@ -166,14 +169,14 @@ def _report(args: argparse.Namespace) -> int:
         except ImportError:
             return _fail("report", f"--plot needs matplotlib, which is not installed: {PLOT_HINT}")
         try:
-            plot_file = report.plot_target(args.plot)[0]
+            plot_file = plot_target(args.plot)[0]
         except ValueError as exc:
             return _fail("report", f"--plot {args.plot}: {exc}")
     try:
-        rep = report.build(args.paths, last=args.last)
-    except report.ReportError as exc:
+        rep = build_report_dict(args.paths, last=args.last)
+    except ReportError as exc:
         return _fail("report", str(exc))
-    text = {"text": report.render_text, "json": report.render_json, "csv": report.render_csv}[args.format](rep)
+    text = {"text": render_text, "json": render_json, "csv": render_csv}[args.format](rep)
     if args.output:
         try:
             with open(args.output, "w", encoding="utf-8", newline="") as fh:
@@ -192,7 +195,7 @@ def _report(args: argparse.Namespace) -> int:
             return _fail("report", problem)
     if plot_file is not None:
         try:
-            note = report.plot(rep, plot_file)
+            note = plot(rep, plot_file)
         except OSError as exc:
             return _fail("report", f"cannot write --plot {plot_file}: {exc.strerror or exc}")
         except Exception as exc:  # e.g. .pgf without LaTeX: one line, never a traceback

@@ -151,7 +151,7 @@ class FusionGuardSession:
 
     def _ensure_enabled(self) -> None:
         import fusionguard
-        from fusionguard._state import STATE
+        from fusionguard.core.state import STATE
 
         if fusionguard.is_enabled() and STATE.config.mode == self.mode and STATE.config.log_path == self.log_path:
             return
@@ -167,7 +167,7 @@ class FusionGuardSession:
 
         # keep_all: every dense call of every test is reported, none folded into counters
         fusionguard.enable(mode=self.mode, log_path=path, keep_all=True)
-        from fusionguard._state import STATE
+        from fusionguard.core.state import STATE
 
         self.log_path = STATE.config.log_path  # resolved (a directory becomes rank/pid file)
         self._mark = (STATE.log, STATE.log.seq)
@@ -227,7 +227,7 @@ class FusionGuardSession:
     # -- per test -----------------------------------------------------------------------
     def _take_new(self) -> List[dict]:
         """Events logged since the last call (in memory, newest last)."""
-        from fusionguard._state import STATE
+        from fusionguard.core.state import STATE
 
         log = STATE.log
         last_log, last_seq = self._mark
@@ -273,7 +273,7 @@ class FusionGuardSession:
         dense = [e for e in self._take_new() if e.get("event") == "flex_call"]
         if not dense:
             return
-        from fusionguard.guard import format_message
+        from fusionguard.dense.guard import format_message
 
         messages = [format_message(e) for e in dense]
         # on the item: the teardown report (junitxml, xdist, our summary) then carries every phase

@@ -26,7 +26,8 @@ import torch  # noqa: E402
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 import fusionguard  # noqa: E402
-from fusionguard import _state, torch_internals  # noqa: E402
+from fusionguard.core import state as _state  # noqa: E402
+from fusionguard import torch_internals  # noqa: E402
 
 HOP_MODULE = importlib.import_module("torch._higher_order_ops.flex_attention")
 PUBLIC = importlib.import_module("torch.nn.attention.flex_attention")

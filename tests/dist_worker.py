@@ -33,7 +33,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.attention.flex_attention import flex_attention
 
 import fusionguard
-from fusionguard.distributed import gather_to_rank0
+from fusionguard.core.distributed import gather_to_rank0
 
 
 def mark(out: Path, rank: int, step: str) -> None:
@@ -129,7 +129,7 @@ def fsdp2_per_block(out: Path, rank: int, watch: bool = True) -> None:
     rows = [{k: r[k] for k in ("layer", "phase", "calls", "fused", "dense")} for r in fusionguard.summary()]
     (out / f"rows{rank}.json").write_text(json.dumps(rows))
     runs = [{k: e.get(k) for k in ("layer", "layers", "flex_calls")} for e in fusionguard.events("flex_run")]
-    (out / f"counts{rank}.json").write_text(json.dumps({"counts": dict(fusionguard._state.STATE.counts), "runs": runs}))
+    (out / f"counts{rank}.json").write_text(json.dumps({"counts": dict(fusionguard.core.state.STATE.counts), "runs": runs}))
 
 
 def finish(out: Path, rank: int) -> None:

@@ -186,7 +186,7 @@ def test_an_aot_compiled_backward_follows_its_forwards_verdict_on_any_thread(gua
 
 def test_the_marks_of_allowed_forwards_keep_nothing_alive(guard):
     """The weak marks die with the forward's tensors: no memory held, no stale mark left."""
-    from fusionguard import guard as guard_module
+    from fusionguard.dense import guard as guard_module
 
     guard(strict=True)
     gc.collect()

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import fusionguard
-from fusionguard import _state, torch_internals as ti
+from fusionguard.core import state as _state
+from fusionguard import torch_internals as ti
 
 from conftest import HOP_MODULE, ROOT, flex_events, lacks, qkv, read_jsonl
 
@@ -173,7 +174,7 @@ def test_torn_last_line_from_a_crash_never_hides_lines(guard, tmp_path):
 
 def test_internal_error_fails_open(guard, monkeypatch, capsys):
     """A bug inside fusionguard must not change the user's result; it is logged once."""
-    import fusionguard.causes as causes
+    import fusionguard.dense.causes as causes
 
     def broken(*a, **k):
         raise ZeroDivisionError("bug in fusionguard")
@@ -220,7 +221,8 @@ def test_summary_and_report_format_the_same_things_the_same_way(guard, capsys):
     rc, out, _ = run_cli(capsys, log)
     line = next(ln for ln in out.splitlines() if ln.startswith("0 "))
     assert "eager_call×2" in line and line.split()[:3] == ["0", "forward", "2"]
-    from fusionguard import _format, _summary
+    from fusionguard.core import formatting as _format
+    from fusionguard import _summary
     from fusionguard.report import render
 
     assert render.table is _format.table and _summary.table is _format.table

@@ -17,7 +17,8 @@ from torch import nn
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import fusionguard
-from fusionguard import _state, report
+from fusionguard.core import state as _state
+from fusionguard.report.build import build as build_report_dict
 
 from compile_models import Model, tokens
 from conftest import ROOT, flex_events, needs, read_jsonl
@@ -38,7 +39,7 @@ def rows():
 
 def report_rows(log):
     fusionguard.disable()  # (the summary and shutdown events end the log)
-    return {(r["layer"], r["phase"]): (r["fused"], r["dense"]) for r in report.build([str(log)])["rows"]}
+    return {(r["layer"], r["phase"]): (r["fused"], r["dense"]) for r in build_report_dict([str(log)])["rows"]}
 
 
 def run_names():
@@ -187,7 +188,7 @@ _BEFORE = textwrap.dedent(
     import json, sys, time, torch
     sys.path[:0] = [{root!r}, {tests!r}]
     import fusionguard
-    from fusionguard import _state
+    from fusionguard.core import state as _state
     from compile_models import Model, tokens
     from torch.nn.attention.flex_attention import flex_attention
 

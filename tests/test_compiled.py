@@ -143,7 +143,7 @@ def test_every_fused_execution_is_counted(guard, dynamo_reset):
     fn = torch.compile(lambda q, k, v: flex_attention(q, k, v, enable_gqa=True))
     for _ in range(12):
         fn(q, k, v)
-    from fusionguard import _state
+    from fusionguard.core import state as _state
 
     assert _state.STATE.counts["fused_runs_forward"] == 12
     kept = flex_events("flex_run")

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from fusionguard import crash
+from fusionguard.eventlog import crash, diagnosis
+from fusionguard.report import crashfile
 
 from conftest import ROOT, child_env, read_jsonl, run_cli
 
@@ -28,8 +29,8 @@ PRELUDE = """
 import sys, os, time, warnings
 import torch
 import fusionguard
-from fusionguard import crash
-from fusionguard._state import STATE
+from fusionguard.eventlog import crash
+from fusionguard.core.state import STATE
 from torch.nn.attention.flex_attention import flex_attention
 warnings.simplefilter("ignore")
 LOG = sys.argv[1]
@@ -342,23 +343,23 @@ def test_diagnosis_wording():
     import torch
 
     oom = torch.OutOfMemoryError
-    assert crash.diagnose(oom, "CUDA out of memory", DENSE_BWD, _frames("sdpa_dense_backward")) == (
+    assert diagnosis.diagnose(oom, "CUDA out of memory", DENSE_BWD, _frames("sdpa_dense_backward")) == (
         "OOM inside dense backward of layers.17.self_attn; the dense score matrix is 2.70 GB in fp32"
     )
     autograd = [traceback.FrameSummary("/x/site-packages/torch/autograd/graph.py", 1, "_engine_run_backward")]
-    assert crash.diagnose(oom, "CUDA out of memory", DENSE_BWD, autograd) == (
+    assert diagnosis.diagnose(oom, "CUDA out of memory", DENSE_BWD, autograd) == (
         "OOM during backward, right after a dense backward of layers.17.self_attn; the dense score matrix is 2.70 GB in fp32"
     )
     fused = dict(DENSE_BWD, path="fused", cause=None)
-    assert crash.diagnose(oom, "x", fused, []) == (
+    assert diagnosis.diagnose(oom, "x", fused, []) == (
         "OOM outside FlexAttention; last FlexAttention event: fused backward of layers.17.self_attn; the dense fallback is not the cause"
     )
     from fusionguard.errors import DenseFallbackError
 
-    assert crash.diagnose(DenseFallbackError, "x", dict(DENSE_BWD, phase="forward"), []) == (
+    assert diagnosis.diagnose(DenseFallbackError, "x", dict(DENSE_BWD, phase="forward"), []) == (
         "strict mode blocked a dense forward of layers.17.self_attn (cause eager_call) before it allocated its 2.70 GB fp32 score matrix"
     )
-    assert crash.diagnose(RuntimeError, "DefaultCPUAllocator: can't allocate memory", None, []) == (
+    assert diagnosis.diagnose(RuntimeError, "DefaultCPUAllocator: can't allocate memory", None, []) == (
         "OOM; no FlexAttention event was recorded before it"
     )
 
@@ -523,7 +524,7 @@ def test_a_host_owned_faulthandler_is_left_alone(tmp_path):
     import faulthandler
 
     import fusionguard
-    from fusionguard import _state
+    from fusionguard.core import state as _state
 
     was = faulthandler.is_enabled()  # pytest enables it by default (then it stays pytest's)
     if not was:
@@ -549,15 +550,15 @@ def test_native_crash_parser_reads_faulthandler_text(tmp_path):
         "  File \"/u/train.py\", line 12 in step\n  File \"/u/train.py\", line 20 in <module>\n\nExtension modules: x (total: 1)\n"
     )
     recent = [{"event": "flex_call", "path": "dense", "phase": "forward", "layer": "layers.3.attn", "seq": 7}]
-    ev = crash.native_crash(str(f), (), recent)
+    ev = crashfile.native_crash(str(f), (), recent)
     assert ev["exc_type"] == "native crash (SIGABRT)" and ev["message"] == "Fatal Python error: Aborted"
     assert ev["frames"] == ["/u/train.py:20 in <module>", "/u/train.py:12 in step", "/t/torch/_higher_order_ops/flex_attention.py:80 in sdpa_dense"]
     assert ev["diagnosis"] == (
         "the process died of SIGABRT inside FlexAttention's dense implementation; last FlexAttention event: dense forward of layers.3.attn"
     )
     f.write_text("")
-    assert crash.native_crash(str(f), (), recent) is None
-    assert crash.native_crash(None) is None and crash.native_crash(str(tmp_path / "missing")) is None
+    assert crashfile.native_crash(str(f), (), recent) is None
+    assert crashfile.native_crash(None) is None and crashfile.native_crash(str(tmp_path / "missing")) is None
 
 
 def stat_mode(path):
@@ -572,7 +573,7 @@ def test_a_crash_file_of_an_earlier_process_with_our_pid_is_kept(tmp_path):
     code = """
 import json, sys
 from pathlib import Path
-from fusionguard import crash
+from fusionguard.eventlog import crash
 log = sys.argv[1]
 old = Path(crash.crash_file_for(log))
 old.write_text("Fatal Python error: Segmentation fault\\n")

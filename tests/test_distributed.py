@@ -18,7 +18,7 @@ from typing import Sequence
 
 import pytest
 
-from fusionguard.distributed import gather_to_rank0, process_group_ready
+from fusionguard.core.distributed import gather_to_rank0, process_group_ready
 
 from conftest import read_jsonl
 
@@ -170,7 +170,7 @@ def test_fsdp2_per_block_compile_names_each_block_on_every_rank(tmp_path, scenar
     watch(model), or without watch() (issue 28: the blocks are found in the model holding them).
     One compiled graph serves both blocks; each run is named by the block running it, per rank;
     the report sums the ranks."""
-    from fusionguard import report
+    from fusionguard.report.build import build as build_report_dict
 
     proc = launch(scenario, tmp_path, timeout=LAUNCH_TIMEOUT * 4)  # (two ranks compile at once)
     assert proc.returncode == 0, output(proc)
@@ -185,7 +185,7 @@ def test_fsdp2_per_block_compile_names_each_block_on_every_rank(tmp_path, scenar
         assert counts["counts"]["fused_runs_forward"] == 4
         assert [(r["layer"], r["flex_calls"]) for r in counts["runs"]] == [("layers.0.attn", 1), ("layers.1.attn", 1)] * 2
         assert not flex_calls(logs[rank])
-    rep = report.build([str(tmp_path / "logs")])
+    rep = build_report_dict([str(tmp_path / "logs")])
     assert {(r["layer"], r["phase"]): (r["fused"], r["dense"]) for r in rep["rows"]} == {
         ("layers.0.attn", "forward"): (4, 0),
         ("layers.1.attn", "forward"): (4, 0),

@@ -24,7 +24,7 @@ SCRIPT = """
 import os, signal, sys, time, warnings
 import torch
 import fusionguard
-from fusionguard._state import STATE
+from fusionguard.core.state import STATE
 from torch.nn.attention.flex_attention import flex_attention
 warnings.simplefilter("ignore")
 fusionguard.enable(log_path=sys.argv[1], dense_first=3)
@@ -83,7 +83,7 @@ def test_the_flusher_sleeps_while_nothing_is_pending(guard):
     lines = len(read_jsonl(log))
     time.sleep(0.6)
     assert len(read_jsonl(log)) == lines, "nothing pending: nothing written"
-    from fusionguard._state import STATE
+    from fusionguard.core.state import STATE
 
     assert not STATE.log.sampler.pending
     fusionguard.disable()

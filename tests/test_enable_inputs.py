@@ -14,7 +14,8 @@ import torch
 from torch.nn.attention.flex_attention import flex_attention
 
 import fusionguard
-from fusionguard import _state, crash
+from fusionguard.core import state as _state
+from fusionguard.eventlog import crash
 
 from conftest import flex_events, qkv, read_jsonl
 from test_undo_registry import _host_slots, _same

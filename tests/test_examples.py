@@ -42,9 +42,10 @@ def test_early_warnings(tmp_path):
     assert "3 forwards, 1 warning, 1 no_flex_calls event" in out
     events = read_jsonl(tmp_path / "fusionguard.jsonl")
     assert [e["event"] for e in events].count("recompile_pressure") == 1
-    from fusionguard import report
+    from fusionguard.report.build import build as build_report_dict
+    from fusionguard.report.render import render_text
 
-    text = report.render_text(report.build([str(tmp_path / "fusionguard.jsonl")]))
+    text = render_text(build_report_dict([str(tmp_path / "fusionguard.jsonl")]))
     assert "recompile pressure: 1 frame at 4 of 8 compiles (q dim 2 varies)" in text
     assert "no FlexAttention: 1 watched model ran a forward without any FlexAttention call" in text
 
@@ -57,9 +58,10 @@ def test_dense_mask(tmp_path):
     assert "verdict: 4 eager mask build(s) seen (1 blocked), 1 compiled" in out
     events = [e for e in read_jsonl(tmp_path / "fusionguard.jsonl") if e["event"] == "mask_build"]
     assert [(e["path"], e.get("action")) for e in events] == [("dense", "warn")] * 3 + [("dense", "raise"), ("compiled", None)]
-    from fusionguard import report
+    from fusionguard.report.build import build as build_report_dict
+    from fusionguard.report.render import render_text
 
-    text = report.render_text(report.build([str(tmp_path / "fusionguard.jsonl")]))
+    text = render_text(build_report_dict([str(tmp_path / "fusionguard.jsonl")]))
     assert "DENSE MASKS: 4 eager mask build(s) (1 blocked), largest 10.49 MB estimated" in text
 
 
@@ -73,12 +75,13 @@ def test_quickstart(tmp_path):
         ("dense", "eager_call", "raise"), ("dense", "eager_call", "allow")]
     assert [e["template"] for e in events if e["event"] == "flex_compile"] == ["cpp"]
     # the report on the demo's log agrees with the demo: 1 caught, the reference call allowed
-    from fusionguard import report
+    from fusionguard.report.build import build as build_report_dict
+    from fusionguard.report.render import render_text
 
-    rep = report.build([str(tmp_path / "fusionguard.jsonl")])
+    rep = build_report_dict([str(tmp_path / "fusionguard.jsonl")])
     t = rep["totals"]
     assert (t["dense_calls"], t["blocked_calls"], t["allowed_dense_calls"], t["fused_calls"], t["compiles"]) == (1, 1, 1, 1, 1)
-    assert "DENSE: 1 dense FlexAttention call (1 blocked)" in report.render_text(rep)
+    assert "DENSE: 1 dense FlexAttention call (1 blocked)" in render_text(rep)
     assert "fusionguard report fusionguard.jsonl" in out
 
 

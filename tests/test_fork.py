@@ -41,7 +41,7 @@ def wait_children(pids, timeout):
 UNDER_LOAD = WAIT + """
 import json, sys, threading
 import fusionguard
-from fusionguard._state import STATE
+from fusionguard.core.state import STATE
 fusionguard.enable(log_path=sys.argv[1] + os.sep)
 stop = threading.Event()
 def writer(n):

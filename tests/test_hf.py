@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import fusionguard
-from fusionguard import _state
+from fusionguard.core import state as _state
 from conftest import fresh_hf_wrapper, read_jsonl, recompile_limit
 
 transformers = pytest.importorskip("transformers")  # the `test` extra pins it; see setup.cfg
@@ -216,7 +216,7 @@ def test_without_watch_under_fusionguard_run_names_match_named_modules(tmp_path)
     import sys
 
     from conftest import ROOT
-    from fusionguard import report
+    from fusionguard.report.build import build as build_report_dict
 
     script, logs, out = tmp_path / "infer.py", tmp_path / "logs", tmp_path / "out.json"
     script.write_text(_UNWATCHED)
@@ -235,6 +235,6 @@ def test_without_watch_under_fusionguard_run_names_match_named_modules(tmp_path)
     compiles = [(e["layer"], e["named_from"]) for e in read_jsonl(log) if e["event"] == "flex_compile"]
     assert compiles == [(LAYERS[0], "caller"), (LAYERS[0], "nn_module_stack"), (LAYERS[1], "nn_module_stack")]
     assert [e["layer"] for e in read_jsonl(log) if e["event"] == "flex_call"] == LAYERS
-    rep = report.build([str(logs)])
+    rep = build_report_dict([str(logs)])
     assert {(r["layer"], r["phase"]): (r["fused"], r["dense"]) for r in rep["rows"]} == expected
     assert not [w for w in rep["warnings"] if "partial" in w]

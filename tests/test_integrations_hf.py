@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import fusionguard
-from fusionguard import _state
+from fusionguard.core import state as _state
 from conftest import Lines, fresh_hf_wrapper, read_jsonl
 
 transformers = pytest.importorskip("transformers")

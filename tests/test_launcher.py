@@ -12,7 +12,8 @@ import sys
 
 
 import fusionguard
-from fusionguard import _state, activate
+from fusionguard.core import state as _state
+from fusionguard import activate
 from conftest import ROOT, read_jsonl
 
 PY = sys.executable
@@ -201,7 +202,7 @@ warnings.simplefilter("ignore")
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 import fusionguard
-from fusionguard._state import STATE
+from fusionguard.core.state import STATE
 x = torch.randn(1, 2, 16, 8)
 try:
     flex_attention(x, x, x)
@@ -214,9 +215,9 @@ print(json.dumps({{"enabled": fusionguard.is_enabled(), "strict": STATE.config.s
 ORDERS = {
     "import torch first": "",
     "from fusionguard import watch (isort's order)": "from fusionguard import watch",
-    "import fusionguard.compiled": "import fusionguard.compiled",
-    "import fusionguard.guard": "import fusionguard.guard",
-    "import fusionguard.rescue": "import fusionguard.rescue",
+    "import fusionguard.fused.runs": "import fusionguard.fused.runs",
+    "import fusionguard.dense.guard": "import fusionguard.dense.guard",
+    "import fusionguard.dense.rescue": "import fusionguard.dense.rescue",
 }
 
 
@@ -250,7 +251,7 @@ def test_modules_loaded_by_another_finder_wait_too_pytest_rewriting_fusionguard(
     (tmp_path / "test_inner.py").write_text(
         "from fusionguard import watch\n"
         "import sys, torch, fusionguard\n"
-        "from fusionguard._state import STATE\n\n"
+        "from fusionguard.core.state import STATE\n\n"
         "def test_guarded():\n"
         "    assert type(sys.modules['fusionguard.watching'].__loader__).__name__ == 'AssertionRewritingHook'\n"
         "    assert fusionguard.is_enabled() and STATE.config.strict\n"

@@ -15,9 +15,11 @@ import warnings
 import pytest
 
 import fusionguard
-from fusionguard import _state, crash, guard as guard_mod
-from fusionguard.log import REDACTED, redact_argv
-from fusionguard.sink import FileSink
+from fusionguard.core import state as _state
+from fusionguard.eventlog import crash
+from fusionguard.dense import guard as guard_mod
+from fusionguard.eventlog.redact import REDACTED, redact_argv
+from fusionguard.eventlog.sink import FileSink
 from conftest import qkv, read_jsonl, run_cli
 from torch.nn.attention.flex_attention import flex_attention
 

@@ -17,7 +17,9 @@ import torch
 from torch.nn.attention.flex_attention import flex_attention
 
 import fusionguard
-from fusionguard import _state, log as L, torch_internals as ti
+from fusionguard.core import state as _state
+from fusionguard.eventlog import log as L
+from fusionguard import torch_internals as ti
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

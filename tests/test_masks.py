@@ -15,7 +15,8 @@ import torch
 from conftest import PUBLIC, causal, op_args, qkv, read_jsonl
 
 import fusionguard
-from fusionguard import _state, dense_memory
+from fusionguard.core import state as _state
+from fusionguard.dense import memory as dense_memory
 
 ROOT = Path(__file__).resolve().parents[1]
 LIMIT = 200_000  # bytes: a 256 x 256 block mask (655 KB estimated) is above it, 64 x 64 (151 KB) below
@@ -166,7 +167,7 @@ _RSS = """
 import sys, torch
 torch.set_num_threads(1)
 from torch.nn.attention.flex_attention import create_block_mask
-from fusionguard.dense_memory import mask_build_bytes
+from fusionguard.dense.memory import mask_build_bytes
 
 def status(name):  # kB lines of /proc/self/status
     return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(name))
@@ -259,7 +260,7 @@ def _env(**extra):
     return env
 
 
-_SHOW = "import torch, fusionguard; from fusionguard._state import STATE; print(STATE.config.mode, STATE.config.strict)"
+_SHOW = "import torch, fusionguard; from fusionguard.core.state import STATE; print(STATE.config.mode, STATE.config.strict)"
 
 
 def test_fusionguard_env_and_run_spell_oom(tmp_path):
@@ -276,7 +277,7 @@ pytest_plugins = ["pytester"]
 
 def test_pytest_option_and_ini_spell_oom(pytester):
     """In any case, as FUSIONGUARD= and enable(mode=) take it."""
-    pytester.makepyfile(test_inner="import fusionguard\nfrom fusionguard._state import STATE\n\ndef test_mode():\n    assert STATE.config.mode == 'oom' and not STATE.config.strict\n")
+    pytester.makepyfile(test_inner="import fusionguard\nfrom fusionguard.core.state import STATE\n\ndef test_mode():\n    assert STATE.config.mode == 'oom' and not STATE.config.strict\n")
     result = pytester.runpytest_subprocess("-p", "fusionguard.pytest_plugin", "--fusionguard=OOM", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
     pytester.makeini("[pytest]\nfusionguard = Oom\n")
@@ -321,7 +322,7 @@ def test_a_build_on_the_meta_device_allocates_nothing_and_is_not_guarded(guard):
 
 
 def test_the_fix_text_is_worked_out_once(guard):
-    from fusionguard import masks
+    from fusionguard.dense import masks
 
     assert masks.fix_text() is masks.fix_text()
     assert "torch.compile(create_block_mask)" in masks.fix_text()

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 import fusionguard
-from fusionguard import _state, report
+from fusionguard.core import state as _state
+from fusionguard.report.build import build as build_report_dict
 from fusionguard.watching import paths
 from fusionguard.watching.paths import module_path
 
@@ -40,7 +41,7 @@ def rows():
 
 def report_rows(log):
     fusionguard.disable()
-    return {(r["layer"], r["phase"]): (r["fused"], r["dense"]) for r in report.build([str(log)])["rows"]}
+    return {(r["layer"], r["phase"]): (r["fused"], r["dense"]) for r in build_report_dict([str(log)])["rows"]}
 
 
 def run_names():
@@ -216,7 +217,7 @@ def test_under_fusionguard_run_every_pattern_is_named_per_layer(tmp_path):
     summary = {r["layer"]: (r["fused"], r["dense"]) for r in json.loads(out.read_text())}
     expected = {n: (3, 0) for n in ("layers.0.attn", "layers.1.attn", "Block[0].attn", "Block[1].attn")}
     assert summary == expected
-    rep = report.build([str(logs)])
+    rep = build_report_dict([str(logs)])
     assert {r["layer"]: (r["fused"], r["dense"]) for r in rep["rows"]} == expected
     assert [w for w in rep["warnings"] if "partial" in w or "unknown" in w] == [
         "some layer names are partial (Class[i]...: the model holding them was not known); fusionguard.watch(model) gives full names"

@@ -12,7 +12,7 @@ import torch
 from torch.nn.attention.flex_attention import flex_attention
 
 import fusionguard
-from fusionguard.pressure import threshold
+from fusionguard.dense.pressure import threshold
 
 from conftest import flex_events, needs, qkv, read_jsonl, run_cli
 

@@ -1,6 +1,6 @@
 """``fusionguard report`` on real logs (eager dense calls through the guard) and on fabricated
 logs for the events other parts produce (layer_memory, summary, crash), plus the bounded-log
-helpers of fusionguard.log (fused-event sampler, size-based rotation)."""
+helpers of fusionguard.eventlog.log (fused-event sampler, size-based rotation)."""
 
 from __future__ import annotations
 
@@ -19,10 +19,13 @@ from pathlib import Path
 import pytest
 from torch.nn.attention.flex_attention import flex_attention
 
-from fusionguard import cli, report
+from fusionguard import cli
+from fusionguard.report.aggregate import NO_LAYER, Reservoir
+from fusionguard.report.render import CSV_COLUMNS
+from fusionguard.report.build import build as build_report_dict
 from fusionguard.report import read as report_read
-from fusionguard.log import EventLog
-from fusionguard.sampler import Sampler
+from fusionguard.eventlog.log import EventLog
+from fusionguard.eventlog.sampler import Sampler
 
 from conftest import ROOT, qkv, read_jsonl, run_cli
 
@@ -103,7 +106,7 @@ def test_report_on_a_real_log_of_eager_dense_calls(guard, capsys):
 
     rc, out, _ = run_cli(capsys, log, "--format", "csv")
     rows = list(csv.reader(io.StringIO(out)))
-    assert tuple(rows[0]) == report.CSV_COLUMNS
+    assert tuple(rows[0]) == CSV_COLUMNS
     got = dict(zip(rows[0], rows[1]))
     assert got["dense"] == "2" and got["causes"] == "eager_call=2" and got["first_dense_call_site"] == site
 
@@ -344,7 +347,7 @@ def test_empty_file_empty_directory_missing_path(tmp_path, capsys):
     capsys.readouterr()
 
 
-# -- bounded logs: sampler and rotation (fusionguard.log) ---------------------------------------------
+# -- bounded logs: sampler and rotation (fusionguard.eventlog.log) ---------------------------------------------
 
 
 def test_sampler_keeps_first_events_then_counters_and_loses_no_call(tmp_path, capsys):
@@ -429,14 +432,14 @@ def test_reading_is_streaming_and_bounded(tmp_path):
     size = path.stat().st_size
     tracemalloc.start()
     try:
-        rep = report.build([str(path)])
+        rep = build_report_dict([str(path)])
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
     assert rep["totals"]["fused_calls"] == 30_000
     assert rep["rows"][0]["alloc_delta_max"] == 29_992 and rep["rows"][0]["memory_samples"] == 3_750
     assert peak < size / 3 and peak < 3_000_000, (peak, size)
-    r = report.Reservoir(cap=100)
+    r = Reservoir(cap=100)
     for x in range(10_000):
         r.add(x)
     assert len(r.sample) == 100 and r.max == 9_999 and 2_500 < r.median() < 7_500
@@ -447,7 +450,7 @@ def test_python_dash_m_and_console_script(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     p = subprocess.run([sys.executable, "-m", "fusionguard", "report", str(path), "--format", "csv"], capture_output=True, text=True, env=env, timeout=60)
     assert p.returncode == 0, p.stderr
-    assert p.stdout.splitlines()[0] == ",".join(report.CSV_COLUMNS)
+    assert p.stdout.splitlines()[0] == ",".join(CSV_COLUMNS)
     script = Path(sys.executable).parent / "fusionguard"
     if not script.exists():
         pytest.skip("console script not installed in this environment")
@@ -524,7 +527,7 @@ def test_graph_runs_and_layer_records_of_the_same_calls_are_not_added(tmp_path, 
     rows = {(r["layer"], r["phase"]): r for r in rep["rows"]}
     # the kept runs name one call per layer; the counter names none
     assert rows[("a", "forward")]["fused"] == 2 and rows[("b", "forward")]["fused"] == 2
-    assert rows[(report.NO_LAYER, "forward")]["fused"] == 2
+    assert rows[(NO_LAYER, "forward")]["fused"] == 2
     assert rows[("c", "forward")]["fused"] == 1
     assert rows[("d", "forward")]["fused"] == 1 and rows[("d", "forward")]["dense"] == 0
     assert rep["totals"]["fused_calls"] == 6 + 1 + 1

@@ -18,8 +18,10 @@ from torch import nn
 from torch.nn.attention.flex_attention import flex_attention
 
 import fusionguard
-from fusionguard import report
-from fusionguard.events import KNOWN_EVENTS
+from fusionguard.report.aggregate import NO_LAYER
+from fusionguard.report.build import build as build_report_dict
+from fusionguard.report.render import render_csv, render_json, render_text
+from fusionguard.eventlog.kinds import KNOWN_EVENTS
 
 from compile_models import Two, blocks_compiled_in_place
 from conftest import ROOT, qkv, run_cli
@@ -85,7 +87,7 @@ def test_a_model_compiled_whole_and_per_block_counts_each_call_once(guard, capsy
     got = {(r["layer"], r["phase"]): (r["fused"], r["compiles"]) for r in rep["rows"]}
     assert got == {("a", "forward"): (2, 1), ("b", "forward"): (2, 1)}  # no "(no layer)" row
     rc, out, _ = run_cli(capsys, log)
-    assert "OK: no dense FlexAttention; 4 fused calls, 2 compiled graphs" in out and report.NO_LAYER not in out
+    assert "OK: no dense FlexAttention; 4 fused calls, 2 compiled graphs" in out and NO_LAYER not in out
 
     torch._dynamo.reset()
     log = tmp_path / "blocks.jsonl"
@@ -158,9 +160,9 @@ def test_summary_of_a_second_log_counts_only_its_own_calls(guard, capsys, tmp_pa
         compiled(q, k, v)
     assert {(r["layer"], r["phase"]): r["fused"] for r in fusionguard.summary()} == {key: 1 for key in want}
     fusionguard.disable()
-    assert {(r["layer"], r["phase"]): r["fused"] for r in report.build([str(third)])["rows"]} == {key: 1 for key in want}
+    assert {(r["layer"], r["phase"]): r["fused"] for r in build_report_dict([str(third)])["rows"]} == {key: 1 for key in want}
     for log in (first, second):  # each log: its own calls, in its events and in its summary event
-        assert {(r["layer"], r["phase"]): r["fused"] for r in report.build([str(log)])["rows"]} == want
+        assert {(r["layer"], r["phase"]): r["fused"] for r in build_report_dict([str(log)])["rows"]} == want
         summaries = [json.loads(line) for line in log.read_text().splitlines() if '"summary"' in line]
         last = [e for e in summaries if e["event"] == "summary"][-1]
         assert {(r["layer"], r["phase"]): r["fused"] for r in last["rows"]} == want
@@ -201,7 +203,7 @@ def _mix(has_compile, has_runs, sampled, has_rescued, has_layer_memory, has_summ
         "b": 3 if named else (1 if has_runs else 0),
         "c": 2 if (has_runs or has_rescued) else 0,
         "d": 1 if (has_runs or has_layer_memory) else 0,
-        report.NO_LAYER: 4 if (has_runs and sampled and not has_summary) else 0,
+        NO_LAYER: 4 if (has_runs and sampled and not has_summary) else 0,
     }
     return events, expected
 
@@ -215,7 +217,7 @@ def test_every_mix_of_records_counts_each_fused_call_once(mix, tmp_path):
     has_compile = mix[0]
     events, expected = _mix(*mix)
     path = write(tmp_path / "fg.jsonl", events)
-    rep = report.build([str(path)])
+    rep = build_report_dict([str(path)])
     got = {r["layer"]: r["fused"] for r in rep["rows"]}
     want = {k: v for k, v in expected.items() if v}
     assert {k: v for k, v in got.items() if v} == want, (mix, rep["rows"])
@@ -237,7 +239,7 @@ def test_summary_rows_of_an_earlier_log_never_add_calls(tmp_path, capsys):
               ev("shutdown", 4, reason="exit")]
     rep = as_json(capsys, write(tmp_path / "b.jsonl", events))
     got = {r["layer"]: (r["fused"], r["dense"]) for r in rep["rows"]}
-    assert got == {"a": (1, 0), "b": (1, 0), report.NO_LAYER: (2, 0)}
+    assert got == {"a": (1, 0), "b": (1, 0), NO_LAYER: (2, 0)}
     assert any("summary rows count 12 more forward fused calls than its log leaves unnamed (2)" in w for w in rep["warnings"])
 
 
@@ -278,7 +280,7 @@ def _quickstart_log(tmp_path):
 
 
 def test_allowed_dense_calls_are_shown_apart_and_never_fail_the_gate(tmp_path, capsys):
-    from fusionguard import _state
+    from fusionguard.core import state as _state
 
     try:
         log = _quickstart_log(tmp_path)
@@ -445,7 +447,7 @@ def _every_output(capsys, path):
         rc, out, err = run_cli(capsys, path, "--format", fmt, "--fail-on-dense")
         assert rc == 1 and "Traceback" not in err, err
         out.encode("utf-8")  # printable: no lone surrogate reaches the output
-    return report.build([str(path)])
+    return build_report_dict([str(path)])
 
 
 @pytest.mark.parametrize("line", HOSTILE, ids=range(len(HOSTILE)))
@@ -496,8 +498,8 @@ def test_fuzzed_events_never_raise(tmp_path, events):
         except (TypeError, ValueError):
             continue
     path = _hostile_log(tmp_path, lines)
-    rep = report.build([str(path)])
-    for render in (report.render_text, report.render_json, report.render_csv):
+    rep = build_report_dict([str(path)])
+    for render in (render_text, render_json, render_csv):
         render(rep).encode("utf-8")
     assert rep["totals"]["dense_calls"] >= 1
 

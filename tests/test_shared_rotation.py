@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import child_env, read_jsonl, run_cli
-from fusionguard.sink import FileSink
+from fusionguard.eventlog.sink import FileSink
 
 PY = sys.executable
 # Each process puts its header copy (about 1.5 kB) before its first line in every file it writes
@@ -36,7 +36,7 @@ log, n, how, barrier = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 import torch
 torch.set_num_threads(1)
 import fusionguard
-from fusionguard._state import STATE
+from fusionguard.core.state import STATE
 from torch.nn.attention.flex_attention import flex_attention
 fusionguard.enable(log_path=log, keep_all=True, log_max_bytes=%(max_bytes)d, log_backups=%(backups)d)
 open(os.path.join(barrier, "ready.%%d" %% os.getpid()), "w").close()
@@ -65,7 +65,7 @@ fusionguard.disable()
 FORKED = """
 import json, os, signal, sys, time
 import fusionguard
-from fusionguard._state import STATE
+from fusionguard.core.state import STATE
 log, n, children = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 fusionguard.enable(log_path=log, keep_all=True, log_max_bytes=%(max_bytes)d, log_backups=%(backups)d)
 r, w = os.pipe()
@@ -282,7 +282,7 @@ def test_a_planted_lock_file_link_is_not_followed_and_rotation_goes_on(tmp_path)
 # is open then) it says so and waits for the go file.
 SINK_WRITER = """
 import os, sys, time
-from fusionguard.sink import FileSink
+from fusionguard.eventlog.sink import FileSink
 log, who, n, barrier, max_bytes = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
 sink = FileSink(log, fsync=False, max_bytes=max_bytes, backups=100000)
 pad = "x" * 60
@@ -372,7 +372,7 @@ def test_default_backups_report_shows_only_the_real_processes(tmp_path, capsys):
 ROTATING_ENABLE = """
 import sys
 import fusionguard
-from fusionguard._state import STATE
+from fusionguard.core.state import STATE
 fusionguard.enable(log_path=sys.argv[1], log_max_bytes=1024, keep_all=True)
 for i in range(40):
     STATE.log.emit_fields("warning", "flex_call", {"layer": "l", "phase": "forward", "path": "dense", "cause": "eager_call", "action": "logged"})
@@ -395,7 +395,7 @@ def test_a_lock_file_only_where_several_processes_may_share_the_path(tmp_path, m
 
 EMFILE_THEN_FREE = """
 import os, resource, sys
-from fusionguard.sink import FileSink
+from fusionguard.eventlog.sink import FileSink
 path = sys.argv[1]
 sink = FileSink(path, fsync=False, max_bytes=4096)
 resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))

@@ -10,8 +10,9 @@ import threading
 import torch
 
 import fusionguard
-from fusionguard import _state, torch_internals as ti
-from fusionguard.patches import Hook, Patch, PatchRegistry
+from fusionguard.core import state as _state
+from fusionguard import torch_internals as ti
+from fusionguard.core.registry import Hook, Patch, PatchRegistry
 
 from conftest import PUBLIC, qkv
 
@@ -98,7 +99,7 @@ def test_hook_entries_undo_once():
 
 
 def test_reenable_after_a_host_replaced_our_excepthook(guard):
-    from fusionguard import crash
+    from fusionguard.eventlog import crash
 
     original = sys.excepthook
     guard()

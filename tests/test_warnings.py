@@ -54,7 +54,7 @@ def test_the_debug_flag_is_logged_as_allowed_without_a_warning(guard, monkeypatc
     assert out.shape == (1, 2, 16, 8)
     (e,) = flex_events()
     assert (e["cause"], e["action"], e["allowed"]) == ("debug_flag", "allow", True)
-    from fusionguard.guard import format_message
+    from fusionguard.dense.guard import format_message
 
     assert "allowed by the debug flag" in format_message(e)
 
@@ -69,7 +69,7 @@ def test_watch_traced_warning_points_at_the_users_line(guard, dynamo_reset):
     model = Attn()
     compiled = torch.compile(lambda q, k, v: model(q, k, v), backend="eager")  # fusionguard cannot know
     q, k, v = torch.randn(1, 4, 64, 8), torch.randn(1, 2, 64, 8), torch.randn(1, 2, 64, 8)
-    STATS = fusionguard._state.STATE.stats
+    STATS = fusionguard.core.state.STATE.stats
 
     STATS.told_traced = False  # said once per process: say it in this test
     with warnings.catch_warnings(record=True) as caught:

@@ -327,19 +327,19 @@ def test_watch_keeps_no_tensors_alive(guard):
 
 def test_bad_options_are_clear_errors_and_change_nothing(guard):
     guard()
-    before = fusionguard._state.STATE.config
+    before = fusionguard.core.state.STATE.config
     with pytest.raises(TypeError, match="rescue must be True or False"):
         fusionguard.enable(rescue="no", log_path=False)
     with pytest.raises(ValueError, match="max_events"):
         fusionguard.enable(max_events=-1, log_path=False)
-    assert fusionguard._state.STATE.config is before
+    assert fusionguard.core.state.STATE.config is before
 
 
 @pytest.mark.slow
 def test_a_compiled_model_is_never_taken_for_an_attention_layer(guard, dynamo_reset):
     """Compiled inside watch(): the compile wrapper (or a root holding several layers' calls) is
     not measured as a layer (that timed the whole model: +13 % step time on an H200)."""
-    STATS = fusionguard._state.STATE.stats
+    STATS = fusionguard.core.state.STATE.stats
 
     q, k, v = gqa_qkv()
     guard(strict=True)
@@ -413,7 +413,7 @@ def test_span_inputs_prefer_the_hidden_states():
 def test_a_container_compiled_in_place_is_not_a_layer(guard, dynamo_reset):
     """module.compile() in place: the watched parent is on the stack while Inductor records a
     graph of two layers' calls; it must not be learned as an attention layer."""
-    STATS = fusionguard._state.STATE.stats
+    STATS = fusionguard.core.state.STATE.stats
 
     class Outer(nn.Module):
         def __init__(self):
@@ -452,7 +452,7 @@ def test_blocks_compiled_in_place_add_no_made_up_layer_rows(guard, dynamo_reset)
 
 
 def test_wrapper_prefixes_map_to_watched_names_and_nothing_else():
-    from fusionguard._state import STATE
+    from fusionguard.core.state import STATE
     from fusionguard.watching import resolve_watched_name
 
     watched = STATE.watch.names

@@ -68,10 +68,10 @@ def test_dynamo_lookups_answer_on_this_torch_and_nothing_where_missing():
 def test_the_allow_dense_context_variable_is_read_only_through_dense_allowed_here():
     """Its value (an ``Allowance``) stays truthy after the block closes: a module testing
     ``if <var>.get():`` lets dense work through in a context copied inside a closed block. Only
-    ``_state`` (``dense_allowed_here``, ``open_allowance``, ``close_allowance``) may touch it."""
+    ``core/state.py`` (``dense_allowed_here``, ``open_allowance``, ``close_allowance``) may touch it."""
     touching = []
     for name in CLEAN + ["torch_internals.py"]:
-        if name == "_state.py":
+        if name == "core/state.py":
             continue
         for node in ast.walk(ast.parse((PKG / name).read_text(), name)):
             ident = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
@@ -80,5 +80,5 @@ def test_the_allow_dense_context_variable_is_read_only_through_dense_allowed_her
             if ident is not None and ident.lstrip("_") == "ALLOW_DENSE":
                 touching.append(f"{name}:{getattr(node, 'lineno', '?')} {ident}")
     assert touching == []
-    state = (PKG / "_state.py").read_text()
+    state = (PKG / "core" / "state.py").read_text()
     assert "_ALLOW_DENSE.get()" in state, "the check looks for the name the variable has"

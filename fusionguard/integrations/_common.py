@@ -8,7 +8,7 @@ import logging
 from typing import Any, Dict, List, Optional, Tuple
 
 import fusionguard
-from .._state import STATE, internal_error
+from fusionguard.core.state import STATE, internal_error
 
 # the metric names every integration reports (cumulative since the callback started)
 DENSE, FUSED, PEAK = "fusionguard/dense_calls", "fusionguard/fused_calls", "fusionguard/peak_layer_bytes"
@@ -47,7 +47,7 @@ class Session:
     disables only what this session enabled."""
 
     def __init__(self, strict: bool, options: Dict[str, Any], owner: str = "FusionGuardCallback") -> None:
-        from .._config import Config, check_log_path, check_options
+        from fusionguard.core.config import Config, check_log_path, check_options
 
         rest = {k: v for k, v in options.items() if k != "log_path"}
         try:  # a bad option: enable()'s error, now (not at the Trainer's start), naming the callback
@@ -82,7 +82,7 @@ class Session:
 
             inner = unwrap(model)
             if isinstance(inner, torch.nn.Module):
-                from ..watching import Watch
+                from fusionguard.watching import Watch
 
                 self.watch = Watch(inner, hooks=hooks).__enter__()
                 self.model = inner
@@ -153,14 +153,14 @@ class Session:
     def summary_text(self) -> str:
         """The summary table of the calls since the callback started (``fusionguard.summary()``
         counts the whole process)."""
-        from .._summary import Summary
+        from fusionguard._summary import Summary
 
         return str(Summary(self.rows(since_start=True)))
 
 
 def _verdict(label: str, rows: List[Dict[str, Any]], dense_total: int, model: Any) -> Tuple[str, bool]:
     layers = sorted({r["layer"] for r in rows})
-    from ..torch_internals import attn_implementation
+    from fusionguard.torch_internals import attn_implementation
 
     impl = attn_implementation(model)
     impl_text = f" (config._attn_implementation={impl!r})" if impl else ""
@@ -199,7 +199,7 @@ def _never_ran(layers: List[str], model: Any) -> List[str]:
     if model is None:
         return []
     try:
-        from ..watching import clean_name
+        from fusionguard.watching import clean_name
 
         named = {clean_name(n): m for n, m in model.named_modules()}
         classes = {type(named[name]) for name in layers if name in named}
@@ -214,7 +214,7 @@ def dense_ranks(dense: bool) -> List[int]:
     several processes a collective that every rank must call: a rank that stopped alone would
     leave the others waiting in their next collective (NCCL) or failing it (gloo). One small
     all-reduce; on failure, this rank's own answer."""
-    from ..distributed import process_group_ready
+    from fusionguard.core.distributed import process_group_ready
 
     if not process_group_ready():
         return [0] if dense else []
@@ -235,7 +235,7 @@ def dense_ranks(dense: bool) -> List[int]:
 
 def stop_text(ranks: List[int], where: str) -> str:
     """``stop_on_dense``'s line on rank 0: which ranks ran dense (each rank's log names the layers)."""
-    from ..distributed import process_group_ready
+    from fusionguard.core.distributed import process_group_ready
 
     on = f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" if process_group_ready() else ""
     return f"fusionguard: stop_on_dense: dense FlexAttention{on} at {where}: training stops"

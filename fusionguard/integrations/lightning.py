@@ -21,9 +21,9 @@ import importlib
 import logging
 from typing import TYPE_CHECKING, Any, Dict
 
-from ._common import DENSE, FUSED, PEAK, Session, dense_ranks, log_at, missing, stop_text
-from .._logger import say
-from .._state import internal_error
+from fusionguard.integrations._common import DENSE, FUSED, PEAK, Session, dense_ranks, log_at, missing, stop_text
+from fusionguard.eventlog.messages import say
+from fusionguard.core.state import internal_error
 
 __all__ = ["FusionGuardCallback", "PLFusionGuardCallback", "callback_class"]
 
@@ -98,8 +98,8 @@ class _Mixin:
             fusionguard.disable()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        from .. import crash
-        from .._state import STATE
+        from fusionguard.eventlog import crash
+        from fusionguard.core.state import STATE
 
         crash.record(exception, where="lightning")
         try:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ._common import Session, dense_ranks, log_at, missing, stop_text
+from fusionguard.integrations._common import Session, dense_ranks, log_at, missing, stop_text
 
 try:
     from transformers import TrainerCallback
@@ -22,8 +22,8 @@ try:
 except ImportError:
     raise missing("transformers", "transformers") from None
 
-from .._logger import say
-from .._state import internal_error
+from fusionguard.eventlog.messages import say
+from fusionguard.core.state import internal_error
 
 __all__ = ["FusionGuardCallback"]
 

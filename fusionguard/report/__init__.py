@@ -9,10 +9,11 @@ One module per job, each importing only those before it (no cycle; nothing here 
 - ``render``: text, CSV and JSON writers, every string from a log escaped;
 - ``chart``: the per-layer chart's numbers, once, for ``--plot`` and ``--html``;
 - ``plot``: the ``--plot`` chart (matplotlib, imported only then);
-- ``html``: the ``--html`` page (self-contained, no script; every log string escaped).
+- ``html``: the ``--html`` page (self-contained, no script; every log string escaped);
+- ``crashfile``: a faulthandler file (native crash) read into a ``crash`` record.
 
-``fusionguard.report.build`` and ``fusionguard.report.plot`` are the functions (as before the
-split); their modules are ``sys.modules["fusionguard.report.build"]`` and ``...plot``.
+This package file imports nothing: each caller imports the module it needs
+(``fusionguard.report.build.build``, ``fusionguard.report.render.render_text``, ...).
 
 Reading is streaming and bounded: one line at a time (a line longer than ``MAX_LINE`` is skipped
 without being held), per (layer, phase) a fixed-size reservoir of memory figures (exact median
@@ -30,50 +31,3 @@ Events are grouped by *process*: (hostname from the header, pid, rank). A proces
 contains a ``crash`` event crashed; one whose last event is not a ``shutdown`` stopped without
 one (SIGKILL, the OOM killer, a node failure, or still running).
 """
-
-from __future__ import annotations
-
-from .aggregate import MAX_KEYS, NO_LAYER, OTHER_LAYERS, RESERVOIR, Aggregator, Counts, KeyStats, Reservoir, Stream, compact
-from .._format import site_text
-from .build import REPORT_VERSION, build, build_report, natural_key
-from .html import render_html
-from .plot import PLOT_NAME, plot, plot_target, short_labels
-from .read import MAX_LINE, SUPPORTED_SCHEMA, FileStats, ReportError, find_logs, read_events
-from .render import CSV_COLUMNS, MAX_CRASHES_SHOWN, fmt_duration, fmt_ts, rank_ranges, render_csv, render_json, render_text
-
-__all__ = [
-    "CSV_COLUMNS",
-    "MAX_CRASHES_SHOWN",
-    "MAX_KEYS",
-    "MAX_LINE",
-    "NO_LAYER",
-    "OTHER_LAYERS",
-    "PLOT_NAME",
-    "REPORT_VERSION",
-    "RESERVOIR",
-    "SUPPORTED_SCHEMA",
-    "Aggregator",
-    "Counts",
-    "FileStats",
-    "KeyStats",
-    "ReportError",
-    "Reservoir",
-    "Stream",
-    "build",
-    "build_report",
-    "compact",
-    "find_logs",
-    "fmt_duration",
-    "fmt_ts",
-    "natural_key",
-    "plot",
-    "plot_target",
-    "rank_ranges",
-    "read_events",
-    "render_csv",
-    "render_html",
-    "render_json",
-    "render_text",
-    "short_labels",
-    "site_text",
-]

@@ -14,8 +14,8 @@ import math
 import random
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
-from ..events import KNOWN_EVENTS
-from .read import FileStats, read_events
+from fusionguard.eventlog.kinds import KNOWN_EVENTS
+from fusionguard.report.read import FileStats, read_events
 
 RESERVOIR = 2048
 MAX_KEYS = 10_000

@@ -11,10 +11,10 @@ import os
 import re
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-from .._format import site_text
-from ..crash import native_crash
-from .aggregate import MAX_KEYS, NO_LAYER, OTHER_LAYERS, Aggregator, Counts, Stream, compact
-from .read import SUPPORTED_SCHEMA, ReportError, find_logs
+from fusionguard.core.formatting import site_text
+from fusionguard.report.crashfile import native_crash
+from fusionguard.report.aggregate import MAX_KEYS, NO_LAYER, OTHER_LAYERS, Aggregator, Counts, Stream, compact
+from fusionguard.report.read import SUPPORTED_SCHEMA, ReportError, find_logs
 
 REPORT_VERSION = 2  # 2: rows' fused = calls (never compile records), allowed apart from dense
 _PHASE_ORDER = {"forward": 0, "backward": 1}

@@ -24,10 +24,10 @@ import html
 import re
 from typing import Any, Dict, List, Optional, Tuple
 
-from .._format import escape, human_bytes
-from .._version import __version__
-from . import chart
-from .render import MAX_CRASHES_SHOWN, fmt_duration, fmt_ts, notice_lines, rank_ranges
+from fusionguard.core.formatting import escape, human_bytes
+from fusionguard._version import __version__
+from fusionguard.report import chart
+from fusionguard.report.render import MAX_CRASHES_SHOWN, fmt_duration, fmt_ts, notice_lines, rank_ranges
 
 MAX_TEXT = 300  # characters of one string from a log in a cell (crash messages: MAX_MESSAGE)
 MAX_MESSAGE = 2000
@@ -214,9 +214,9 @@ def _banner(rep: Dict[str, Any]) -> str:
 
 
 def _fixes() -> Dict[str, Tuple[str, str]]:
-    """cause -> (what it means, the fix), from ``fusionguard.causes`` where it imports."""
+    """cause -> (what it means, the fix), from ``fusionguard.dense.causes`` where it imports."""
     try:
-        from ..causes import CAUSES, FIXES
+        from fusionguard.dense.causes import CAUSES, FIXES
     except Exception:  # pragma: no cover - the text stays without the explanations
         return {}
     return {k: (CAUSES.get(k, ""), FIXES.get(k, "")) for k in CAUSES}
@@ -286,7 +286,7 @@ def _svg_text(x: float, y: float, text: str, extra: str = "") -> str:
 def _chart(rep: Dict[str, Any]) -> str:
     """The per-layer chart as inline SVG; each bar carries its numbers (``data-bytes`` or
     ``data-calls``, layer index and phase) and a tooltip."""
-    from .plot import short_labels  # (matplotlib is imported by plot() only)
+    from fusionguard.report.plot import short_labels  # (matplotlib is imported by plot() only)
 
     rows = rep["rows"]
     all_layers = chart.layers(rows)

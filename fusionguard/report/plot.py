@@ -11,9 +11,9 @@ import os
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
-from . import chart
-from .aggregate import NO_LAYER, OTHER_LAYERS
-from .render import escaped, fmt_duration, rank_ranges
+from fusionguard.report import chart
+from fusionguard.report.aggregate import NO_LAYER, OTHER_LAYERS
+from fusionguard.report.render import escaped, fmt_duration, rank_ranges
 
 
 def short_labels(layers: List[str]) -> Tuple[List[str], Optional[str]]:

@@ -15,7 +15,7 @@ import re
 import stat
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
-from ..crash import open_for_reading
+from fusionguard.report.crashfile import open_for_reading
 
 SUPPORTED_SCHEMA = 1
 MAX_LINE = 16 * 1024 * 1024

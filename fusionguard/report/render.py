@@ -15,8 +15,8 @@ import re
 import time
 from typing import Any, Dict, Iterable, List, Optional
 
-from .._format import causes_text, escape, human_bytes, mem_text, site_text, table
-from .aggregate import NO_LAYER
+from fusionguard.core.formatting import causes_text, escape, human_bytes, mem_text, site_text, table
+from fusionguard.report.aggregate import NO_LAYER
 
 MAX_CRASHES_SHOWN = 4  # crash/stop sections in the text report (all in --format json)
 DEVICES_WIDTH = 120  # a longer per-host devices line (hundreds of hosts) is summarised by device kind

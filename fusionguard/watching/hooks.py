@@ -8,13 +8,13 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
 
 import torch
 
-from .. import torch_internals as ti
-from .._state import STATE, internal_error
-from ..causes import warn_at_user_line
-from .memory import Measure, tensors
+from fusionguard import torch_internals as ti
+from fusionguard.core.state import STATE, internal_error
+from fusionguard.core.frames import warn_at_user_line
+from fusionguard.watching.memory import Measure, tensors
 
 if TYPE_CHECKING:
-    from .watcher import Watch
+    from fusionguard.watching.watcher import Watch
 
 
 _is_dynamo_compiling: Callable[[], bool] = getattr(torch.compiler, "is_dynamo_compiling", lambda: False)

@@ -10,7 +10,7 @@ from typing import Any, List, Optional, Tuple, Union
 
 import torch
 
-from .._state import STATE
+from fusionguard.core.state import STATE
 
 
 OPEN: contextvars.ContextVar[Tuple["Measure", ...]] = contextvars.ContextVar("fusionguard_open_measures", default=())

@@ -14,8 +14,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .. import torch_internals as ti
-from .._state import STATE, internal_error
+from fusionguard import torch_internals as ti
+from fusionguard.core.state import STATE, internal_error
 
 
 # The stack of (qualified name, module class) of the watched modules whose forward is running.

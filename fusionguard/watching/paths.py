@@ -27,10 +27,10 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .._logger import logger
-from .._state import STATE, internal_error
-from ..dynamo_signals import is_torch_file
-from .naming import _WRAPPER_ATTRS, clean_name
+from fusionguard.eventlog.messages import logger
+from fusionguard.core.state import STATE, internal_error
+from fusionguard.core.frames import is_torch_file
+from fusionguard.watching.naming import _WRAPPER_ATTRS, clean_name
 
 # (a scan keeps at most this many modules' parents; a process past it gets partial names)
 MAX_MODULES = 1_000_000

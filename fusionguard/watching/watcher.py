@@ -10,12 +10,12 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Unio
 
 import torch
 
-from .. import torch_internals as ti
-from .._state import STATE, internal_error
-from ..causes import warn_at_user_line
-from .hooks import Frame, Hooks, frames_of, span_inputs
-from .memory import cuda_device, cuda_ready, dense_count, measure_start, measure_stop, record, tensors
-from .naming import LAYER, bw_pop, bw_push, clean_name, compiled_inside, decrement, in_backward, name_module, under, unname_modules
+from fusionguard import torch_internals as ti
+from fusionguard.core.state import STATE, internal_error
+from fusionguard.core.frames import warn_at_user_line
+from fusionguard.watching.hooks import Frame, Hooks, frames_of, span_inputs
+from fusionguard.watching.memory import cuda_device, cuda_ready, dense_count, measure_start, measure_stop, record, tensors
+from fusionguard.watching.naming import LAYER, bw_pop, bw_push, clean_name, compiled_inside, decrement, in_backward, name_module, under, unname_modules
 
 
 def _builtin(module: torch.nn.Module) -> bool:

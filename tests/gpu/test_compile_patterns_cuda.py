@@ -15,7 +15,8 @@ import torch
 import torch._functorch.config
 
 import fusionguard
-from fusionguard import _state, report
+from fusionguard.core import state as _state
+from fusionguard.report.build import build as build_report_dict
 
 from compile_models import Model, tokens
 from conftest import flex_events
@@ -60,7 +61,7 @@ def fused_by_layer(phase):
 
 def check_report(log, expected):
     fusionguard.disable()
-    got = {(r["layer"], r["phase"]): (r["fused"] or 0, r["dense"]) for r in report.build([str(log)])["rows"]}
+    got = {(r["layer"], r["phase"]): (r["fused"] or 0, r["dense"]) for r in build_report_dict([str(log)])["rows"]}
     assert got == expected
 
 

@@ -202,7 +202,7 @@ def test_fused_records_from_inductor_cache_in_a_new_process(tmp_path):
 
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
 def test_fused_forward_and_backward_runs_are_counted(guard, dynamo_reset, mode):
-    from fusionguard import _state
+    from fusionguard.core import state as _state
 
     guard(strict=True)
     fn = torch.compile(flex_attention, mode=mode) if mode else torch.compile(flex_attention)
@@ -227,7 +227,7 @@ def test_doctor_exit_codes_on_gpu(backend, code):
 def test_model_compiled_whole_counts_fused_runs(guard, dynamo_reset):
     from torch import nn
 
-    from fusionguard import _state
+    from fusionguard.core import state as _state
 
     class Block(nn.Module):
         def __init__(self):

@@ -16,7 +16,7 @@ import torch
 from conftest import ROOT, causal
 
 import fusionguard
-from fusionguard import dense_memory
+from fusionguard.dense import memory as dense_memory
 
 pytestmark = [
     pytest.mark.gpu,

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import fusionguard
-from fusionguard import _state
+from fusionguard.core import state as _state
 
 from conftest import fresh_hf_wrapper, read_jsonl
 

@@ -24,7 +24,7 @@ import torch
 from torch.nn.attention.flex_attention import flex_attention
 
 import fusionguard
-from fusionguard import _state
+from fusionguard.core import state as _state
 from conftest import fresh_hf_wrapper, read_jsonl
 
 pytestmark = [

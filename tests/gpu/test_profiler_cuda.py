@@ -18,7 +18,7 @@ from torch.nn.attention.flex_attention import flex_attention
 from torch.profiler import ProfilerActivity, profile
 
 import fusionguard
-from fusionguard import _state
+from fusionguard.core import state as _state
 
 pytestmark = [
     pytest.mark.gpu,

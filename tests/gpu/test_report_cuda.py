@@ -15,7 +15,8 @@ from torch import nn
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import fusionguard
-from fusionguard import _state, report
+from fusionguard.core import state as _state
+from fusionguard.report.build import build as build_report_dict
 
 from conftest import causal
 
@@ -91,7 +92,7 @@ def test_every_fused_call_counted_once_per_layer_and_phase(tmp_path, how):
         rows = {(r["layer"], r["phase"]): r for r in fusionguard.summary()}
     finally:
         fusionguard.disable()
-    rep = report.build([str(log)])
+    rep = build_report_dict([str(log)])
     print(json.dumps({"how": how, "rows": rep["rows"], "summary": {f"{k[0]}|{k[1]}": v for k, v in rows.items()}}, default=str)[:4000])
     want = {(f"layers.{i}", p): STEPS for i in range(2) for p in ("forward", "backward")}
     got = {(r["layer"], r["phase"]): r["fused"] for r in rep["rows"] if r["fused"]}

@@ -24,7 +24,7 @@ SCRIPT = """
 import os, signal, sys, time, warnings
 import torch
 import fusionguard
-from fusionguard._state import STATE
+from fusionguard.core.state import STATE
 from torch.nn.attention.flex_attention import flex_attention
 warnings.simplefilter("ignore")
 fusionguard.enable(log_path=sys.argv[1], dense_first=3)

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
-from ._format import escape, human_bytes
-from ._state import internal_error
-from .torch_internals import profiler_check
+from fusionguard.core.formatting import escape, human_bytes
+from fusionguard.core.state import internal_error
+from fusionguard.torch_internals import profiler_check
 
 #: True while a ``torch.profiler`` (or ``torch.autograd.profiler``) records.
 recording: Callable[[], bool] = profiler_check()

@@ -23,14 +23,18 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from . import causes, dense_memory, profiling
-from ._format import human_bytes, site_text
-from ._logger import dense_text
-from ._state import STATE, count, dense_allowed_here, internal_error
-from .dynamo_signals import SIGNALS, is_torch_file, reason_summary
-from .errors import DenseFallbackError
-from .torch_internals import dynamo_counters, dynamo_skips_frames, eval_frame_callback, is_concrete, is_fullgraph_hook, nested_flex_codes
-from .watching import naming, paths
+from fusionguard.core import frames
+from fusionguard.dense import causes, memory as dense_memory
+from fusionguard.eventlog import profiler as profiling
+from fusionguard.core.formatting import human_bytes, site_text
+from fusionguard.eventlog.messages import dense_text
+from fusionguard.core.tensors import tensor_fields
+from fusionguard.core.state import STATE, count, dense_allowed_here, internal_error
+from fusionguard.dense.dynamo_signals import SIGNALS, reason_summary
+from fusionguard.core.frames import is_torch_file
+from fusionguard.errors import DenseFallbackError
+from fusionguard.torch_internals import dynamo_counters, dynamo_skips_frames, eval_frame_callback, is_concrete, is_fullgraph_hook, nested_flex_codes
+from fusionguard.watching import naming, paths
 
 # Set by FlexAttentionAutogradOp.forward's wrapper: the dense forward drops its record here so
 # that ctx (and so the backward, possibly on another thread) can carry it.
@@ -123,21 +127,6 @@ def _arg(args: tuple, kwargs: dict, index: int, name: str) -> Any:
     return kwargs.get(name)
 
 
-def _shape(t: Any) -> Optional[list]:
-    try:
-        return [int(s) for s in t.shape]
-    except Exception:
-        return None  # nested / jagged layouts have no plain shape
-
-
-def scores_bytes(q_shape: Optional[list], kv_shape: Optional[list]) -> Optional[int]:
-    """Bytes of the fp32 B x Hq x Q x KV score matrix the dense path materialises."""
-    if not q_shape or not kv_shape or len(q_shape) < 4 or len(kv_shape) < 2:
-        return None
-    b, hq, q_len = q_shape[0], q_shape[1], q_shape[-2]
-    return int(b) * int(hq) * int(q_len) * int(kv_shape[-2]) * 4
-
-
 @functools.lru_cache(maxsize=64)
 def _device_name(index: int) -> str:
     # get_device_name reads the device properties: not a per-call cost on the dense path.
@@ -175,27 +164,6 @@ def _allowed(origin: Optional[dict]) -> bool:
     return origin is not None and bool(origin.get("allowed"))
 
 
-# The last few shapes' fields and the last dense call's message per phase: a training loop
-# repeats the same dense call, and these strings are rebuilt on the dense path otherwise
-# (STATE.caches: tensor_fields, messages).
-
-
-def tensor_fields(q: Any, k: Any) -> Dict[str, Any]:
-    key = None
-    cache = STATE.caches.tensor_fields
-    if type(q) is torch.Tensor and type(k) is torch.Tensor:
-        key = (q.shape, k.shape, q.dtype, q.device)
-        known = cache.get(key)
-        if known is not None:
-            return known
-    fields = _make_tensor_fields(q, k)
-    if key is not None:
-        if len(cache) >= 64:
-            cache.clear()
-        cache[key] = fields
-    return fields
-
-
 def message(event: Dict[str, Any]) -> str:
     """``format_message``, reused when the event equals the phase's previous one (but for its
     ``seq``, ``ts`` and forward link)."""
@@ -212,20 +180,6 @@ def message(event: Dict[str, Any]) -> str:
 
 # (free_bytes moves with every call: shown only in a blocked call's message, never cached)
 _VOLATILE = frozenset({"seq", "ts", "forward_seq", "thread", "free_bytes"})
-
-
-def _make_tensor_fields(q: Any, k: Any) -> Dict[str, Any]:
-    q_shape, kv_shape = _shape(q), _shape(k)
-    fields: Dict[str, Any] = {
-        "q_shape": q_shape,
-        "kv_shape": kv_shape,
-        "dtype": str(getattr(q, "dtype", None)).replace("torch.", ""),
-        "device": str(getattr(q, "device", None)),
-        "scores_bytes": scores_bytes(q_shape, kv_shape),
-    }
-    if getattr(q, "is_nested", False):
-        fields["layout"] = "nested"
-    return fields
 
 
 def _from_nested(frame: Any, depth: int = 12) -> bool:
@@ -356,13 +310,13 @@ def _check_dense(phase: str, args: tuple, kwargs: dict, frame: Any) -> Tuple[Opt
                 **{k: v for k, v in inlined.items() if k != "phase"},
             },
         )
-        call_site = causes.user_call_site(frame)
+        call_site = frames.user_call_site(frame)
     elif phase == "forward":
         diagnosis = causes.diagnose_forward(frame)
-        call_site = causes.frame_site(diagnosis.site) if diagnosis.site is not None else causes.user_call_site(frame)
+        call_site = frames.frame_site(diagnosis.site) if diagnosis.site is not None else frames.user_call_site(frame)
     else:
         diagnosis = causes.diagnose_backward(origin, frame)
-        call_site = (origin or {}).get("call_site") or causes.user_call_site(frame)
+        call_site = (origin or {}).get("call_site") or frames.user_call_site(frame)
     layer = (origin or {}).get("layer") if phase == "backward" and origin else naming.note_flex_call(frame if phase == "forward" else None)
     if layer is None and phase == "forward" and frame is not None and not naming.is_watching():
         layer = paths.caller_name(frame)  # (no watch(): the module whose forward made the call)
@@ -465,7 +419,7 @@ def make_dense_wrapper(phase: str, original: Callable[..., Any]) -> Callable[...
                 profiling.mark(functools.partial(profiling.dense_name, event))
             raise blocked
         if warning is not None:
-            causes.warn_at_user_line(warning, site)  # outside: a warnings filter set to "error" raises on purpose
+            frames.warn_at_user_line(warning, site)  # outside: a warnings filter set to "error" raises on purpose
         if event is not None and profiling.recording():  # a range in the profiler's timeline, every call
             result = profiling.in_range(functools.partial(profiling.dense_name, event), original, *args, **kwargs)
         else:

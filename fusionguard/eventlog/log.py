@@ -31,24 +31,19 @@ import collections
 import json
 import logging
 import os
-import re
-import socket
-import sys
 import threading
 import time
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple, Union
 
 import structlog
 
-from ._logger import logger as human_logger
-from ._version import __version__
-from .distributed import process_group_ready
-from .events import TRACE_EVENTS
-from .sampler import COUNTER_LEVEL, FLUSH_BEFORE, KEEP, Sampler
-from .sink import DEFAULT_LOG_MODE, FileSink
-from .torch_internals import structured_trace
-
-SCHEMA_VERSION = 1
+from fusionguard.eventlog.messages import logger as human_logger
+from fusionguard.core.distributed import process_group_ready
+from fusionguard.eventlog.header import rank_info
+from fusionguard.eventlog.kinds import TRACE_EVENTS
+from fusionguard.eventlog.sampler import COUNTER_LEVEL, FLUSH_BEFORE, KEEP, Sampler
+from fusionguard.eventlog.sink import DEFAULT_LOG_MODE, FileSink
+from fusionguard.torch_internals import structured_trace
 
 _DURABLE_LEVELS = frozenset({"warning", "error", "critical"})
 
@@ -62,26 +57,6 @@ def _json_default(obj: Any) -> Any:
 
 def dumps(event: dict) -> str:
     return json.dumps(event, default=_json_default, separators=(",", ":"), ensure_ascii=False)
-
-
-def rank_info() -> dict:
-    """Rank, local rank and world size from torchrun's environment or torch.distributed."""
-
-    def _int(name: str) -> Optional[int]:
-        try:
-            return int(os.environ[name])
-        except (KeyError, ValueError):
-            return None
-
-    rank, world = _int("RANK"), _int("WORLD_SIZE")
-    if rank is None and process_group_ready():
-        try:
-            import torch.distributed as dist
-
-            rank, world = dist.get_rank(), dist.get_world_size()
-        except Exception:  # pragma: no cover - defensive
-            pass
-    return {"rank": rank if rank is not None else 0, "local_rank": _int("LOCAL_RANK"), "world_size": world or 1}
 
 
 class _EventRank:
@@ -402,87 +377,3 @@ def to_torch_trace(event: dict) -> None:
         )
     except Exception:
         pass
-
-
-# -- secrets in argv ----------------------------------------------------------------------------
-
-REDACTED = "<redacted>"
-#: An option (``--name`` / ``name=``) whose name contains one of these has its value redacted.
-SECRET_WORDS = ("token", "key", "secret", "password", "passwd", "auth", "credential")
-#: Well-known token shapes, redacted wherever they appear (Hugging Face, OpenAI / Anthropic,
-#: GitHub, GitLab, Slack, AWS access key ids, JWTs) and passwords inside URLs.
-_TOKEN_RE = re.compile(
-    r"\b(?:hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_\-]{16,}|gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,}"
-    r"|glpat-[A-Za-z0-9_\-]{16,}|xox[abprs]-[A-Za-z0-9\-]{10,}|(?:AKIA|ASIA)[0-9A-Z]{16}"
-    r"|eyJ[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,})"
-)
-_URL_PASSWORD_RE = re.compile(r"(?<=://)([^/@:\s]+):[^/@\s]+@")
-_OPTION_RE = re.compile(r"^([-+]{0,2}[A-Za-z0-9_.\-]+)=(.*)$", re.S)  # --x=v, x=v, Hydra +x=v / ++x=v
-
-
-def _secret_name(name: str) -> bool:
-    lowered = name.lower()
-    return any(word in lowered for word in SECRET_WORDS)
-
-
-def redact_argv(argv: List[Any]) -> List[str]:
-    """``argv`` with secret-looking values replaced by ``<redacted>``: the value of an option
-    whose name contains token / key / secret / password / passwd / auth / credential (``--x=v``,
-    ``x=v`` / ``+x=v`` / ``++x=v`` (Hydra) and ``--x v``), any well-known token shape, the password of a URL. Harmless
-    arguments (``--lr 3e-4``) stay readable."""
-    out: List[str] = []
-    hide_next = False
-    for raw in argv:
-        arg = str(raw)
-        if hide_next and not (arg.startswith("-") and len(arg) > 1 and not arg[1:2].isdigit()):
-            out.append(REDACTED)
-            hide_next = False
-            continue
-        hide_next = False
-        m = _OPTION_RE.match(arg)
-        if m and _secret_name(m.group(1)):
-            out.append(f"{m.group(1)}={REDACTED}")
-            continue
-        if arg.startswith("-") and _secret_name(arg):
-            hide_next = True  # --api-key VALUE
-        arg = _TOKEN_RE.sub(REDACTED, arg)
-        out.append(_URL_PASSWORD_RE.sub(lambda mm: f"{mm.group(1)}:{REDACTED}@", arg))
-    return out
-
-
-def header_fields(patched: list, not_patched: dict, config: dict) -> dict:
-    """Versions and environment, written first in every log file."""
-    import torch
-
-    try:
-        import triton  # type: ignore
-
-        triton_version = getattr(triton, "__version__", None)
-    except Exception:
-        triton_version = None
-    cuda: dict = {"available": False}
-    try:
-        if torch.cuda.is_available():
-            # device_count() does not create a CUDA context; names need one, so only when the
-            # program already initialised CUDA (never grab memory on every rank's GPU 0).
-            cuda = {"available": True, "count": torch.cuda.device_count(), "version": torch.version.cuda}
-            if torch.cuda.is_initialized():
-                cuda["devices"] = [torch.cuda.get_device_name(i) for i in range(cuda["count"])]
-    except Exception:
-        pass
-    info = rank_info()
-    return {
-        "schema": SCHEMA_VERSION,
-        "fusionguard": __version__,
-        "torch": torch.__version__,
-        "triton": triton_version,
-        "python": sys.version.split()[0],
-        "hostname": socket.gethostname(),
-        "argv": redact_argv(sys.argv),
-        "cuda": cuda,
-        "local_rank": info["local_rank"],
-        "world_size": info["world_size"],
-        "patched": patched,
-        "not_patched": not_patched,
-        "config": config,
-    }

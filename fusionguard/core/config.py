@@ -7,8 +7,8 @@ import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Dict, Optional, Tuple, Union
 
-from .log import rank_info
-from .sink import DEFAULT_LOG_MODE
+from fusionguard.eventlog.header import rank_info
+from fusionguard.eventlog.sink import DEFAULT_LOG_MODE
 
 #: ``enable(mode=...)``: the same words as ``FUSIONGUARD=``, ``fusionguard run`` and the pytest option.
 MODES = ("warn", "strict", "oom")

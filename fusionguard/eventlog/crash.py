@@ -34,26 +34,19 @@ from __future__ import annotations
 
 import faulthandler
 import os
-import re
 import signal
-import stat
 import sys
 import threading
 import traceback
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
-from ._format import human_bytes
-from .events import FLEX_EVENTS
+from fusionguard.eventlog.diagnosis import MAX_MESSAGE, compact_flex, diagnose, exception_name
 
 if TYPE_CHECKING:  # (only for types: this module is also loaded standalone, without the package)
-    from .patches import PatchRegistry
+    from fusionguard.core.registry import PatchRegistry
 
 Emit = Callable[..., Any]
 
-# Frames that mean "inside a FlexAttention kernel" (PyTorch's dense implementation, our wrapper).
-_DENSE_FUNCTIONS = frozenset({"sdpa_dense", "sdpa_dense_backward", "math_attention", "_math_attention_inner", "fusionguard_dense_kernel"})
-_BACKWARD_FUNCTIONS = frozenset({"_engine_run_backward", "backward"})
-_MAX_MESSAGE = 2000
 _MAX_TRACEBACK = 4000
 
 
@@ -192,7 +185,7 @@ def crash_file_for(log_path: str) -> str:
 
 def capture_native(log_path: str, mode: int = 0o600) -> Dict[str, Any]:
     """Send fatal-signal reports to a file beside ``log_path``; the header fields that say so."""
-    from .sink import open_regular
+    from fusionguard.eventlog.sink import open_regular
 
     with CRASH.lock:
         path = crash_file_for(log_path)
@@ -243,81 +236,6 @@ def release_native(after_fork: bool = False) -> None:
             pass
 
 
-_SIGNALS = {
-    "segmentation fault": "SIGSEGV", "aborted": "SIGABRT", "floating point exception": "SIGFPE",
-    "bus error": "SIGBUS", "illegal instruction": "SIGILL",
-}
-_FH_FRAME = re.compile(r'^\s*File "(?P<file>.*)", line (?P<line>\d+|\?\?\?) in (?P<name>.*)$')
-
-
-def open_for_reading(path: str) -> Any:
-    """Open for reading without blocking on a FIFO, and refuse what is not a regular file: the
-    paths come from logs (``report``), and a FIFO or a device there would hang the reader."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(0, "not a regular file", path)
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def native_crash(crash_file: Any, log_files: Iterable[str] = (), recent: Iterable[dict] = ()) -> Optional[Dict[str, Any]]:
-    """A ``crash`` record (the fields of a Python crash event) from a faulthandler file, or None
-    when there is none or it is empty. ``crash_file``: from the process's header (looked up
-    beside ``log_files`` too, for logs copied elsewhere); ``recent``: the process's last events,
-    oldest first, for the last FlexAttention event before the crash."""
-    if not isinstance(crash_file, str) or not crash_file:
-        return None
-
-    candidates = [crash_file] + [os.path.join(os.path.dirname(f), os.path.basename(crash_file)) for f in log_files]
-    for path in candidates:
-        try:
-            with open_for_reading(path) as fh:
-                text = fh.read(256 * 1024).decode("utf-8", "replace")
-            mtime: Optional[float] = os.path.getmtime(path)
-            break
-        except OSError:
-            continue
-    else:
-        return None
-    lines = text.splitlines()
-    message = next((ln.strip() for ln in lines if "Fatal Python error" in ln), "")
-    if not text.strip() or not message:
-        return None
-    lowered = message.lower()
-    sig = next((name for words, name in _SIGNALS.items() if words in lowered), "fatal signal")
-    start = next((i for i, ln in enumerate(lines) if ln.startswith("Current thread")), None)
-    if start is None:
-        start = next((i for i, ln in enumerate(lines) if ln.startswith("Thread ")), len(lines))
-    frames: List[str] = []
-    for ln in lines[start + 1 :]:
-        m = _FH_FRAME.match(ln)
-        if m is None:
-            if ln.strip():
-                break
-            continue
-        frames.append(f"{m.group('file')}:{m.group('line')} in {m.group('name')}")
-    frames.reverse()  # faulthandler prints the innermost call first
-    flex = last_flex(recent)
-    in_dense = any(f.rsplit(" in ", 1)[-1] in _DENSE_FUNCTIONS for f in frames)
-    where = " inside FlexAttention's dense implementation" if in_dense else ""
-    tail = f"; last FlexAttention event: {_flex_text(flex)}" if flex else "; no FlexAttention event was recorded before it"
-    return {
-        "event": "crash",
-        "ts": mtime,
-        "exc_type": f"native crash ({sig})",
-        "message": message[:_MAX_MESSAGE],
-        "where": "faulthandler",
-        "thread": None,
-        "last_flex": _compact_flex(flex),
-        "diagnosis": f"the process died of {sig}{where}{tail}",
-        "frames": frames[-8:],
-        "crash_file": path,
-    }
-
-
 def record(exc: BaseException, where: str = "record", thread: Optional[str] = None) -> Optional[dict]:
     """Write a ``crash`` event for ``exc`` now (e.g. an exception the program caught). Never raises."""
     try:
@@ -326,37 +244,7 @@ def record(exc: BaseException, where: str = "record", thread: Optional[str] = No
         return None
 
 
-def last_flex(events: Iterable[dict]) -> Optional[dict]:
-    """The most recent FlexAttention event of ``events`` (oldest first), or None.
-
-    For ``last_flex_event=lambda: crash.last_flex(STATE.log.memory)``: a deque is copied first
-    (one C-level step, safe while other threads append)."""
-    items = list(events)
-    for event in reversed(items):
-        if event.get("event") in FLEX_EVENTS:
-            return event
-    return None
-
-
 # -- what goes into the crash event ----------------------------------------------------------------
-
-
-def exception_name(exc_type: type) -> str:
-    module = getattr(exc_type, "__module__", "") or ""
-    name = str(getattr(exc_type, "__qualname__", None) or getattr(exc_type, "__name__", exc_type))
-    return name if module in ("builtins", "") else f"{module}.{name}"
-
-
-def is_oom(exc_type: Optional[type], message: str) -> bool:
-    """CUDA's ``torch.OutOfMemoryError`` or the CPU allocator's failure (a RuntimeError)."""
-    torch = sys.modules.get("torch")
-    oom_type = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
-    if exc_type is not None and oom_type is not None and isinstance(oom_type, type) and issubclass(exc_type, oom_type):
-        return True
-    if exc_type is not None and issubclass(exc_type, MemoryError):
-        return True
-    text = message.lower()
-    return "out of memory" in text or "can't allocate memory" in text or "not enough memory" in text
 
 
 def _frames(tb: Any) -> List[traceback.FrameSummary]:
@@ -364,57 +252,6 @@ def _frames(tb: Any) -> List[traceback.FrameSummary]:
         return list(traceback.extract_tb(tb)) if tb is not None else []
     except Exception:
         return []
-
-
-def _where(event: Optional[dict]) -> str:
-    if not event:
-        return ""
-    if event.get("layer"):
-        return f" of {event['layer']}"
-    site = event.get("call_site")
-    if isinstance(site, dict) and site.get("file"):
-        return f" at {site.get('file')}:{site.get('line')} in {site.get('function')}"
-    return ""
-
-
-def _flex_text(event: dict) -> str:
-    return f"{event.get('path') or '?'} {event.get('phase') or '?'}{_where(event)}"
-
-
-def diagnose(exc_type: Optional[type], message: str, flex: Optional[dict], frames: List[Any]) -> str:
-    """One line: what most likely happened, from the exception, its frames and the last
-    FlexAttention event (``frames``: ``traceback.FrameSummary`` or objects with ``filename`` and
-    ``name``)."""
-    name = exception_name(exc_type) if exc_type is not None else "exception"
-    in_dense = any(getattr(f, "name", None) in _DENSE_FUNCTIONS for f in frames)
-    in_backward = any(
-        getattr(f, "name", None) in _BACKWARD_FUNCTIONS and "torch" in str(getattr(f, "filename", "")).replace("\\", "/").split("/")
-        for f in frames
-    )
-    last = flex or {}
-    dense = last.get("path") == "dense"
-    size = ""
-    if dense and last.get("scores_bytes") is not None:
-        size = f"; the dense score matrix is {human_bytes(last.get('scores_bytes'), unknown='of unknown size')} in fp32"
-    phase = last.get("phase") or "?"
-    oom = is_oom(exc_type, message)
-    what = "OOM" if oom else name
-    if name.endswith("DenseFallbackError"):
-        cause = f" (cause {last.get('cause')})" if last.get("cause") else ""
-        would = f" its {human_bytes(last.get('scores_bytes'))} fp32 score matrix" if dense and last.get("scores_bytes") is not None else " anything"
-        return f"strict mode blocked a dense {phase}{_where(flex)}{cause} before it allocated{would}"
-    if in_dense and dense:
-        return f"{what} inside dense {phase}{_where(flex)}{size}"
-    if in_dense:
-        return f"{what} inside FlexAttention's dense implementation" + (f" (last FlexAttention event: {_flex_text(flex)})" if flex else "")
-    if dense and in_backward and phase == "backward":
-        return f"{what} during backward, right after a dense backward{_where(flex)}{size}"
-    if dense:
-        return f"{what} outside FlexAttention; the last FlexAttention call was a dense {phase}{_where(flex)}{size}"
-    if flex:
-        verdict = "; the dense fallback is not the cause" if oom and flex.get("path") == "fused" else ""
-        return f"{what} outside FlexAttention; last FlexAttention event: {_flex_text(flex)}{verdict}"
-    return f"{what}; no FlexAttention event was recorded before it"
 
 
 def cuda_memory() -> Optional[Dict[str, Any]]:
@@ -432,13 +269,6 @@ def cuda_memory() -> Optional[Dict[str, Any]]:
         }
     except Exception:
         return None
-
-
-def _compact_flex(event: Optional[dict]) -> Optional[dict]:
-    if not event:
-        return None
-    keys = ("event", "seq", "ts", "layer", "phase", "path", "cause", "scores_bytes", "call_site", "template", "alloc_delta", "peak_delta")
-    return {k: event.get(k) for k in keys if k in event}
 
 
 def _write_crash(exc_type: type, exc: Optional[BaseException], tb: Any, where: str, thread: Optional[str]) -> Optional[dict]:
@@ -462,9 +292,9 @@ def _write_crash(exc_type: type, exc: Optional[BaseException], tb: Any, where: s
         frames = _frames(tb)
         fields: Dict[str, Any] = {
             "exc_type": exception_name(exc_type),
-            "message": message[:_MAX_MESSAGE],
+            "message": message[:MAX_MESSAGE],
             "where": where,
-            "last_flex": _compact_flex(flex),
+            "last_flex": compact_flex(flex),
             "diagnosis": diagnose(exc_type, message, flex, frames),
             "frames": [f"{f.filename}:{f.lineno} in {f.name}" for f in frames[-8:]],
         }

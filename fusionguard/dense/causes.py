@@ -16,16 +16,14 @@ The stack tells the story because Dynamo leaves a mark on every frame it runs co
 from __future__ import annotations
 
 import os
-import sys
 import types
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional, Tuple, cast
 
-from . import torch_internals as ti
-from ._state import STATE
-from .dynamo_signals import SIGNALS, clean_reason, is_public_flex, is_torch_file
-from .errors import DenseFallbackWarning
+from fusionguard import torch_internals as ti
+from fusionguard.core.state import STATE
+from fusionguard.dense.dynamo_signals import SIGNALS, clean_reason, is_public_flex
+from fusionguard.core.frames import first_user_frame, is_torch_file, is_user_file
 
 CAUSES: Dict[str, str] = {
     "eager_call": "flex_attention was called with no torch.compile around it",
@@ -71,7 +69,6 @@ class Diagnosis:
 
 
 _WRAPPER_NAME = "_flex_attention_hop_wrapper"
-FG_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 def _orig_code_lookup() -> Callable[[types.CodeType], Optional[types.CodeType]]:
@@ -179,13 +176,9 @@ _OTHER, _TORCH_WRAPPER, _COMPILE_ENTRY, _DISABLE_WRAPPER, _CANDIDATE, _COMPILED 
 # object found running outside the map is never in it later: _COMPILED is decided once too.
 
 
-def _is_user_file(filename: str) -> bool:
-    return not is_torch_file(filename) and not filename.startswith(FG_DIR) and not filename.startswith("<")
-
-
 def _code_kind(code: types.CodeType) -> Tuple[types.CodeType, int, Optional[types.CodeType], bool]:
     """(code, kind, original code of a Dynamo-generated one, is the user's code)."""
-    user = _is_user_file(code.co_filename)
+    user = is_user_file(code.co_filename)
     orig = _orig_code_lookup()(code)
     if orig is not None:
         kind = _COMPILED
@@ -275,7 +268,7 @@ def diagnose_forward(frame: Optional[types.FrameType]) -> Diagnosis:
             elif kind == _DISABLE_WRAPPER:
                 fn = f.f_locals.get("fn")
                 fn_code = getattr(fn, "__code__", None)
-                if fn_code is not None and disabled_fn is None and _is_user_file(fn_code.co_filename):
+                if fn_code is not None and disabled_fn is None and is_user_file(fn_code.co_filename):
                     disabled_fn = f"{getattr(fn, '__qualname__', fn_code.co_name)} ({fn_code.co_filename}:{fn_code.co_firstlineno})"
             elif kind == _CANDIDATE:
                 user_frames.append((f, depth))
@@ -339,14 +332,6 @@ def diagnose_forward(frame: Optional[types.FrameType]) -> Diagnosis:
     )
 
 
-def first_user_frame(f: Optional[types.FrameType]) -> Optional[types.FrameType]:
-    while f is not None:
-        if _kind_entry(f.f_code)[3]:
-            return f
-        f = f.f_back
-    return None
-
-
 def diagnose_backward(origin: Optional[Dict[str, Any]], frame: Optional[types.FrameType]) -> Diagnosis:
     """A dense backward inherits its forward's verdict; otherwise the stack says where it came from."""
     if origin:
@@ -358,31 +343,3 @@ def diagnose_backward(origin: Optional[Dict[str, Any]], frame: Optional[types.Fr
             return Diagnosis(True, "non_inductor_backend", {"how": "backward graph compiled by AOTAutograd without Inductor"})
         f = f.f_back
     return Diagnosis(False, "eager_call", {"how": "flex_attention_backward operator called directly"})
-
-
-def user_call_site(frame: Optional[types.FrameType]) -> Optional[Dict[str, Any]]:
-    """The first frame outside torch and fusionguard: where the user's code made the call."""
-    f = first_user_frame(frame)
-    if f is None:
-        return None
-    return frame_site(f)
-
-
-def frame_site(f: types.FrameType) -> Dict[str, Any]:
-    return {"file": f.f_code.co_filename, "line": f.f_lineno, "function": f.f_code.co_name}
-
-
-def warn_at_user_line(message: str, target: Optional[types.FrameType] = None, category: type = DenseFallbackWarning) -> None:
-    """Point the warning at the user's line (``target``: the call site the diagnosis found, else
-    looked up) so filters by module work and the output is useful. Issued through the warnings
-    machinery: the user's filters decide (``-W error`` makes it an exception, as for any warning)."""
-    if target is None:
-        target = first_user_frame(sys._getframe(1))
-    if target is None:
-        warnings.warn(message, category, stacklevel=1)
-        return
-    # what warnings.warn(stacklevel=...) does with the frame it finds, without walking to it
-    # (no module_globals: with them, warn_explicit reads the module's source on every call)
-    g = target.f_globals
-    registry = g.setdefault("__warningregistry__", {})
-    warnings.warn_explicit(message, category, target.f_code.co_filename, target.f_lineno, g.get("__name__", "<string>"), registry)

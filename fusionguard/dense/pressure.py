@@ -20,11 +20,12 @@ import sysconfig
 import types
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from . import torch_internals as ti
-from ._state import STATE, internal_error
-from .causes import FIXES, first_user_frame, frame_site, warn_at_user_line
-from .dynamo_signals import latest_reasons, reason_fix, reason_varies
-from .errors import DenseFallbackWarning
+from fusionguard import torch_internals as ti
+from fusionguard.core.state import STATE, internal_error
+from fusionguard.dense.causes import FIXES
+from fusionguard.core.frames import first_user_frame, frame_site, warn_at_user_line
+from fusionguard.dense.dynamo_signals import latest_reasons, reason_fix, reason_varies
+from fusionguard.errors import DenseFallbackWarning
 
 
 def threshold(limit: Optional[int], option: Optional[int]) -> Optional[int]:

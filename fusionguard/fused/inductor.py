@@ -21,14 +21,14 @@ import sys
 import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from . import torch_internals as ti
-from ._state import STATE, internal_error
-from .causes import user_call_site
-from .dynamo_signals import is_torch_file
-from .guard import scores_bytes
-from .compiled import Namer, compile_names, count_runs, fqn_from_source, log_compile_record
-from .watching.naming import clean_name, flex_layer, note_flex_call, resolve_watched_name
-from .torch_internals import compiled_graph_text
+from fusionguard import torch_internals as ti
+from fusionguard.core.state import STATE, internal_error
+from fusionguard.core.frames import user_call_site
+from fusionguard.core.frames import is_torch_file
+from fusionguard.core.tensors import scores_bytes
+from fusionguard.fused.runs import Namer, compile_names, count_runs, fqn_from_source, log_compile_record
+from fusionguard.watching.naming import clean_name, flex_layer, note_flex_call, resolve_watched_name
+from fusionguard.torch_internals import compiled_graph_text
 
 _TL = threading.local()
 

@@ -22,10 +22,12 @@ import sys
 import time
 from typing import Any, Callable, Iterator, Optional
 
-from . import causes, torch_internals as ti
-from ._state import STATE, count, dense_allowed_here, internal_error
-from .guard import tensor_fields
-from .watching.naming import flex_layer
+from fusionguard.core import frames
+from fusionguard.dense import causes
+from fusionguard import torch_internals as ti
+from fusionguard.core.state import STATE, count, dense_allowed_here, internal_error
+from fusionguard.core.tensors import tensor_fields
+from fusionguard.watching.naming import flex_layer
 
 RESCUABLE = ("eager_call", "recompile_limit", "graph_break", "compile_error")
 
@@ -97,7 +99,7 @@ def _dynamic_ok() -> Any:
 def _caller(frame: Any) -> Any:
     """Skip contextlib's frames (we run inside a generator-based context manager)."""
     f = frame
-    while f is not None and (f.f_code.co_filename.endswith("contextlib.py") or f.f_code.co_filename.startswith(causes.FG_DIR)):
+    while f is not None and (f.f_code.co_filename.endswith("contextlib.py") or f.f_code.co_filename.startswith(frames.FG_DIR)):
         f = f.f_back
     return f
 
@@ -108,7 +110,7 @@ def _user_disabled(frame: Any) -> bool:
         if causes.is_disable_wrapper(f.f_code):
             fn = f.f_locals.get("fn")
             code = getattr(fn, "__code__", None)
-            if code is not None and not causes.is_torch_file(code.co_filename) and not code.co_filename.startswith("<"):
+            if code is not None and not frames.is_torch_file(code.co_filename) and not code.co_filename.startswith("<"):
                 return True
         f = f.f_back
     return False
@@ -199,7 +201,7 @@ def _log_rescue(record: dict, frame: Any) -> None:
         cause=record["cause"],
         evidence=record["evidence"],
         layer=flex_layer(frame),
-        call_site=causes.user_call_site(frame),
+        call_site=frames.user_call_site(frame),
         compiled=bool(compiles),
         compile_s=round(seconds, 3) if compiles else None,
         backward="fused (compiled with the forward)",

@@ -15,38 +15,21 @@ order.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import re
 import threading
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from . import torch_internals as ti
-from .patches import PatchRegistry
+from fusionguard import torch_internals as ti
+from fusionguard.core.frames import is_torch_file
+from fusionguard.core.registry import PatchRegistry
 
 Key = Tuple[str, int]
 _DYNAMO_LOGGER = ti.DYNAMO_CONVERT_FRAME_LOGGER  # where Dynamo logs frames it could not convert
 
 _FUNC_INFO = re.compile(r"'(?P<name>[^']*)' \((?P<file>.*):(?P<line>\d+)\)")
 _WONT_CONVERT = re.compile(r"WON'T CONVERT (?P<name>\S+) (?P<file>.+?) line (?P<line>\d+)")
-_TORCH_DIR = None
-
-
-def torch_dir() -> str:
-    global _TORCH_DIR
-    if _TORCH_DIR is None:
-        import torch
-
-        _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-    return _TORCH_DIR
-
-
-@functools.lru_cache(maxsize=4096)
-def is_torch_file(filename: str) -> bool:
-    return filename.startswith(torch_dir())
-
-
 _PUBLIC_FLEX_FILE = os.path.join("nn", "attention", "flex_attention.py")
 
 

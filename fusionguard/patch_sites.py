@@ -13,11 +13,13 @@ from typing import Any, Callable, List, Tuple
 
 import torch
 
-from . import guard, inductor, masks, pressure, rescue, torch_internals as ti, watching
-from ._logger import LOGGER_NAME
-from ._state import STATE, emit, internal_error
-from .dynamo_signals import SIGNALS
-from .patches import PatchRegistry
+from fusionguard.dense import guard, masks, pressure, rescue
+from fusionguard.fused import inductor
+from fusionguard import torch_internals as ti, watching
+from fusionguard.eventlog.messages import LOGGER_NAME
+from fusionguard.core.state import STATE, emit, internal_error
+from fusionguard.dense.dynamo_signals import SIGNALS
+from fusionguard.core.registry import PatchRegistry
 
 
 def _dense(reg: PatchRegistry, op_name: str, phase: str) -> None:

@@ -11,14 +11,15 @@ import threading
 import traceback
 from typing import Any, Dict, Optional, Set, Tuple
 
-from . import crash
-from ._config import Config, process_log_name
-from ._logger import say
-from ._tables import Caches, Stats, WatchRegistry
-from .dynamo_signals import SIGNALS
-from .log import EventLog, header_fields
-from .patches import PatchRegistry
-from .sink import FileSink
+from fusionguard.eventlog import crash
+from fusionguard.core.config import Config, process_log_name
+from fusionguard.eventlog.messages import say
+from fusionguard.core.tables import Caches, Stats, WatchRegistry
+from fusionguard.dense.dynamo_signals import SIGNALS
+from fusionguard.eventlog.header import header_fields
+from fusionguard.eventlog.log import EventLog
+from fusionguard.core.registry import PatchRegistry
+from fusionguard.eventlog.sink import FileSink
 
 
 # -- bounded loss of counts: the flusher ---------------------------------------------------------

@@ -10,11 +10,11 @@ import weakref
 from collections.abc import MutableMapping
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from . import profiling
-from . import torch_internals as ti
-from ._state import STATE, count, internal_error
-from .watching.naming import clean_name, flex_layer, in_backward, resolve_watched_name, watched_name, is_watching
-from .watching.paths import caller_name, is_module_forward, module_path
+from fusionguard.eventlog import profiler as profiling
+from fusionguard import torch_internals as ti
+from fusionguard.core.state import STATE, count, internal_error
+from fusionguard.watching.naming import clean_name, flex_layer, in_backward, resolve_watched_name, watched_name, is_watching
+from fusionguard.watching.paths import caller_name, is_module_forward, module_path
 
 
 _SOURCE_PART = re.compile(r"\[(?:'([^']*)'|(\d+))\]|\.(\w+)")

@@ -19,14 +19,14 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
-from . import causes
-from ._format import human_bytes, site_text
-from ._logger import dense_text
-from ._state import STATE, count, dense_allowed_here, internal_error
-from .dense_memory import default_mask_limit, free_bytes, mask_build_bytes
-from .errors import DenseFallbackError
-from .torch_internals import block_sizes, create_block_mask_code, mask_home
-from .watching import naming
+from fusionguard.core import frames
+from fusionguard.core.formatting import human_bytes, site_text
+from fusionguard.eventlog.messages import dense_text
+from fusionguard.core.state import STATE, count, dense_allowed_here, internal_error
+from fusionguard.dense.memory import default_mask_limit, free_bytes, mask_build_bytes
+from fusionguard.errors import DenseFallbackError
+from fusionguard.torch_internals import block_sizes, create_block_mask_code, mask_home
+from fusionguard.watching import naming
 
 _is_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", lambda: False)
 _is_dynamo_compiling: Callable[[], bool] = getattr(torch.compiler, "is_dynamo_compiling", _is_compiling)
@@ -41,7 +41,7 @@ def _note_compiled() -> int:
     try:
         if STATE.enabled:
             count("mask_build_compiled")
-            site = causes.user_call_site(sys._getframe(1))
+            site = frames.user_call_site(sys._getframe(1))
             STATE.log.emit("info", "mask_build", path="compiled", traced=True, call_site=site)
     except Exception as exc:
         internal_error("compiled mask note", exc)
@@ -175,8 +175,8 @@ def _check(frame: Any, args: tuple, kwargs: dict) -> Tuple[Optional[Dict[str, An
         action = "warn"
     else:
         action = "log"
-    site_frame = causes.first_user_frame(user)
-    call_site = causes.frame_site(site_frame) if site_frame is not None else None
+    site_frame = frames.first_user_frame(user)
+    call_site = frames.frame_site(site_frame) if site_frame is not None else None
     fields: Dict[str, Any] = {
         "path": "dense",
         "kind": "block_mask" if block else "mask",
@@ -226,7 +226,7 @@ def make_create_mask_wrapper(original: Callable[..., Any]) -> Callable[..., Any]
         if blocked is not None:
             raise blocked
         if warning is not None:
-            causes.warn_at_user_line(warning, site)
+            frames.warn_at_user_line(warning, site)
         return original(*args, **kwargs)
 
     create_mask.__wrapped__ = original  # type: ignore[attr-defined]

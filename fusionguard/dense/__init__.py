@@ -1,0 +1,3 @@
+"""The dense path: the guard around ``sdpa_dense`` / ``sdpa_dense_backward`` (``guard``), why a
+call ran dense (``causes``, ``dynamo_signals``), recompile pressure (``pressure``), eager mask
+builds (``masks``), memory predictions (``memory``) and ``rescue=True`` (``rescue``)."""
