@@ -9,6 +9,8 @@ from typing import Union
 
 from fusionguard.core.formatting import causes_text, count_text, mem_text, table
 from fusionguard.core.state import STATE
+from fusionguard.core.distributed import gather_to_rank0
+from fusionguard.eventlog.header import rank_info
 
 COLUMNS = (
     "layer", "phase", "calls", "dense", "fused", "recompute", "causes",
@@ -49,8 +51,6 @@ def summary(all_ranks: bool = False) -> Summary:
     rows = STATE.stats.summary()
     rank = 0
     try:
-        from fusionguard.eventlog.header import rank_info
-
         rank = rank_info()["rank"]
     except Exception:
         pass
@@ -58,8 +58,6 @@ def summary(all_ranks: bool = False) -> Summary:
         r["rank"] = rank
     if all_ranks:
         try:
-            from fusionguard.core.distributed import gather_to_rank0
-
             gathered = gather_to_rank0(rows)
             if gathered is not None and rank == 0:
                 rows = [r for part in gathered for r in (part or [])]

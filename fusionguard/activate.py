@@ -101,7 +101,7 @@ def _enable(mode: str) -> None:
     if sys.argv and is_launcher(sys.argv[0], getattr(sys, "orig_argv", ())):
         return
     try:
-        import fusionguard
+        import fusionguard  # lazy: a cycle (the package imports this module at its import)
 
         # the program enabled it itself, or is doing so right now (its enable() imported torch):
         # its settings stand
@@ -274,7 +274,7 @@ def python_flags_out_of_reach(argv: Sequence[str]) -> List[str]:
 
 
 def _is_python(path: str) -> bool:
-    import re
+    import re  # lazy: the start-up hook runs in every Python process: it imports little
 
     name = os.path.basename(path)
     if re.fullmatch(_PYTHON_NAME, name, re.IGNORECASE):
@@ -305,7 +305,7 @@ def unreachable_warning(cmd: Sequence[str], env: Optional[dict] = None) -> Optio
     (``python -E``/``-I``/``-S``, or a script whose ``#!`` line says so); None otherwise."""
     if not cmd:
         return None
-    import shutil
+    import shutil  # lazy: the start-up hook runs in every Python process: it imports little
 
     argv = list(cmd)
     if not _is_python(argv[0]):

@@ -83,7 +83,7 @@ def _fail(command: str, message: str) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from fusionguard import activate
+    from fusionguard import activate  # lazy: each subcommand loads only what it runs
 
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
@@ -102,7 +102,7 @@ def _doctor(args: argparse.Namespace) -> int:
             return _fail("doctor", "--shape takes six positive integers B,HQ,HKV,Q,KV,D")
         if shape[1] % shape[2]:
             return _fail("doctor", "HQ must be a multiple of HKV (GQA)")
-    from fusionguard import doctor
+    from fusionguard import doctor  # lazy: each subcommand loads only what it runs
 
     problem = doctor.check_options(args.device, args.backend)
     if problem:
@@ -140,7 +140,7 @@ def _gates(args: argparse.Namespace, totals: Dict[str, Any]) -> List[str]:
 
 def _write_html(rep: Dict[str, Any], path: str) -> Optional[str]:
     """Write ``--html``; the problem when it cannot be written (None: written)."""
-    from fusionguard.report.html import render_html
+    from fusionguard.report.html import render_html  # lazy: each subcommand loads only what it runs
 
     page = render_html(rep)
     try:
@@ -153,10 +153,10 @@ def _write_html(rep: Dict[str, Any], path: str) -> Optional[str]:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from fusionguard.report.build import build as build_report_dict
-    from fusionguard.report.plot import plot, plot_target
-    from fusionguard.report.read import ReportError
-    from fusionguard.report.render import render_csv, render_json, render_text
+    from fusionguard.report.build import build as build_report_dict  # lazy: each subcommand loads only what it runs
+    from fusionguard.report.plot import plot, plot_target  # lazy: each subcommand loads only what it runs
+    from fusionguard.report.read import ReportError  # lazy: each subcommand loads only what it runs
+    from fusionguard.report.render import render_csv, render_json, render_text  # lazy: each subcommand loads only what it runs
 
     if args.last < 0:
         return _fail("report", "--last must be >= 0")
@@ -165,7 +165,7 @@ def _report(args: argparse.Namespace) -> int:
     plot_file = None
     if args.plot:
         try:
-            import matplotlib  # noqa: F401
+            import matplotlib  # noqa: F401  (lazy: each subcommand loads only what it runs)
         except ImportError:
             return _fail("report", f"--plot needs matplotlib, which is not installed: {PLOT_HINT}")
         try:

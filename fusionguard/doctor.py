@@ -16,17 +16,20 @@ import platform
 import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
+import fusionguard
+import subprocess
+import warnings
 
 REFERENCE_SHAPE = (1, 32, 8, 2048, 10240, 128)  # B, Hq, Hkv, Q, KV, head_dim (the first reports' shape)
 CPU_SHAPE = (1, 4, 2, 256, 256, 16)
 
 
 def _versions() -> Dict[str, Any]:
-    import torch
+    import torch  # lazy: torch loads on first use, never when this module is imported
 
     info: Dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__}
     try:
-        import triton  # type: ignore
+        import triton  # type: ignore  # lazy: optional, and it imports torch
 
         info["triton"] = triton.__version__
     except Exception:
@@ -40,8 +43,6 @@ def _versions() -> Dict[str, Any]:
             memory_gb=round(props.total_memory / 1e9, 1),
         )
         try:
-            import subprocess
-
             out = subprocess.run(
                 ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True, timeout=10
             )
@@ -55,7 +56,7 @@ def _versions() -> Dict[str, Any]:
 
 def default_shape() -> Tuple[int, ...]:
     """The reference shape when the GPU has room for its dense run (~18 GB), else scaled down."""
-    import torch
+    import torch  # lazy: torch loads on first use, never when this module is imported
 
     if not torch.cuda.is_available():
         return CPU_SHAPE
@@ -68,7 +69,7 @@ def default_shape() -> Tuple[int, ...]:
 
 def check_options(device: Optional[str], backend: str) -> Optional[str]:
     """What is wrong with ``--device`` / ``--backend`` (None: nothing), found before any run."""
-    import torch
+    import torch  # lazy: torch loads on first use, never when this module is imported
 
     if device is not None:
         try:
@@ -98,7 +99,7 @@ def _causal(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
 
 
 def _peak(fn: Any, cuda: bool) -> Tuple[Optional[int], Any, Optional[BaseException]]:
-    import torch
+    import torch  # lazy: torch loads on first use, never when this module is imported
 
     if cuda:
         torch.cuda.synchronize()
@@ -116,10 +117,9 @@ def _peak(fn: Any, cuda: bool) -> Tuple[Optional[int], Any, Optional[BaseExcepti
 
 
 def run_case(name: str, compiled: bool, masked: bool, shape: Sequence[int], device: str, backend: str = "inductor") -> Dict[str, Any]:
-    import torch
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    import torch  # lazy: torch loads on first use, never when this module is imported
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # lazy: torch loads on first use, never when this module is imported
 
-    import fusionguard
 
     b, hq, hkv, q_len, kv_len, d = shape
     cuda = device.startswith("cuda")
@@ -166,9 +166,8 @@ def main(
 ) -> int:
     """Run the experiment, print the table and the verdict; 0 only if compiled is fused both ways,
     1 otherwise (dense, or an experiment failed). ``progress``: a line per experiment as it starts."""
-    import torch
+    import torch  # lazy: torch loads on first use, never when this module is imported
 
-    import fusionguard
 
     out = out or sys.stdout
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -185,8 +184,6 @@ def main(
     fusionguard.enable(strict=False, log_path=False)
     rows: List[Dict[str, Any]] = []
     try:
-        import warnings
-
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             cases = [(masked, compiled) for masked in (False, True) for compiled in (False, True)]

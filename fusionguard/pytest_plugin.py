@@ -43,6 +43,7 @@ import os
 from typing import Any, Dict, Generator, Iterator, List, Optional, Tuple
 
 import pytest
+import tempfile
 
 MODES = ("strict", "warn", "oom", "off")
 PROPERTY = "fusionguard"
@@ -96,7 +97,7 @@ def pytest_configure(config: Any) -> None:
     mode = _mode(config)
     if mode in (None, "off"):
         return
-    from fusionguard import activate
+    from fusionguard import activate  # lazy: the plugin loads in every pytest run; fusionguard's runtime only when used
 
     # FUSIONGUARD=off in the environment is the kill switch: it wins over the option, as over
     # enable() in code; the session says so rather than reporting "no dense calls".
@@ -145,13 +146,12 @@ class FusionGuardSession:
         factory = getattr(self.config, "_tmp_path_factory", None)
         if factory is not None:
             return str(factory.getbasetemp() / "fusionguard.jsonl")
-        import tempfile
 
         return os.path.join(tempfile.mkdtemp(prefix="fusionguard-"), "fusionguard.jsonl")
 
     def _ensure_enabled(self) -> None:
-        import fusionguard
-        from fusionguard.core.state import STATE
+        import fusionguard  # lazy: the plugin loads in every pytest run; fusionguard's runtime only when used
+        from fusionguard.core.state import STATE  # lazy: the plugin loads in every pytest run; fusionguard's runtime only when used
 
         if fusionguard.is_enabled() and STATE.config.mode == self.mode and STATE.config.log_path == self.log_path:
             return
@@ -163,11 +163,11 @@ class FusionGuardSession:
         if not self.active:
             return
         path = self.config.getoption("fusionguard_log") or self.config.getini("fusionguard_log") or self._default_log()
-        import fusionguard
+        import fusionguard  # lazy: the plugin loads in every pytest run; fusionguard's runtime only when used
 
         # keep_all: every dense call of every test is reported, none folded into counters
         fusionguard.enable(mode=self.mode, log_path=path, keep_all=True)
-        from fusionguard.core.state import STATE
+        from fusionguard.core.state import STATE  # lazy: the plugin loads in every pytest run; fusionguard's runtime only when used
 
         self.log_path = STATE.config.log_path  # resolved (a directory becomes rank/pid file)
         self._mark = (STATE.log, STATE.log.seq)
@@ -209,7 +209,7 @@ class FusionGuardSession:
     def pytest_sessionfinish(self, session: Any) -> None:
         if not self.active:
             return
-        import fusionguard
+        import fusionguard  # lazy: the plugin loads in every pytest run; fusionguard's runtime only when used
 
         self._take_new()  # events after the last test: fused/internal totals only
         fusionguard.disable()
@@ -227,7 +227,7 @@ class FusionGuardSession:
     # -- per test -----------------------------------------------------------------------
     def _take_new(self) -> List[dict]:
         """Events logged since the last call (in memory, newest last)."""
-        from fusionguard.core.state import STATE
+        from fusionguard.core.state import STATE  # lazy: the plugin loads in every pytest run; fusionguard's runtime only when used
 
         log = STATE.log
         last_log, last_seq = self._mark
@@ -258,7 +258,7 @@ class FusionGuardSession:
         self._take_new()  # whatever ran between tests is not this test's
         allow: Any = contextlib.nullcontext()
         if item.get_closest_marker(MARKER) is not None:
-            import fusionguard
+            import fusionguard  # lazy: the plugin loads in every pytest run; fusionguard's runtime only when used
 
             allow = fusionguard.allow_dense()
         with allow:
@@ -273,7 +273,7 @@ class FusionGuardSession:
         dense = [e for e in self._take_new() if e.get("event") == "flex_call"]
         if not dense:
             return
-        from fusionguard.dense.guard import format_message
+        from fusionguard.dense.guard import format_message  # lazy: it imports torch; the plugin loads in every pytest run
 
         messages = [format_message(e) for e in dense]
         # on the item: the teardown report (junitxml, xdist, our summary) then carries every phase

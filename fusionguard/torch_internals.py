@@ -12,6 +12,9 @@ import logging
 import sys
 import types
 from typing import Any, Callable, Dict, Optional, Tuple
+import gc
+import itertools
+import operator
 
 HOP_MODULE = "torch._higher_order_ops.flex_attention"
 PUBLIC_MODULE = "torch.nn.attention.flex_attention"
@@ -57,7 +60,7 @@ def hop(name: str) -> Any:
 
 
 def dense_key() -> Any:
-    import torch
+    import torch  # lazy: torch loads on first use, never when this module is imported
 
     return torch._C.DispatchKey.CompositeExplicitAutograd
 
@@ -136,7 +139,7 @@ def debug_flag_on() -> bool:
 
 
 def _functional_checks() -> tuple:
-    import torch
+    import torch  # lazy: torch loads on first use, never when this module is imported
 
     functional = getattr(torch, "_is_functional_tensor", None) or getattr(torch._C, "_is_functional_tensor", None)
     wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
@@ -148,7 +151,7 @@ _FUNCTIONAL: Optional[tuple] = None
 
 def is_concrete(t: Any) -> bool:
     """True for a tensor whose kernel really computes (not fake, functional, meta or a proxy)."""
-    import torch
+    import torch  # lazy: torch loads on first use, never when this module is imported
 
     global _FUNCTIONAL
     if _FUNCTIONAL is None:
@@ -165,14 +168,14 @@ def is_concrete(t: Any) -> bool:
     if not isinstance(t, torch.Tensor):
         return False
     try:
-        from torch._subclasses.fake_tensor import is_fake
+        from torch._subclasses.fake_tensor import is_fake  # lazy: torch loads on first use, never when this module is imported
 
         if is_fake(t):
             return False
     except Exception:
         pass
     try:
-        from torch._subclasses.functional_tensor import FunctionalTensor
+        from torch._subclasses.functional_tensor import FunctionalTensor  # lazy: torch loads on first use, never when this module is imported
 
         if isinstance(t, FunctionalTensor):
             return False
@@ -212,9 +215,6 @@ def found_compiled_graphs() -> list:
     """Every live ``CompiledFxGraph`` of this process (the Inductor output of each compiled
     graph), by a scan of the garbage collector's objects: the graphs Dynamo keeps for code that
     was compiled before fusionguard was enabled."""
-    import gc
-    import itertools
-    import operator
 
     if not _inductor_code_loaded():
         return []  # no Inductor output was ever loaded: nothing to find, no scan
@@ -448,7 +448,7 @@ class Unavailable(LookupError):
 
 
 def torch_version() -> str:
-    import torch
+    import torch  # lazy: torch loads on first use, never when this module is imported
 
     return str(torch.__version__).split("+")[0]
 
@@ -474,7 +474,7 @@ def has_debug_flag() -> bool:
 def recompile_limit_option() -> str:
     """Dynamo's per-frame recompile limit: ``recompile_limit`` from 2.7, ``cache_size_limit`` on 2.6
     (2.7+ keeps that name as an alias)."""
-    import torch._dynamo
+    import torch._dynamo  # lazy: torch loads on first use, never when this module is imported
 
     return "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
 
@@ -526,7 +526,7 @@ def dynamo_skips_frames(fn: Any, nested: bool) -> bool:
     Dynamo inlines ``fn`` when it traces a caller is unchanged. False where this torch has no such
     switch (``set_code_exec_strategy``, 2.7+)."""
     try:
-        from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+        from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy  # lazy: torch loads on first use, never when this module is imported
     except ImportError:
         return False
     action = _FrameAction.SKIP if nested else _FrameAction.DEFAULT
@@ -587,7 +587,7 @@ def nested_flex_codes() -> tuple:
 def graph_task_id() -> Any:
     """A function returning the id of the autograd backward pass running on this thread, -1
     outside one (``torch._C._current_graph_task_id``); on a torch without it, always -1."""
-    import torch
+    import torch  # lazy: torch loads on first use, never when this module is imported
 
     return getattr(torch._C, "_current_graph_task_id", None) or (lambda: -1)
 
@@ -597,7 +597,7 @@ def at_trace_time(fn: Any) -> Any:
     result baked into the graph as a constant (``torch._dynamo.assume_constant_result``);
     without that Dynamo support, a function that does nothing."""
     try:
-        import torch._dynamo
+        import torch._dynamo  # lazy: torch loads on first use, never when this module is imported
 
         return torch._dynamo.assume_constant_result(fn)
     except Exception:  # pragma: no cover - very old torch
@@ -628,7 +628,7 @@ def wrapped_module(wrapper: Any) -> Any:
 
 def lowering_node() -> Any:
     """The FX node Inductor is lowering now (``V.graph.current_node``), or None."""
-    from torch._inductor.virtualized import V
+    from torch._inductor.virtualized import V  # lazy: torch loads on first use, never when this module is imported
 
     return getattr(V.graph, "current_node", None)
 
@@ -637,9 +637,9 @@ def inductor_cache_dir() -> str:
     """Inductor's cache directory (``cache_dir()``: ``runtime.cache_dir_utils``, earlier
     ``runtime.runtime_utils``)."""
     try:
-        from torch._inductor.runtime.cache_dir_utils import cache_dir
+        from torch._inductor.runtime.cache_dir_utils import cache_dir  # lazy: torch loads on first use, never when this module is imported
     except ImportError:  # older layout
-        from torch._inductor.runtime.runtime_utils import cache_dir
+        from torch._inductor.runtime.runtime_utils import cache_dir  # lazy: torch loads on first use, never when this module is imported
     return str(cache_dir())
 
 

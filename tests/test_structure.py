@@ -157,3 +157,85 @@ def test_reset_leaves_every_registry_empty(guard):
         assert (state.stats, state.watch, state.caches) == held  # reset in place: modules may hold them
         assert {k: n for k, n in _tables(state).items() if n} == {}
         assert not state.enabled and state.patches.names() == [] and state.stats.watched is state.watch.names
+
+
+# -- the module map in docs/internals.md is the tree and its import order ---------------------------
+
+DOCS = os.path.join(os.path.dirname(PKG), "docs", "internals.md")
+ROOT = os.path.dirname(PKG)
+
+
+def _section(title: str) -> str:
+    text = open(DOCS).read()
+    start = text.index(f"## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end != -1 else len(text)]
+
+
+def _map_rows() -> List[str]:
+    """The module map's file column, in order (``core/state.py``; group headings left out)."""
+    rows = []
+    for line in _section("Module map").splitlines():
+        cell = line.split("|")[1].strip() if line.startswith("| `") else ""
+        if cell.startswith("`") and cell.endswith(".py`"):
+            rows.append(cell.strip("`"))
+    return rows
+
+
+def _dotted(rel: str) -> str:
+    name = "fusionguard." + rel[: -len(".py")].replace("/", ".")
+    return name[: -len(".__init__")] if name.endswith(".__init__") else name
+
+
+def test_the_module_map_lists_exactly_the_files_of_the_tree():
+    rows = _map_rows()
+    files = sorted(os.path.relpath(p, PKG).replace(os.sep, "/") for p in _modules().values())
+    assert len(rows) == len(set(rows)), [r for r in rows if rows.count(r) > 1]
+    assert sorted(rows) == files
+
+
+def test_every_import_goes_down_the_module_map():
+    """Each module imports only modules listed above it (module level and inside functions); the
+    one exception: a late ``import fusionguard`` (the public package), from a module the package
+    imports itself (a cycle by design, said where it is)."""
+    order = {_dotted(r): i for i, r in enumerate(_map_rows())}
+    modules = _modules()
+    up = []
+    for name, path in modules.items():
+        early = _imports(name, path, set(modules))
+        for target in _imports(name, path, set(modules), late=True):
+            if target == "fusionguard" and target not in early:
+                continue
+            if order[target] >= order[name]:
+                up.append(f"{name} -> {target}")
+    assert order and up == [], "move the module below what it imports in docs/internals.md's module map: " + ", ".join(sorted(up))
+
+
+def test_every_import_inside_a_function_says_why():
+    """A one-line reason on the import's line, or a comment line right above it (a cycle, the cost
+    of importing torch, an optional dependency)."""
+    bare = []
+    for name, path in _modules().items():
+        lines = open(path).read().splitlines()
+
+        def visit(node: ast.AST, inside: bool) -> None:
+            for child in ast.iter_child_nodes(node):
+                if inside and isinstance(child, (ast.Import, ast.ImportFrom)):
+                    own = lines[child.end_lineno - 1] if child.end_lineno else ""
+                    above = lines[child.lineno - 2].strip() if child.lineno > 1 else ""
+                    reason = own.split("#", 1)[1] if "#" in own else ""
+                    reason = reason.replace("noqa", "").replace("type: ignore", "").strip(" :#,")
+                    if not reason and not above.startswith("#"):
+                        bare.append(f"{name}:{child.lineno}")
+                visit(child, inside or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)))
+
+        visit(ast.parse("\n".join(lines)), False)
+    assert bare == []
+
+
+def test_where_things_go_names_paths_that_exist():
+    import re
+
+    named = set(re.findall(r"`((?:fusionguard|tests|docs|examples|benchmarks)/[\w/.]*|pyproject\.toml)`", _section("Where things go")))
+    assert len(named) >= 10
+    assert sorted(p for p in named if not os.path.exists(os.path.join(ROOT, p))) == []

@@ -3,14 +3,14 @@
 
 
 def _fusionguard_startup() -> None:
-    import os
-    import sys
+    import os  # lazy: runs in every Python process: it imports little
+    import sys  # lazy: runs in every Python process: it imports little
 
     here = os.path.dirname(os.path.abspath(__file__))
     mode = os.environ.get("FUSIONGUARD", "").strip().lower()
     if mode and mode != "off":  # "off" acts in enable(); unset: nothing to do, nothing imported
         try:  # activate.py alone, by path: importing the fusionguard package costs ~0.1 s
-            import importlib.util
+            import importlib.util  # lazy: runs in every Python process: it imports little
 
             spec = importlib.util.spec_from_file_location("_fusionguard_activate", os.path.join(os.path.dirname(here), "activate.py"))
             if spec is None or spec.loader is None:
@@ -26,7 +26,7 @@ def _fusionguard_startup() -> None:
                 pass
     # Chain: the sitecustomize that would have run without us (a distro's, a venv's, ddtrace's).
     import importlib.machinery
-    import importlib.util
+    import importlib.util  # lazy: runs in every Python process: it imports little
 
     rest = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
     spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)

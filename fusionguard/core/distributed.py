@@ -13,7 +13,7 @@ __all__ = ["gather_to_rank0", "process_group_ready"]
 def process_group_ready() -> bool:
     """True when ``torch.distributed`` is available and a default process group is initialised."""
     try:
-        import torch.distributed as dist
+        import torch.distributed as dist  # lazy: torch loads on first use, never when this module is imported
 
         return bool(dist.is_available() and dist.is_initialized())
     except Exception:  # a torch build without distributed support
@@ -35,7 +35,7 @@ def gather_to_rank0(obj: Any, group: Any = None) -> Optional[List[Any]]:
     """
     if not process_group_ready():
         return [obj]
-    import torch.distributed as dist
+    import torch.distributed as dist  # lazy: torch loads on first use, never when this module is imported
 
     world = dist.get_world_size(group)
     rank = dist.get_rank()  # global rank: gather_object's dst is a global rank

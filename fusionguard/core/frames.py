@@ -21,7 +21,7 @@ _TORCH_DIR = None
 def torch_dir() -> str:
     global _TORCH_DIR
     if _TORCH_DIR is None:
-        import torch
+        import torch  # lazy: torch loads on first use, never when this module is imported
 
         _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
     return _TORCH_DIR

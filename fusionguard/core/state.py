@@ -20,6 +20,7 @@ from fusionguard.eventlog.header import header_fields
 from fusionguard.eventlog.log import EventLog
 from fusionguard.core.registry import PatchRegistry
 from fusionguard.eventlog.sink import FileSink
+from multiprocessing import util
 
 
 # -- bounded loss of counts: the flusher ---------------------------------------------------------
@@ -378,8 +379,6 @@ def _worker_started(_state: Any) -> None:
     """Run in a multiprocessing child after its finalizer registry was cleared (an at-fork hook
     is too early for that): register ``_worker_exit`` to run in ``_exit_function``."""
     try:
-        from multiprocessing import util
-
         util.Finalize(None, _worker_exit, exitpriority=-100)  # last: after the worker's own
     except Exception as exc:
         internal_error("multiprocessing worker start", exc)

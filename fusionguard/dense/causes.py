@@ -24,36 +24,7 @@ from fusionguard import torch_internals as ti
 from fusionguard.core.state import STATE
 from fusionguard.dense.dynamo_signals import SIGNALS, clean_reason, is_public_flex
 from fusionguard.core.frames import first_user_frame, is_torch_file, is_user_file
-
-CAUSES: Dict[str, str] = {
-    "eager_call": "flex_attention was called with no torch.compile around it",
-    "non_inductor_backend": "captured by torch.compile, but with a backend that does not fuse FlexAttention",
-    "recompile_limit": "Dynamo hit its recompile limit for the calling function and now runs it eagerly",
-    "graph_break": "Dynamo broke the graph at or around the call, so it ran in an eager region",
-    "compiler_disabled": "compilation is switched off for this call",
-    "compile_error": "compiling the calling function failed and Dynamo fell back to eager (suppress_errors)",
-    "debug_flag": "torch.nn.attention.flex_attention._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG is set",
-    "unknown": "no supported explanation was found",
-}
-
-FIXES: Dict[str, str] = {
-    "eager_call": "wrap the call or the model in torch.compile, e.g. "
-    "`flex_attention = torch.compile(flex_attention)` or `model = torch.compile(model)`",
-    "non_inductor_backend": "use the default Inductor backend: torch.compile(fn) or backend='inductor'",
-    "recompile_limit": "stop the recompiles: mark the varying dim dynamic "
-    "(torch._dynamo.mark_dynamic(q, 2) or torch.compile(..., dynamic=True)), bucket/pad sequence "
-    "lengths, build the BlockMask outside the compiled function and reuse mask_mod functions; or "
-    "raise torch._dynamo.config.recompile_limit",
-    "graph_break": "remove the graph break at the call (run with TORCH_LOGS=graph_breaks to see it), "
-    "or compile the attention call on its own: torch.compile(flex_attention)",
-    "compiler_disabled": "remove the torch.compiler.disable / set_stance('force_eager') / "
-    "TORCHDYNAMO_DISABLE=1 / torch._dynamo.config.disable around this call",
-    "compile_error": "fix the compile error shown in evidence (set torch._dynamo.config.suppress_errors = "
-    "False to see the full traceback)",
-    "debug_flag": "set torch.nn.attention.flex_attention._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = False",
-    "unknown": "compile the call with torch.compile (Inductor); see the evidence for what was found",
-}
-
+from fusionguard.eventlog.kinds import FIXES
 
 @dataclass
 class Diagnosis:

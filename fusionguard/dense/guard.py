@@ -27,6 +27,7 @@ from fusionguard.core import frames
 from fusionguard.dense import causes, memory as dense_memory
 from fusionguard.eventlog import profiler as profiling
 from fusionguard.core.formatting import human_bytes, site_text
+from fusionguard.eventlog.kinds import CAUSES
 from fusionguard.eventlog.messages import dense_text
 from fusionguard.core.tensors import tensor_fields
 from fusionguard.core.state import STATE, count, dense_allowed_here, internal_error
@@ -227,7 +228,7 @@ def format_message(event: Dict[str, Any]) -> str:
             + (f"; the device can still give {human_bytes(free)}" if free is not None and action == "raise" else "")
         )
     lines += [
-        f"  cause:    {event.get('cause')}: {causes.CAUSES.get(event.get('cause') or 'unknown', '')}",
+        f"  cause:    {event.get('cause')}: {CAUSES.get(event.get('cause') or 'unknown', '')}",
     ]
     evidence = dict(event.get("evidence") or {})
     if evidence.get("frame"):  # file/line are already in the frame text

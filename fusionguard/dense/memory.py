@@ -20,7 +20,7 @@ def _itemsize(dtype: Any) -> int:
     size = getattr(dtype, "itemsize", None)
     if isinstance(size, int):
         return size
-    import torch
+    import torch  # lazy: torch loads on first use, never when this module is imported
 
     return torch.empty((), dtype=dtype).element_size()
 
@@ -90,7 +90,7 @@ def predict_dense(phase: str, q: Any, k: Any, v: Any, score_mod: Any = None, sco
         dv = int(v.shape[-1])
     except Exception:
         return None
-    import torch
+    import torch  # lazy: torch loads on first use, never when this module is imported
 
     w = 8 if q.dtype == torch.float64 else 4
     d = _itemsize(q.dtype)
@@ -117,7 +117,7 @@ def free_bytes(device: Any) -> Optional[int]:
     """What a CUDA device can still give: ``torch.cuda.mem_get_info`` (free to the driver) plus
     the caching allocator's reserved-but-unallocated bytes. ``None`` off CUDA: no allocator to
     ask (CPU memory is shared with the rest of the machine; the oom mode acts on CUDA only)."""
-    import torch
+    import torch  # lazy: torch loads on first use, never when this module is imported
 
     if getattr(device, "type", None) != "cuda" or not torch.cuda.is_initialized():
         return None
@@ -132,7 +132,7 @@ def device_memory(device: Any) -> Optional[int]:
     kind = getattr(device, "type", None) or str(device or "cpu").split(":")[0]
     try:
         if kind == "cuda":
-            import torch
+            import torch  # lazy: torch loads on first use, never when this module is imported
 
             index = getattr(device, "index", None)
             return int(torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()).total_memory)

@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 from fusionguard import torch_internals as ti
 from fusionguard.core.state import STATE, internal_error
-from fusionguard.dense.causes import FIXES
+from fusionguard.eventlog.kinds import FIXES
 from fusionguard.core.frames import first_user_frame, frame_site, warn_at_user_line
 from fusionguard.dense.dynamo_signals import latest_reasons, reason_fix, reason_varies
 from fusionguard.errors import DenseFallbackWarning

@@ -28,6 +28,7 @@ from fusionguard import torch_internals as ti
 from fusionguard.core.state import STATE, count, dense_allowed_here, internal_error
 from fusionguard.core.tensors import tensor_fields
 from fusionguard.watching.naming import flex_layer
+import copy
 
 RESCUABLE = ("eager_call", "recompile_limit", "graph_break", "compile_error")
 
@@ -69,7 +70,6 @@ def _out_only(inductor: Any, gm: Any, example_inputs: Any) -> Any:
     When nothing needs the other two (no grad, no ``return_lse`` / ``return_aux``), compile a copy
     of the graph that returns ``out`` and hand back ``None`` for the rest, which
     ``_finalize_outputs`` accepts."""
-    import copy
 
     graph_module = copy.copy(gm)
     graph_module.graph = copy.deepcopy(gm.graph)
@@ -129,7 +129,7 @@ def decide(frame: Any) -> Optional[causes.Diagnosis]:
 def _out_only_ok(frame: Any) -> bool:
     """CPU inference that only uses the attention output (read from the public call's locals)."""
     try:
-        import torch
+        import torch  # lazy: torch loads on first use, never when this module is imported
 
         local = frame.f_locals if frame is not None else {}
         q = local.get("query")

@@ -41,6 +41,7 @@ import traceback
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 from fusionguard.eventlog.diagnosis import MAX_MESSAGE, compact_flex, diagnose, exception_name
+from fusionguard.eventlog.sink import open_regular
 
 if TYPE_CHECKING:  # (only for types: this module is also loaded standalone, without the package)
     from fusionguard.core.registry import PatchRegistry
@@ -185,7 +186,6 @@ def crash_file_for(log_path: str) -> str:
 
 def capture_native(log_path: str, mode: int = 0o600) -> Dict[str, Any]:
     """Send fatal-signal reports to a file beside ``log_path``; the header fields that say so."""
-    from fusionguard.eventlog.sink import open_regular
 
     with CRASH.lock:
         path = crash_file_for(log_path)

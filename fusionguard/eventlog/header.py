@@ -28,7 +28,7 @@ def rank_info() -> dict:
     rank, world = _int("RANK"), _int("WORLD_SIZE")
     if rank is None and process_group_ready():
         try:
-            import torch.distributed as dist
+            import torch.distributed as dist  # lazy: torch loads on first use, never when this module is imported
 
             rank, world = dist.get_rank(), dist.get_world_size()
         except Exception:  # pragma: no cover - defensive
@@ -38,10 +38,10 @@ def rank_info() -> dict:
 
 def header_fields(patched: list, not_patched: dict, config: dict) -> dict:
     """Versions and environment, written first in every log file."""
-    import torch
+    import torch  # lazy: torch loads on first use, never when this module is imported
 
     try:
-        import triton  # type: ignore
+        import triton  # type: ignore  # lazy: optional, and it imports torch
 
         triton_version = getattr(triton, "__version__", None)
     except Exception:

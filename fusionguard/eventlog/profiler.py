@@ -61,7 +61,7 @@ def in_range(name: Callable[[], str], fn: Callable[..., Any], *args: Any, **kwar
     exception passes through untouched."""
     rf = None
     try:
-        from torch.autograd.profiler import record_function
+        from torch.autograd.profiler import record_function  # lazy: torch loads on first use, never when this module is imported
 
         rf = record_function(name())
         rf.__enter__()

@@ -29,6 +29,7 @@ from fusionguard.core.tensors import scores_bytes
 from fusionguard.fused.runs import Namer, compile_names, count_runs, fqn_from_source, log_compile_record
 from fusionguard.watching.naming import clean_name, flex_layer, note_flex_call, resolve_watched_name
 from fusionguard.torch_internals import compiled_graph_text
+import time
 
 _TL = threading.local()
 
@@ -357,7 +358,6 @@ def live_flex_graphs() -> Tuple[List[Any], float]:
     """Compiled graphs holding FlexAttention that already live in the process (compiled before
     ``enable()``: by another instance of the model, a warm-up, a library on import), and the
     milliseconds the search took. Dynamo reuses them for any instance of the same class."""
-    import time
 
     t0 = time.perf_counter()
     found = []

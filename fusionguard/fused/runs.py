@@ -58,7 +58,7 @@ def dynamo_names() -> Optional[Tuple[List[str], Optional["_FrameLocal"], Any]]:
     found = ti.dynamo_frame_graph()
     if found is None:
         return None
-    import torch
+    import torch  # lazy: torch loads on first use, never when this module is imported
 
     f_locals, code, graph = found
     hop = torch.ops.higher_order.flex_attention

@@ -9,6 +9,10 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import fusionguard
 from fusionguard.core.state import STATE, internal_error
+from fusionguard._summary import Summary
+from fusionguard.core.config import Config, check_log_path, check_options
+from fusionguard.core.distributed import process_group_ready
+from fusionguard.torch_internals import attn_implementation
 
 # the metric names every integration reports (cumulative since the callback started)
 DENSE, FUSED, PEAK = "fusionguard/dense_calls", "fusionguard/fused_calls", "fusionguard/peak_layer_bytes"
@@ -24,11 +28,11 @@ def missing(library: str, extra: str) -> ImportError:
 def unwrap(model: Any) -> Any:
     """The model under DataParallel / DistributedDataParallel / FSDP1 wrappers (their ``module``);
     a ``torch.compile`` wrapper is kept: ``watch()`` names through it and hooks nothing inside."""
-    import torch
+    import torch  # lazy: torch loads on first use, never when this module is imported
 
     wrappers: Tuple[type, ...] = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
     try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp import FullyShardedDataParallel  # lazy: torch loads on first use, never when this module is imported
 
         wrappers += (FullyShardedDataParallel,)
     except Exception:
@@ -47,8 +51,6 @@ class Session:
     disables only what this session enabled."""
 
     def __init__(self, strict: bool, options: Dict[str, Any], owner: str = "FusionGuardCallback") -> None:
-        from fusionguard.core.config import Config, check_log_path, check_options
-
         rest = {k: v for k, v in options.items() if k != "log_path"}
         try:  # a bad option: enable()'s error, now (not at the Trainer's start), naming the callback
             check_options(rest)
@@ -78,11 +80,11 @@ class Session:
         if model is None or self.watch is not None:
             return
         try:
-            import torch
+            import torch  # lazy: torch loads on first use, never when this module is imported
 
             inner = unwrap(model)
             if isinstance(inner, torch.nn.Module):
-                from fusionguard.watching import Watch
+                from fusionguard.watching import Watch  # lazy: it imports torch
 
                 self.watch = Watch(inner, hooks=hooks).__enter__()
                 self.model = inner
@@ -153,14 +155,12 @@ class Session:
     def summary_text(self) -> str:
         """The summary table of the calls since the callback started (``fusionguard.summary()``
         counts the whole process)."""
-        from fusionguard._summary import Summary
 
         return str(Summary(self.rows(since_start=True)))
 
 
 def _verdict(label: str, rows: List[Dict[str, Any]], dense_total: int, model: Any) -> Tuple[str, bool]:
     layers = sorted({r["layer"] for r in rows})
-    from fusionguard.torch_internals import attn_implementation
 
     impl = attn_implementation(model)
     impl_text = f" (config._attn_implementation={impl!r})" if impl else ""
@@ -199,7 +199,7 @@ def _never_ran(layers: List[str], model: Any) -> List[str]:
     if model is None:
         return []
     try:
-        from fusionguard.watching import clean_name
+        from fusionguard.watching import clean_name  # lazy: it imports torch
 
         named = {clean_name(n): m for n, m in model.named_modules()}
         classes = {type(named[name]) for name in layers if name in named}
@@ -214,13 +214,12 @@ def dense_ranks(dense: bool) -> List[int]:
     several processes a collective that every rank must call: a rank that stopped alone would
     leave the others waiting in their next collective (NCCL) or failing it (gloo). One small
     all-reduce; on failure, this rank's own answer."""
-    from fusionguard.core.distributed import process_group_ready
 
     if not process_group_ready():
         return [0] if dense else []
     try:
-        import torch
-        import torch.distributed as dist
+        import torch  # lazy: torch loads on first use, never when this module is imported
+        import torch.distributed as dist  # lazy: torch loads on first use, never when this module is imported
 
         nccl = "nccl" in str(dist.get_backend()) and torch.cuda.is_available()
         flags = torch.zeros(dist.get_world_size(), dtype=torch.int32,
@@ -235,7 +234,6 @@ def dense_ranks(dense: bool) -> List[int]:
 
 def stop_text(ranks: List[int], where: str) -> str:
     """``stop_on_dense``'s line on rank 0: which ranks ran dense (each rank's log names the layers)."""
-    from fusionguard.core.distributed import process_group_ready
 
     on = f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" if process_group_ready() else ""
     return f"fusionguard: stop_on_dense: dense FlexAttention{on} at {where}: training stops"

@@ -24,6 +24,9 @@ from typing import TYPE_CHECKING, Any, Dict
 from fusionguard.integrations._common import DENSE, FUSED, PEAK, Session, dense_ranks, log_at, missing, stop_text
 from fusionguard.eventlog.messages import say
 from fusionguard.core.state import internal_error
+from fusionguard.core.state import STATE
+from fusionguard.eventlog import crash
+import fusionguard
 
 __all__ = ["FusionGuardCallback", "PLFusionGuardCallback", "callback_class"]
 
@@ -92,15 +95,10 @@ class _Mixin:
             internal_error("lightning summary", exc)
         self.session.stop()
         if self.session.enabled_here:
-            import fusionguard
-
             self.session.enabled_here = False
             fusionguard.disable()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        from fusionguard.eventlog import crash
-        from fusionguard.core.state import STATE
-
         crash.record(exception, where="lightning")
         try:
             STATE.log.flush_sampler()

@@ -27,6 +27,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from fusionguard.core.formatting import escape, human_bytes
 from fusionguard._version import __version__
 from fusionguard.report import chart
+from fusionguard.eventlog.kinds import CAUSES, FIXES
 from fusionguard.report.render import MAX_CRASHES_SHOWN, fmt_duration, fmt_ts, notice_lines, rank_ranges
 
 MAX_TEXT = 300  # characters of one string from a log in a cell (crash messages: MAX_MESSAGE)
@@ -214,11 +215,7 @@ def _banner(rep: Dict[str, Any]) -> str:
 
 
 def _fixes() -> Dict[str, Tuple[str, str]]:
-    """cause -> (what it means, the fix), from ``fusionguard.dense.causes`` where it imports."""
-    try:
-        from fusionguard.dense.causes import CAUSES, FIXES
-    except Exception:  # pragma: no cover - the text stays without the explanations
-        return {}
+    """cause -> (what it means, the fix): the words the guard's own messages use."""
     return {k: (CAUSES.get(k, ""), FIXES.get(k, "")) for k in CAUSES}
 
 

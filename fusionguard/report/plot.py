@@ -49,7 +49,7 @@ def plot_target(path: str) -> Tuple[str, str]:
     (``.png``, ``.svg``, ``.pdf``, ...); none: PNG, ``.png`` added (as matplotlib does); a
     directory (existing, or ending in ``/``): ``fusionguard.png`` in it. ValueError, naming the
     extension, for a format matplotlib cannot write (``p.txt``). Needs matplotlib."""
-    from matplotlib.backend_bases import FigureCanvasBase
+    from matplotlib.backend_bases import FigureCanvasBase  # lazy: optional, only for --plot
 
     path = os.fspath(path)
     if path.endswith(("/", os.sep)) or os.path.isdir(path):
@@ -71,7 +71,7 @@ def plot(rep: Dict[str, Any], path: str) -> str:
     sign). Needs matplotlib (``pip install 'fusionguard[plot]'``); raises ImportError otherwise,
     ValueError for a format matplotlib cannot write, OSError for a path that cannot be written.
     The bars' numbers are ``chart``'s, as ``--html``'s chart."""
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: optional, only for --plot
 
     path, fmt = plot_target(path)
     fig, note = figure(rep)
@@ -85,10 +85,10 @@ def plot(rep: Dict[str, Any], path: str) -> str:
 def figure(rep: Dict[str, Any]) -> Tuple[Any, str]:
     """The chart as a matplotlib figure (each bar's ``gid``: ``index|phase`` of ``chart.memory_bars``
     or ``index|phase|what`` of ``chart.count_bars``) and ``plot``'s note; the caller closes it."""
-    import matplotlib
+    import matplotlib  # lazy: optional, only for --plot
 
     matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: optional, only for --plot
 
     rep = escaped(rep)
     measured = any(r["peak_delta_max"] is not None for r in rep["rows"])
@@ -120,8 +120,8 @@ def _finish_plot(fig: Any, ax: Any, rows: list) -> Any:
 
 
 def _plot_counts(rep: Dict[str, Any]) -> Any:
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
+    import matplotlib.pyplot as plt  # lazy: optional, only for --plot
+    from matplotlib.patches import Patch  # lazy: optional, only for --plot
 
     rows = rep["rows"]
     layers = chart.shown(rows)
@@ -150,8 +150,8 @@ def _plot_counts(rep: Dict[str, Any]) -> Any:
 
 
 def _plot_memory(rep: Dict[str, Any]) -> Any:
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
+    import matplotlib.pyplot as plt  # lazy: optional, only for --plot
+    from matplotlib.patches import Patch  # lazy: optional, only for --plot
 
     rows = rep["rows"]
     layers = chart.shown(rows)
