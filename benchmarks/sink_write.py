@@ -3,7 +3,7 @@ appending (no rotation) and rotating (``log_max_bytes``: under ``flock``, with t
 against another ``sink.py`` (e.g. main's) loaded beside this one, in alternating blocks so host
 drift cancels. Median microseconds per line.
 
-    git show main:fusionguard/sink.py > /tmp/sink_main.py
+    git show main:fusionguard/eventlog/sink.py > /tmp/sink_main.py
     python benchmarks/sink_write.py [--other /tmp/sink_main.py] [--dir /tmp] [--lines 200] [--blocks 60]
 """
 

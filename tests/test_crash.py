@@ -141,11 +141,11 @@ def runs(tmp_path_factory):
 
 # -- crash-only subprocesses (no torch: fast) ---------------------------------------------------
 
-# crash.py depends on nothing of fusionguard: loaded from its file, without the package (and
-# so without torch), these subprocesses start in a fraction of a second.
+# crash.py imports nothing that imports torch: loaded from its file (its own copy of the hooks,
+# not the package's), these subprocesses start in a fraction of a second.
 _EMIT_TO_FILE = """
 import importlib.util, json, os, sys, threading, types
-pkg = types.ModuleType("fg_nopkg")  # crash's dependency-free siblings (_format, events), not the package
+pkg = types.ModuleType("fg_nopkg")  # a parent for this copy of crash.py
 pkg.__path__ = [os.path.dirname(sys.argv[2])]
 sys.modules["fg_nopkg"] = pkg
 spec = importlib.util.spec_from_file_location("fg_nopkg.crash", sys.argv[2])
