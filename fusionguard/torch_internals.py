@@ -581,7 +581,7 @@ def nested_flex_codes() -> tuple:
     return _NJT_CODES
 
 
-# --- watch() and compiled graphs (watching/, inductor.py, compiled.py) -------------------------
+# --- watch() and compiled graphs (watching/, fused/inductor.py, fused/runs.py) ----------------
 
 
 def graph_task_id() -> Any:

@@ -236,7 +236,7 @@ def emit(level: str, event: str, **fields: Any) -> dict:
 
 
 def write_stderr(text: str, level: int = logging.WARNING) -> None:
-    """A human message, through ``logging.getLogger("fusionguard")`` (see ``_logger``): on
+    """A human message, through ``logging.getLogger("fusionguard")`` (see ``eventlog.messages``): on
     stderr exactly as written unless the user routed or silenced that logger. Never raises."""
     say(text, level)
 

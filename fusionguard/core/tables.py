@@ -1,7 +1,7 @@
 """The tables fusionguard fills while a program runs: per-layer statistics, the watch registry,
-and the caches of the dense path. Each is a field of the single ``State`` (``_state.py``).
+and the caches of the dense path. Each is a field of the single ``State`` (``core/state.py``).
 
-Why a module of its own: ``_state`` imports these classes, and nothing here imports ``_state``
+Why a module of its own: ``core.state`` imports these classes, and nothing here imports ``core.state``
 (nor torch), so the state has no import cycle. Each class resets *in place* (``reset()``): the
 objects live as long as the process, so a module may hold one and never see a stale copy.
 """

@@ -195,7 +195,7 @@ class EventLog:
     def after_fork_in_child(self) -> Optional[FileSink]:
         """A forked child starts its own log: a free lock, none of the parent's events, ``seq``
         from 1, a sampler with nothing counted; the parent's file let go and returned (its
-        settings open the child's own file, see ``_state``)."""
+        settings open the child's own file, see ``core.state``)."""
         self._emit_lock = threading.RLock()
         self.memory.clear()
         self._seq = 0
