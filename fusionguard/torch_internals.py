@@ -37,8 +37,8 @@ TEMPLATE_SELECTORS = {
 
 # --- The registry of PyTorch's private names -------------------------------------------------
 
-#: name -> whose it is and why fusionguard spells it. Underscore-prefixed names, and the
-#: undocumented non-underscore ones other modules once spelled.
+#: name -> whose it is and why fusionguard spells it: every underscore-prefixed one, and the
+#: non-underscore internals (no public API) the rest of the package needs.
 PRIVATE_NAMES: Dict[str, str] = {}
 
 

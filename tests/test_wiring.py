@@ -191,6 +191,27 @@ def test_dynamo_lookups_answer_on_this_torch_and_nothing_where_missing():
     assert ti._dynamo_attr("torch._dynamo.utils", "no_such_name") is None
 
 
+def test_hook_and_graph_lookups_answer_on_this_torch_and_nothing_where_missing():
+    import torch
+
+    calls = []
+    layer = torch.nn.Linear(2, 2)
+    handle = layer.register_forward_hook(lambda *a: calls.append(1), with_kwargs=True, always_call=True)
+    marks = ti.hook_marks(handle)
+    assert marks and ti.hooks_home(handle)() is layer._forward_hooks
+    hook = layer._forward_hooks[handle.id]
+    handle.remove()
+    layer(torch.ones(2))
+    assert calls == []
+    assert ti.reinsert_hook(handle, hook, marks) is True  # back under its old id, with its flags
+    layer(torch.ones(2))
+    assert calls == [1] and list(layer._forward_hooks) == [handle.id] and handle.id in layer._forward_hooks_always_called
+    # another torch's handle, or no compiled graph: "nothing", never an exception
+    assert ti.hook_marks(object()) == () and ti.reinsert_hook(object(), hook, marks) is False
+    assert ti.graph_callable(object()) is None and ti.graph_callable_is_own(object()) is False
+    assert ti.graph_uses_cudagraphs(object()) is False and ti.compiled_graph_text(object(), source=True) == ""
+
+
 def test_the_allow_dense_context_variable_is_read_only_through_dense_allowed_here():
     """Its value (an ``Allowance``) stays truthy after the block closes: a module testing
     ``if <var>.get():`` lets dense work through in a context copied inside a closed block. Only
