@@ -28,7 +28,7 @@ def _dense(reg: PatchRegistry, op_name: str, phase: str) -> None:
     ti.dense_kernel(op)
     reg.apply(
         f"{op_name}.CompositeExplicitAutograd",
-        op.py_kernels,
+        ti.op_kernels(op),
         ti.dense_key(),
         functools.partial(guard.make_dense_wrapper, phase),
         after=functools.partial(ti.clear_dispatch_cache, op),
@@ -66,7 +66,7 @@ def _lowerings(reg: PatchRegistry) -> None:
 
 def _post_compile(reg: PatchRegistry) -> None:
     cls = ti.compiled_fx_graph()
-    reg.apply("inductor.CompiledFxGraph.post_compile", vars(cls), "post_compile", inductor.make_post_compile_wrapper, owner=cls)
+    reg.apply(f"inductor.CompiledFxGraph.{ti.POST_COMPILE}", vars(cls), ti.POST_COMPILE, inductor.make_post_compile_wrapper, owner=cls)
 
 
 def _signals(reg: PatchRegistry) -> None:
@@ -88,7 +88,7 @@ def _compile_wrappers(reg: PatchRegistry) -> None:
 
 def _rescue(reg: PatchRegistry) -> None:
     home = ti.setup_compilation_env_home()
-    reg.apply("flex_attention.setup_compilation_env", home, "setup_compilation_env", rescue.make_setup_env_wrapper)
+    reg.apply(f"flex_attention.{ti.SETUP_COMPILATION_ENV}", home, ti.SETUP_COMPILATION_ENV, rescue.make_setup_env_wrapper)
 
 
 def _mask_build(reg: PatchRegistry) -> None:

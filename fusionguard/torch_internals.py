@@ -3,12 +3,17 @@
 Everything version-specific about *where* things live is in this file. Each finder returns the
 object or raises ``LookupError`` with a sentence that says what was looked for, so ``enable()`` can
 report what it could not patch instead of failing.
+
+Every private PyTorch name fusionguard spells (attributes, dict keys, function and parameter
+names it looks for) is registered in ``PRIVATE_NAMES`` below, with whose it is; other modules
+use the constants and the lookups here, never the names (tests/test_wiring.py checks it).
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import re
 import sys
 import types
 from typing import Any, Callable, Dict, Optional, Tuple
@@ -33,6 +38,89 @@ TEMPLATE_SELECTORS = {
 }
 
 
+# --- The registry of PyTorch's private names -------------------------------------------------
+
+#: name -> whose it is and why fusionguard spells it: every underscore-prefixed one, and the
+#: non-underscore internals (no public API) the rest of the package needs.
+PRIVATE_NAMES: Dict[str, str] = {}
+
+
+def _private(name: str, why: str) -> str:
+    """Register one of PyTorch's private names (``why``: the object it belongs to, what for)."""
+    PRIVATE_NAMES[name] = why
+    return name
+
+
+# torch's own modules, reached as attributes
+TORCH_C = _private("_C", "torch._C: the C extension module")
+DYNAMO = _private("_dynamo", "torch._dynamo: Dynamo, reached as an attribute of torch")
+FUNCTORCH_C = _private("_functorch", "torch._C._functorch: functorch's C functions (is a tensor a vmap/grad wrapper)")
+IS_FUNCTIONAL_TENSOR = _private("_is_functional_tensor", "torch._is_functional_tensor / torch._C's: a functionalization wrapper")
+GRAPH_TASK_ID = _private("_current_graph_task_id", "torch._C: the id of the backward pass running on this thread")
+PROFILER_FLAG = _private("_is_profiler_enabled", "torch.autograd.profiler: the flag torch.profiler sets")
+PROFILER_ENABLED = _private("_profiler_enabled", "torch._C._autograd: the C function behind that flag")
+# the FlexAttention operators and their dense kernels
+PY_KERNELS = _private("py_kernels", "HigherOrderOperator: its Python kernels by dispatch key (the dense kernel's seam)")
+DISPATCH_CACHE = _private("_dispatch_cache", "HigherOrderOperator: the kernel resolved per dispatch key")
+DENSE_FORWARD = _private("sdpa_dense", "torch._higher_order_ops.flex_attention: the dense forward kernel")
+DENSE_BACKWARD = _private("sdpa_dense_backward", "torch._higher_order_ops.flex_attention: the dense backward kernel")
+MATH_ATTENTION = _private("math_attention", "torch._higher_order_ops.flex_attention: the dense forward's arithmetic")
+MATH_ATTENTION_INNER = _private("_math_attention_inner", "torch._higher_order_ops.flex_attention: inside math_attention")
+FLEX_HOP_WRAPPER = _private("_flex_attention_hop_wrapper", "torch.nn.attention.flex_attention: the wrapper its internal compile compiles")
+DEBUG_FLAG = _private("_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", "torch.nn.attention.flex_attention: run flex eagerly to debug (2.9+)")
+DEFAULT_BLOCK_SIZE = _private("_DEFAULT_SPARSE_BLOCK_SIZE", "torch.nn.attention.flex_attention: the block size of create_block_mask")
+IDENTITY_SCORE_MOD = _private("_identity", "torch.nn.attention.flex_attention: the no-op score_mod flex_attention defaults to")
+MASK_COMPILE_FLAG = _private("_compile", "create_block_mask's parameter that compiled the build (deprecated from 2.13)")
+SETUP_COMPILATION_ENV = _private("setup_compilation_env", "torch.nn.attention.flex_attention: yields the backend of its eager compile (2.11+)")
+# Inductor's compiled graphs
+POST_COMPILE = _private("post_compile", "CompiledFxGraph: runs after every Inductor compile and cache hit (patched)")
+CURRENT_CALLABLE = _private("current_callable", "CompiledFxGraph: the callable every run of the graph goes through (wrapped)")
+POST_GRAD_GRAPH_STR = _private("inductor_post_grad_graph_str", "CompiledFxGraph: the post-grad FX graph's text (2.7+)")
+RUNNABLE_GRAPH_STR = _private("runnable_graph_str", "CompiledFxGraph: the runnable FX graph's text")
+CUDAGRAPH_INFO = _private("cudagraph_info", "CompiledFxGraph: set when the graph runs as CUDA graphs")
+FX_GRAPH_CACHE_KEY = _private("_fx_graph_cache_key", "CompiledFxGraph: the FX graph cache key on older releases (cache_key later)")
+# Dynamo
+ORIG_MOD = _private("_orig_mod", "OptimizedModule (torch.compile(module)): the compiled module")
+ORIG_CALLABLE = _private("_torchdynamo_orig_callable", "OptimizedModule / Dynamo's frame callback: what it wraps")
+ORIG_BACKEND = _private("_torchdynamo_orig_backend", "Dynamo's frame callback: the backend it wraps (2.8+)")
+ONE_GRAPH = _private("_one_graph", "ConvertFrameAssert: compiles with fullgraph=True")
+STANCE = _private("_stance", "torch._dynamo.eval_frame: torch.compiler.set_stance's stance")
+CACHE_ENTRY_LIST = _private("_debug_get_cache_entry_list", "torch._dynamo.eval_frame: a code object's cache entries")
+COMPILATION_METRICS = _private("_compilation_metrics", "torch._dynamo.utils: the per-frame compilation metrics")
+CALL_FUNCTION = _private("_call_function", "FlexAttentionHigherOrderVariable: puts a flex call into a graph")
+DISABLE_CONTEXT = _private("DisableContext", "torch._dynamo.eval_frame: the class of torch.compiler.disable's wrapper")
+EVAL_FRAME_FILE = _private("eval_frame.py", "torch._dynamo.eval_frame's file: where the compile and disable wrappers run")
+WRAPPER_FN = _private("_fn", "torch._dynamo.eval_frame: the function of the compile and disable wrappers")
+COMPILE_WRAPPER_FN = _private("compile_wrapper", "torch._dynamo.eval_frame: the function of the torch.compile wrapper (newer releases)")
+IS_TORCH_HANDLER = _private("_is_torch_handler", "torch._logging._internal: a handler torch._logging added")
+# AOTAutograd
+AOT_RUNTIME_DIR = _private("_aot_autograd", "torch._functorch._aot_autograd: the directory of AOTAutograd's runtime")
+BACKWARD_IMPL = _private("_backward_impl", "AOTAutograd's runtime wrappers: runs the compiled backward")
+FWD_FN = _private("_fwd_fn", "AOTAutograd's runtime wrappers (some releases): the forward")
+BWD_FN = _private("_bwd_fn", "AOTAutograd's runtime wrappers (some releases): the backward")
+CALL_COMPILED_BACKWARD = _private("call_compiled_backward", "AOTAutograd's runtime wrappers (some releases): runs a compiled backward")
+# autograd
+ENGINE_RUN_BACKWARD = _private("_engine_run_backward", "torch.autograd.graph: the frame of every backward pass")
+# nn.Module and its hooks
+MODULES = _private("_modules", "nn.Module: its children, in its __dict__")
+FORWARD_PRE_HOOKS = _private("_forward_pre_hooks", "nn.Module: its forward pre-hook dict, in its __dict__")
+COMPILED_CALL_IMPL = _private("_compiled_call_impl", "nn.Module: set by module.compile()")
+HOOKS_DICT_REF = _private("hooks_dict_ref", "RemovableHandle: a weak reference to the dict holding the hook")
+EXTRA_DICT_REF = _private("extra_dict_ref", "RemovableHandle: weak references to the dicts of the hook's flags (with_kwargs, always_call)")
+FSDP_WRAPPED_MODULE = _private("_fsdp_wrapped_module", "FullyShardedDataParallel (FSDP1): the wrapped module")
+CHECKPOINT_WRAPPED_MODULE = _private("_checkpoint_wrapped_module", "CheckpointWrapper (activation checkpointing): the wrapped module")
+
+#: The attributes through which wrappers hold the wrapped module: DDP (``module``, public),
+#: torch.compile, FSDP1, activation checkpointing.
+WRAPPER_ATTRS = frozenset({"module", ORIG_MOD, FSDP_WRAPPED_MODULE, CHECKPOINT_WRAPPED_MODULE})
+#: ``_orig_mod`` as one part of a dotted module name (``_orig_mod.layers.0``).
+ORIG_MOD_PART = re.compile(rf"(^|\.){ORIG_MOD}(?=\.|$)")
+#: Functions of the FlexAttention dense implementation (frames that mean "inside the dense kernel").
+DENSE_FUNCTIONS = frozenset({DENSE_FORWARD, DENSE_BACKWARD, MATH_ATTENTION, MATH_ATTENTION_INNER})
+#: The functions of AOTAutograd's runtime whose frames hold its autograd ``ctx``.
+AOT_CTX_FUNCTIONS = ("forward", "backward", BACKWARD_IMPL, FWD_FN, BWD_FN, CALL_COMPILED_BACKWARD)
+
+
 def module(name: str) -> types.ModuleType:
     # Not ``import a.b as m``: torch._higher_order_ops re-exports the operator under the
     # module's own name, so attribute access would give the operator, not the module.
@@ -54,7 +142,7 @@ def hop(name: str) -> Any:
     """The ``flex_attention`` / ``flex_attention_backward`` higher-order operator."""
     mod = module(HOP_MODULE)
     op = mod.__dict__.get(name)
-    if op is None or not hasattr(op, "py_kernels"):
+    if op is None or not hasattr(op, PY_KERNELS):
         raise LookupError(f"{HOP_MODULE}.{name} is not a higher-order operator with py_kernels")
     return op
 
@@ -65,8 +153,13 @@ def dense_key() -> Any:
     return torch._C.DispatchKey.CompositeExplicitAutograd
 
 
+def op_kernels(op: Any) -> Dict[Any, Any]:
+    """A higher-order operator's Python kernels by dispatch key (the dense kernel's seam)."""
+    return getattr(op, PY_KERNELS)
+
+
 def dense_kernel(op: Any) -> Any:
-    kernels = op.py_kernels
+    kernels = op_kernels(op)
     key = dense_key()
     if key not in kernels:
         raise LookupError(f"{op} has no CompositeExplicitAutograd py_kernel (the dense implementation)")
@@ -76,7 +169,7 @@ def dense_kernel(op: Any) -> Any:
 def clear_dispatch_cache(op: Any) -> None:
     # HigherOrderOperator caches the resolved kernel per dispatch key: a replaced py_kernels entry
     # is invisible until the cache is cleared.
-    cache = getattr(op, "_dispatch_cache", None)
+    cache = getattr(op, DISPATCH_CACHE, None)
     if cache is not None:
         cache.clear()
 
@@ -135,14 +228,14 @@ def public_module() -> Optional[types.ModuleType]:
 
 def debug_flag_on() -> bool:
     mod = sys.modules.get(PUBLIC_MODULE)
-    return bool(mod is not None and getattr(mod, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", False))
+    return bool(mod is not None and getattr(mod, DEBUG_FLAG, False))
 
 
 def _functional_checks() -> tuple:
     import torch  # lazy: torch loads on first use, never when this module is imported
 
-    functional = getattr(torch, "_is_functional_tensor", None) or getattr(torch._C, "_is_functional_tensor", None)
-    wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
+    functional = getattr(torch, IS_FUNCTIONAL_TENSOR, None) or getattr(torch._C, IS_FUNCTIONAL_TENSOR, None)
+    wrapped = getattr(getattr(torch._C, FUNCTORCH_C, None), "is_functorch_wrapped_tensor", None)
     return functional, wrapped
 
 
@@ -206,9 +299,6 @@ def dynamo_frame_graph() -> Optional[tuple]:
         return tx.f_locals, tx.f_code, tx.output.graph
     except Exception:  # no frame being compiled on this thread
         return None
-
-
-AOT_RUNTIME_DIR = "_aot_autograd"  # in the path of the file where AOTAutograd's autograd.Function runs
 
 
 def found_compiled_graphs() -> list:
@@ -275,12 +365,12 @@ def dynamo_disabled() -> bool:
 
 def compiler_stance() -> Optional[str]:
     """The stance of ``torch.compiler.set_stance`` (2.6+), or None."""
-    return getattr(_dynamo_attr("torch._dynamo.eval_frame", "_stance"), "stance", None)
+    return getattr(_dynamo_attr("torch._dynamo.eval_frame", STANCE), "stance", None)
 
 
 def cache_entries(code: types.CodeType) -> list:
     """Dynamo's cache entries (one per compiled version) for ``code``; [] where unavailable."""
-    get = _dynamo_attr("torch._dynamo.eval_frame", "_debug_get_cache_entry_list")
+    get = _dynamo_attr("torch._dynamo.eval_frame", CACHE_ENTRY_LIST)
     return list(get(code)) if get is not None else []
 
 
@@ -297,13 +387,13 @@ def dynamo_counters(kind: str) -> Dict[Any, Any]:
 
 def compilation_metrics() -> list:
     """Dynamo's per-frame compilation metrics (a capped deque), oldest first; [] where unavailable."""
-    return list(_dynamo_attr("torch._dynamo.utils", "_compilation_metrics") or ())
+    return list(_dynamo_attr("torch._dynamo.utils", COMPILATION_METRICS) or ())
 
 
 def last_compilation_metric() -> Any:
     """The newest record of Dynamo's compilation metrics, or None (one look, no copy: the dense
     path asks it whether anything new was recorded)."""
-    metrics = _dynamo_attr("torch._dynamo.utils", "_compilation_metrics")
+    metrics = _dynamo_attr("torch._dynamo.utils", COMPILATION_METRICS)
     try:
         return metrics[-1] if metrics else None
     except Exception:
@@ -348,10 +438,26 @@ def flex_trace_method() -> Tuple[type, str]:
             f"recompile pressure is unavailable on torch {torch_version()} "
             f"({FLEX_VARIABLE_MODULE}.FlexAttentionHigherOrderVariable not found)"
         )
-    for name in ("_call_function", "call_function"):
+    for name in (CALL_FUNCTION, "call_function"):
         if callable(vars(cls).get(name)):
             return cls, name
     raise LookupError("FlexAttentionHigherOrderVariable defines neither _call_function nor call_function")
+
+
+def is_disable_wrapper(code: types.CodeType) -> bool:
+    """``code`` is the wrapper of a ``torch.compiler.disable``d function (``DisableContext``)."""
+    qual = getattr(code, "co_qualname", code.co_name)
+    return code.co_name == WRAPPER_FN and DISABLE_CONTEXT in qual and code.co_filename.endswith(EVAL_FRAME_FILE)
+
+
+def is_compile_entry(code: types.CodeType) -> bool:
+    """``code`` is the wrapper of a ``torch.compile``d callable: frames inside it run under Dynamo."""
+    qual = getattr(code, "co_qualname", code.co_name)
+    return (
+        code.co_name in (COMPILE_WRAPPER_FN, WRAPPER_FN)
+        and DISABLE_CONTEXT not in qual
+        and code.co_filename.endswith(EVAL_FRAME_FILE)
+    )
 
 
 def compiling_frame() -> Optional[Tuple[Any, types.CodeType]]:
@@ -419,7 +525,7 @@ def register_torch_log(alias: str, qname: str) -> Optional[Callable[[], None]]:
     register(alias, qname)
     logger = logging.getLogger(qname)
     before = (logger.level, logger.propagate)
-    is_torch_handler = getattr(internal, "_is_torch_handler", None)
+    is_torch_handler = getattr(internal, IS_TORCH_HANDLER, None)
 
     def undo() -> None:
         aliases.pop(alias, None)
@@ -468,7 +574,7 @@ def setup_compilation_env_home() -> Dict[str, Any]:
 def has_debug_flag() -> bool:
     """``_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG`` exists (from 2.9)."""
     mod = public_module()
-    return mod is not None and "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG" in mod.__dict__
+    return mod is not None and DEBUG_FLAG in mod.__dict__
 
 
 def recompile_limit_option() -> str:
@@ -492,7 +598,7 @@ def _unwrap_backend(callback: Any) -> Any:
     """Dynamo's frame callback wraps the backend in converters that keep it as
     ``_torchdynamo_orig_backend`` (2.8+) or ``_torchdynamo_orig_callable`` (2.6, 2.7)."""
     for _ in range(10):
-        inner = getattr(callback, "_torchdynamo_orig_backend", None) or getattr(callback, "_torchdynamo_orig_callable", None)
+        inner = getattr(callback, ORIG_BACKEND, None) or getattr(callback, ORIG_CALLABLE, None)
         if inner is None or inner is callback:
             break
         callback = inner
@@ -515,9 +621,28 @@ def compiled_code_backend(code: types.CodeType, orig: types.CodeType, entry_fram
     return None
 
 
-def compiled_graph_text(compiled: Any) -> str:
-    """The post-grad FX graph Inductor keeps with a ``CompiledFxGraph`` (2.7+), or ``""``."""
-    return getattr(compiled, "inductor_post_grad_graph_str", None) or getattr(compiled, "runnable_graph_str", None) or ""
+def compiled_graph_text(compiled: Any, source: bool = False) -> str:
+    """The post-grad FX graph Inductor keeps with a ``CompiledFxGraph`` (2.7+), or ``""``;
+    ``source``: else the graph's generated Python code."""
+    text = getattr(compiled, POST_GRAD_GRAPH_STR, None) or getattr(compiled, RUNNABLE_GRAPH_STR, None)
+    if not text and source:
+        text = getattr(compiled, "source_code", None)
+    return text or ""
+
+
+def graph_callable(compiled: Any) -> Any:
+    """The callable every run of a ``CompiledFxGraph`` goes through (``current_callable``), or None."""
+    return getattr(compiled, CURRENT_CALLABLE, None)
+
+
+def graph_callable_is_own(compiled: Any) -> bool:
+    """The graph holds that callable in its own ``__dict__`` (it can be wrapped there, and put back)."""
+    return CURRENT_CALLABLE in getattr(compiled, "__dict__", {})
+
+
+def graph_uses_cudagraphs(compiled: Any) -> bool:
+    """The graph runs as CUDA graphs (``cudagraph_info`` set)."""
+    return bool(getattr(compiled, CUDAGRAPH_INFO, None))
 
 
 def dynamo_skips_frames(fn: Any, nested: bool) -> bool:
@@ -551,14 +676,14 @@ def is_fullgraph_hook(callback: Any) -> bool:
     compile of it was skipped, e.g. with Dynamo disabled): every frame below it not seen before is
     compiled that way, and the guard's frames cannot be (they leave the graph on purpose). False
     when unsure."""
-    inner = getattr(callback, "_torchdynamo_orig_callable", None)  # CatchErrorsWrapper -> ConvertFrameAssert
-    return getattr(inner, "_one_graph", None) is True
+    inner = getattr(callback, ORIG_CALLABLE, None)  # CatchErrorsWrapper -> ConvertFrameAssert
+    return getattr(inner, ONE_GRAPH, None) is True
 
 
 def graph_cache_key(compiled: Any) -> Optional[str]:
     """The FX graph cache key of a ``CompiledFxGraph`` (``cache_key``; ``_fx_graph_cache_key`` on
     older releases), or None."""
-    return getattr(compiled, "cache_key", None) or getattr(compiled, "_fx_graph_cache_key", None)
+    return getattr(compiled, "cache_key", None) or getattr(compiled, FX_GRAPH_CACHE_KEY, None)
 
 
 NJT_MODULE = "torch.nested._internal.ops"
@@ -589,7 +714,7 @@ def graph_task_id() -> Any:
     outside one (``torch._C._current_graph_task_id``); on a torch without it, always -1."""
     import torch  # lazy: torch loads on first use, never when this module is imported
 
-    return getattr(torch._C, "_current_graph_task_id", None) or (lambda: -1)
+    return getattr(torch._C, GRAPH_TASK_ID, None) or (lambda: -1)
 
 
 def at_trace_time(fn: Any) -> Any:
@@ -604,26 +729,55 @@ def at_trace_time(fn: Any) -> Any:
         return lambda: 0
 
 
-FORWARD_PRE_HOOKS = "_forward_pre_hooks"  # the key of nn.Module's forward pre-hook dict in its __dict__
+def hooks_home(handle: Any) -> Callable[[], Any]:
+    """A hook handle's weak reference to the dict that holds its hook (``hooks_dict_ref``)."""
+    return getattr(handle, HOOKS_DICT_REF)
+
+
+def hook_marks(handle: Any) -> Tuple[Any, ...]:
+    """What registering put in the handle's extra dicts (with_kwargs, always_call) under its id:
+    ``(weak reference to the dict, value)`` pairs; () where the handle does not say."""
+    try:
+        return tuple((ref, ref()[handle.id]) for ref in getattr(handle, EXTRA_DICT_REF) if handle.id in (ref() or {}))
+    except Exception:
+        return ()
+
+
+def reinsert_hook(handle: Any, fn: Callable[..., Any], marks: Tuple[Any, ...]) -> bool:
+    """Put a removed hook back under its old id, as registering put it (the hook in the
+    handle's dict, the same values in its extra dicts: ``marks``, from ``hook_marks``). Why:
+    Dynamo guards on the ids of always-called hooks, so a new registration (a new id) at each
+    watch() entry recompiled every step. False where the handle does not look like that
+    (another torch): the caller registers anew."""
+    try:
+        hooks = getattr(handle, HOOKS_DICT_REF)()
+        if hooks is None or not marks or any(ref() is None for ref, _ in marks):
+            return False
+        hooks[handle.id] = fn
+        for ref, value in marks:
+            ref()[handle.id] = value
+        return True
+    except Exception:
+        return False
 
 
 def is_compile_wrapper(module: Any) -> bool:
     """``torch.compile(module)``'s ``OptimizedModule``: it holds the module as ``_orig_mod``."""
-    return hasattr(module, "_orig_mod") and hasattr(module, "_torchdynamo_orig_callable")
+    return hasattr(module, ORIG_MOD) and hasattr(module, ORIG_CALLABLE)
 
 
 def compiled_in_place(module: Any) -> bool:
     """``module.compile()`` was called: its ``__call__`` runs a compiled ``_call_impl``."""
-    return getattr(module, "_compiled_call_impl", None) is not None
+    return getattr(module, COMPILED_CALL_IMPL, None) is not None
 
 
 def wrapped_module(wrapper: Any) -> Any:
     """The module an ``OptimizedModule`` (being built) wraps; None for ``torch.compiler.disable(module)``,
     the same class around a ``DisableContext``, which compiles nothing."""
     attrs = wrapper.__dict__
-    if type(attrs.get("dynamo_ctx")).__name__ == "DisableContext":
+    if type(attrs.get("dynamo_ctx")).__name__ == DISABLE_CONTEXT:
         return None
-    return attrs.get("_orig_mod") or attrs.get("_modules", {}).get("_orig_mod")
+    return attrs.get(ORIG_MOD) or attrs.get(MODULES, {}).get(ORIG_MOD)
 
 
 def lowering_node() -> Any:
@@ -652,7 +806,7 @@ def profiler_check() -> Callable[[], bool]:
         prof = module("torch.autograd.profiler")
     except ImportError:
         prof = None
-    if prof is not None and isinstance(getattr(prof, "_is_profiler_enabled", None), bool):
+    if prof is not None and isinstance(getattr(prof, PROFILER_FLAG, None), bool):
         return lambda: prof._is_profiler_enabled
     try:
         fn = module("torch._C._autograd")._profiler_enabled
@@ -695,5 +849,5 @@ def block_sizes(frame: Any) -> Tuple[int, int]:
         return int(local["Q_BLOCK_SIZE"]), int(local["KV_BLOCK_SIZE"])
     except Exception:
         mod = public_module()
-        size = int(getattr(mod, "_DEFAULT_SPARSE_BLOCK_SIZE", 128))
+        size = int(getattr(mod, DEFAULT_BLOCK_SIZE, 128))
         return size, size

@@ -39,7 +39,7 @@ class Diagnosis:
         return FIXES.get(self.cause, FIXES["unknown"])
 
 
-_WRAPPER_NAME = "_flex_attention_hop_wrapper"
+_WRAPPER_NAME = ti.FLEX_HOP_WRAPPER
 
 
 def _orig_code_lookup() -> Callable[[types.CodeType], Optional[types.CodeType]]:
@@ -54,21 +54,6 @@ def _orig_code_lookup() -> Callable[[types.CodeType], Optional[types.CodeType]]:
         get = by_id.get
         return lambda code: get(id(code))
     return orig_code_map.get
-
-
-def is_disable_wrapper(code: types.CodeType) -> bool:
-    qual = getattr(code, "co_qualname", code.co_name)
-    return code.co_name == "_fn" and "DisableContext" in qual and code.co_filename.endswith("eval_frame.py")
-
-
-def _is_compile_entry(code: types.CodeType) -> bool:
-    """The wrapper frame of a ``torch.compile``d callable: frames inside it run under Dynamo."""
-    qual = getattr(code, "co_qualname", code.co_name)
-    return (
-        code.co_name in ("compile_wrapper", "_fn")
-        and "DisableContext" not in qual
-        and code.co_filename.endswith("eval_frame.py")
-    )
 
 
 def _seen_by_dynamo(code: types.CodeType) -> bool:
@@ -155,9 +140,9 @@ def _code_kind(code: types.CodeType) -> Tuple[types.CodeType, int, Optional[type
         kind = _COMPILED
     elif code.co_name == _WRAPPER_NAME and is_torch_file(code.co_filename):
         kind = _TORCH_WRAPPER
-    elif _is_compile_entry(code):
+    elif ti.is_compile_entry(code):
         kind = _COMPILE_ENTRY
-    elif is_disable_wrapper(code):
+    elif ti.is_disable_wrapper(code):
         kind = _DISABLE_WRAPPER
     elif user or (is_public_flex(code.co_name, code.co_filename) and not code.co_filename.startswith("<")):
         # PyTorch's public flex_attention is a candidate too: torch.compile(flex_attention)
@@ -310,7 +295,7 @@ def diagnose_backward(origin: Optional[Dict[str, Any]], frame: Optional[types.Fr
     f = frame
     while f is not None:
         fn = f.f_code.co_filename
-        if "_aot_autograd" in fn:
+        if ti.AOT_RUNTIME_DIR in fn:
             return Diagnosis(True, "non_inductor_backend", {"how": "backward graph compiled by AOTAutograd without Inductor"})
         f = f.f_back
     return Diagnosis(False, "eager_call", {"how": "flex_attention_backward operator called directly"})

@@ -25,7 +25,7 @@ from fusionguard.eventlog.messages import dense_text
 from fusionguard.core.state import STATE, count, dense_allowed_here, internal_error
 from fusionguard.dense.memory import default_mask_limit, free_bytes, mask_build_bytes
 from fusionguard.errors import DenseFallbackError
-from fusionguard.torch_internals import block_sizes, create_block_mask_code, mask_home
+from fusionguard.torch_internals import MASK_COMPILE_FLAG, block_sizes, create_block_mask_code, mask_home
 from fusionguard.watching import naming
 
 _is_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", lambda: False)
@@ -67,7 +67,7 @@ def _fix_text() -> str:
     compile_flag = ""
     try:
         params = inspect.signature(mask_home()["create_block_mask"]).parameters
-        if "_compile" in params:
+        if MASK_COMPILE_FLAG in params:
             compile_flag = " (or `create_block_mask(..., _compile=True)`, deprecated from 2.13)"
     except Exception:
         pass

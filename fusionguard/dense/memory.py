@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 from typing import Any, Optional, Sequence
 
+from fusionguard.torch_internals import IDENTITY_SCORE_MOD
+
 #: What ``enable(mask_limit=None)`` resolves to: this fraction of the building device's memory.
 MASK_LIMIT_FRACTION = 0.10
 
@@ -47,7 +49,7 @@ def mask_build_bytes(b: int, h: int, q_len: int, kv_len: int, block: Sequence[in
 
 def _is_identity(fn: Any) -> bool:
     """True for the no-op score_mod: ``_identity``, or the traced graph of it (no computation)."""
-    if getattr(fn, "__name__", None) == "_identity":
+    if getattr(fn, "__name__", None) == IDENTITY_SCORE_MOD:
         return True
     graph = getattr(fn, "graph", None)
     nodes = getattr(graph, "nodes", None)

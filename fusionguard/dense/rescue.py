@@ -107,7 +107,7 @@ def _caller(frame: Any) -> Any:
 def _user_disabled(frame: Any) -> bool:
     f = frame
     while f is not None:
-        if causes.is_disable_wrapper(f.f_code):
+        if ti.is_disable_wrapper(f.f_code):
             fn = f.f_locals.get("fn")
             code = getattr(fn, "__code__", None)
             if code is not None and not frames.is_torch_file(code.co_filename) and not code.co_filename.startswith("<"):

@@ -7,12 +7,13 @@ from __future__ import annotations
 import sys
 from typing import Any, Iterable, List, Optional
 
+from fusionguard import torch_internals as ti
 from fusionguard.core.formatting import human_bytes
 from fusionguard.eventlog.kinds import FLEX_EVENTS
 
 # Frames that mean "inside a FlexAttention kernel" (PyTorch's dense implementation, our wrapper).
-DENSE_FUNCTIONS = frozenset({"sdpa_dense", "sdpa_dense_backward", "math_attention", "_math_attention_inner", "fusionguard_dense_kernel"})
-BACKWARD_FUNCTIONS = frozenset({"_engine_run_backward", "backward"})
+DENSE_FUNCTIONS = ti.DENSE_FUNCTIONS | {"fusionguard_dense_kernel"}
+BACKWARD_FUNCTIONS = frozenset({ti.ENGINE_RUN_BACKWARD, "backward"})
 MAX_MESSAGE = 2000
 
 

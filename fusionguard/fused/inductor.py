@@ -203,7 +203,7 @@ def _parse_graph(text: str) -> List[Dict[str, Any]]:
         k = tensors.get(names[1]) if len(names) > 1 else None
         calls.append(
             {
-                "phase": "backward" if op.endswith("_backward") else "forward",
+                "phase": "backward" if op == "flex_attention_backward" else "forward",
                 "q_shape": q[1] if q else None,
                 "kv_shape": k[1] if k else None,
                 "dtype": q[0] if q else None,
@@ -362,24 +362,23 @@ def live_flex_graphs() -> Tuple[List[Any], float]:
     t0 = time.perf_counter()
     found = []
     for g in ti.found_compiled_graphs():
-        fn = getattr(g, "current_callable", None)
-        if getattr(fn, "_fusionguard_records", None) is not None:
+        if getattr(ti.graph_callable(g), "_fusionguard_records", None) is not None:
             continue
-        text = getattr(g, "inductor_post_grad_graph_str", None) or getattr(g, "runnable_graph_str", None) or getattr(g, "source_code", None) or ""
+        text = ti.compiled_graph_text(g, source=True)
         if "flex_attention" in text:
             found.append(g)
     return found, (time.perf_counter() - t0) * 1e3
 
 
 def _flex_call_count(g: Any) -> int:
-    text = getattr(g, "inductor_post_grad_graph_str", None) or getattr(g, "runnable_graph_str", None) or ""
+    text = ti.compiled_graph_text(g)
     return len(_FLEX_CALL.findall(text)) if text else 1
 
 
 def unseen_graphs(graphs: List[Any]) -> int:
     """Of the graphs found at ``enable()``: those whose runs cannot be counted (no
     ``current_callable`` of their own) or whose calls cannot be named per layer (several)."""
-    return sum(1 for g in graphs if "current_callable" not in getattr(g, "__dict__", {}) or _flex_call_count(g) != 1)
+    return sum(1 for g in graphs if not ti.graph_callable_is_own(g) or _flex_call_count(g) != 1)
 
 
 def adopt_live_graphs(graphs: List[Any], search_ms: float) -> Dict[str, Any]:
@@ -391,7 +390,7 @@ def adopt_live_graphs(graphs: List[Any], search_ms: float) -> Dict[str, Any]:
     for g in graphs:
         emitted, namer = record_compiled_graph(g, source="before_enable")
         count_runs(g, emitted, namer)
-        if getattr(getattr(g, "current_callable", None), "_fusionguard_records", None) is not None:
+        if getattr(ti.graph_callable(g), "_fusionguard_records", None) is not None:
             counted += 1
     unseen = unseen_graphs(graphs)
     info: Dict[str, Any] = {"graphs": len(graphs), "counted": counted, "unseen_graphs": unseen, "search_ms": round(search_ms, 2)}

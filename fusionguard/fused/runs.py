@@ -25,7 +25,7 @@ def fqn_from_source(text: str) -> str:
     among them, ``L['self']._modules['layers']._modules['0']``) or as plain names."""
     if "[" not in text and not text.startswith("L"):
         return text
-    text = text.replace("._modules[", "[")  # the same submodule, reached through the dict
+    text = text.replace(f".{ti.MODULES}[", "[")  # the same submodule, reached through the dict
     if text.startswith("L['"):  # the compiled frame's local holding the root module (self, mod, ...)
         text = text[text.index("]") + 1 :]
     elif text.startswith("G['"):
@@ -164,7 +164,7 @@ class _ModuleForward(_FrameLocal):
 
 def _aot_ctx() -> "_FrameLocal":
     """AOTAutograd's autograd ``ctx``: shared by a forward run and its backward."""
-    return _FrameLocal(("forward", "backward", "_backward_impl", "_fwd_fn", "_bwd_fn", "call_compiled_backward"), ti.AOT_RUNTIME_DIR, "ctx")
+    return _FrameLocal(ti.AOT_CTX_FUNCTIONS, ti.AOT_RUNTIME_DIR, "ctx")
 
 
 _CTX_FIELD = "_fusionguard_layers"  # on AOTAutograd's ctx: the forward run's full names
@@ -336,7 +336,7 @@ def count_runs(compiled: Any, records: List[Dict[str, Any]], namer: Optional[Nam
     phase, then counters) with the number of fused FlexAttention calls it made, named per run
     (``Namer``; without ``watch()`` too, see ``Namer.unwatched``). The wrapper goes in through
     the patch registry, so ``disable()`` puts the graph's own callable back."""
-    fn = getattr(compiled, "current_callable", None)
+    fn = ti.graph_callable(compiled)
     if fn is None or getattr(fn, "_fusionguard_records", None) is not None or not records:
         return
     per_phase: Dict[str, List[Dict[str, Any]]] = {}
@@ -351,7 +351,7 @@ def count_runs(compiled: Any, records: List[Dict[str, Any]], namer: Optional[Nam
             "flex_calls": len(rs),
             "template": rs[0].get("template"),
             "graph": rs[0].get("graph"),
-            "cudagraphs": bool(getattr(compiled, "cudagraph_info", None)) or None,
+            "cudagraphs": ti.graph_uses_cudagraphs(compiled) or None,
         }
         for phase, rs in per_phase.items()
     ]
@@ -408,11 +408,11 @@ def count_runs(compiled: Any, records: List[Dict[str, Any]], namer: Optional[Nam
 
     counted._fusionguard_records = summaries  # type: ignore[attr-defined]
     counted.__wrapped__ = fn  # type: ignore[attr-defined]
-    if "current_callable" not in getattr(compiled, "__dict__", {}):  # (not reversible: not wrapped)
+    if not ti.graph_callable_is_own(compiled):  # (not reversible: not wrapped)
         return
     table = _GraphAttrs(compiled)
     # (keyed by the table, which the registry keeps alive: its id is never reused meanwhile)
-    STATE.patches.apply(f"graph {id(table)}.current_callable", table, "current_callable", lambda _: counted)
+    STATE.patches.apply(f"graph {id(table)}.{ti.CURRENT_CALLABLE}", table, ti.CURRENT_CALLABLE, lambda _: counted)
 
 
 class _GraphAttrs(MutableMapping):

@@ -69,7 +69,7 @@ class Hooks:
         self.owner: Optional["Watch"] = None
         self.name = ""
         self.compiled = False
-        self.handles: List[Tuple[Any, Tuple[Any, ...]]] = []  # (pre, post): (handle, _marks)
+        self.handles: List[Tuple[Any, Tuple[Any, ...]]] = []  # (pre, post): (handle, ti.hook_marks)
         self.home: Callable[[], Any] = lambda: None  # the module's pre-hook dict, weakly
         slot = self  # the hooks hold the slot, never the module (the module holds the hooks)
         traced = ti.at_trace_time(lambda: _hooks_traced(slot))
@@ -119,48 +119,22 @@ class Hooks:
 
     def _register(self, module: torch.nn.Module) -> None:
         fns = (self.pre, self.post)
-        if self.handles and all(_reinsert(h, fn, marks) for fn, (h, marks) in zip(fns, self.handles)):
+        if self.handles and all(ti.reinsert_hook(h, fn, marks) for fn, (h, marks) in zip(fns, self.handles)):
             return
         for h, _ in self.handles:  # (a partial re-insert)
             h.remove()
         # with_kwargs: Hugging Face layers take their tensors as keyword arguments
         pre = module.register_forward_pre_hook(self.pre, with_kwargs=True)
-        self.handles = [(pre, _marks(pre))]
-        self.home = pre.hooks_dict_ref
+        self.handles = [(pre, ti.hook_marks(pre))]
+        self.home = ti.hooks_home(pre)
         post = module.register_forward_hook(self.post, with_kwargs=True, always_call=True)
-        self.handles.append((post, _marks(post)))
+        self.handles.append((post, ti.hook_marks(post)))
 
     def detach(self) -> None:
         with STATE.watch.lock:
             self.owner = None
             for h, _ in self.handles:
                 h.remove()  # the handles stay, to put the same hooks back under the same ids
-
-
-def _marks(handle: Any) -> Tuple[Any, ...]:
-    """What registering put in the handle's extra dicts (with_kwargs, always_call) under its id."""
-    try:
-        return tuple((ref, ref()[handle.id]) for ref in handle.extra_dict_ref if handle.id in (ref() or {}))
-    except Exception:
-        return ()
-
-
-def _reinsert(handle: Any, fn: Callable[..., Any], marks: Tuple[Any, ...]) -> bool:
-    """Put a removed hook back under its old id, as registering put it (the hook in the
-    handle's dict, the same values in its extra dicts). Why: Dynamo guards on the ids of
-    always-called hooks, so a new registration (a new id) at each watch() entry recompiled
-    every step. False where the handle does not look like that (another torch): the caller
-    registers anew."""
-    try:
-        hooks = handle.hooks_dict_ref()
-        if hooks is None or not marks or any(ref() is None for ref, _ in marks):
-            return False
-        hooks[handle.id] = fn
-        for ref, value in marks:
-            ref()[handle.id] = value
-        return True
-    except Exception:
-        return False
 
 
 WATCH_TRACED_ADVICE = (

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
-import re
 import threading
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -22,12 +21,9 @@ from fusionguard.core.state import STATE, internal_error
 LAYER: contextvars.ContextVar[Tuple[Tuple[str, Optional[type]], ...]] = contextvars.ContextVar("fusionguard_layer", default=())
 
 
-_ORIG_MOD = re.compile(r"(^|\.)_orig_mod(?=\.|$)")
-
-
 def clean_name(name: str) -> str:
     """``_orig_mod.layers.0`` -> ``layers.0``: names as the user's own model spells them."""
-    return _ORIG_MOD.sub("", name).lstrip(".")
+    return ti.ORIG_MOD_PART.sub("", name).lstrip(".")
 
 
 def resolve_watched_name(name: str) -> str:
@@ -56,7 +52,7 @@ def resolve_watched_name(name: str) -> str:
 
 # attributes through which wrappers hold the wrapped module: DDP, torch.compile, FSDP1,
 # activation checkpointing
-_WRAPPER_ATTRS = frozenset({"module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+_WRAPPER_ATTRS = ti.WRAPPER_ATTRS
 
 
 def flex_layer(frame: Any = None) -> Optional[str]:

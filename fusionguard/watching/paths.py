@@ -27,6 +27,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from fusionguard import torch_internals as ti
 from fusionguard.eventlog.messages import logger
 from fusionguard.core.state import STATE, internal_error
 from fusionguard.core.frames import is_torch_file
@@ -73,7 +74,7 @@ def _scan_now() -> None:
     finally:
         del objects
     for m in modules:
-        children = m.__dict__.get("_modules") or {}
+        children = m.__dict__.get(ti.MODULES) or {}
         for key, child in children.items():
             if child is not None and id(child) not in parents:
                 parents[id(child)] = (weakref.ref(child), weakref.ref(m), key)
@@ -96,7 +97,7 @@ def _unwrap(top: torch.nn.Module) -> List[torch.nn.Module]:
     follow (as under ``watch()``; the wrappers are named as that model)."""
     chain = [top]
     for _ in range(8):
-        children = list(top.__dict__.get("_modules", {}).items())
+        children = list(top.__dict__.get(ti.MODULES, {}).items())
         if len(children) != 1 or children[0][0] not in _WRAPPER_ATTRS or children[0][1] is None:
             break
         top = children[0][1]

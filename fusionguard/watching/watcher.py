@@ -132,7 +132,7 @@ class Watch:
                 if not under(raw_name, held):
                     compiled = ti.is_compile_wrapper(module)
                     if compiled:
-                        wrapped.append(f"{raw_name}._orig_mod" if raw_name else "_orig_mod")
+                        wrapped.append(f"{raw_name}.{ti.ORIG_MOD}" if raw_name else ti.ORIG_MOD)
                     elif compiled_inside(module) or ti.compiled_in_place(module):
                         held.append(raw_name)
                 if name:
@@ -322,9 +322,7 @@ def no_flex_calls(model: torch.nn.Module) -> None:
         STATE.stats.no_flex_told[id(model)] = weakref.ref(model)
     except TypeError:  # a module class without weak references: told once per process then
         STATE.stats.no_flex_told[id(model)] = lambda: model
-    config = getattr(model, "config", None)
-    impl = getattr(config, "_attn_implementation", None) if config is not None else None
-    impl = impl if isinstance(impl, str) else None
+    impl = ti.attn_implementation(model)
     name = type(model).__qualname__
     fields: Dict[str, Any] = {"model": name, "module": type(model).__module__, "attn_implementation": impl, "fix": NO_FLEX_FIX}
     STATE.log.emit("warning", "no_flex_calls", **fields)
