@@ -211,30 +211,36 @@ def test_every_import_goes_down_the_module_map():
     assert order and up == [], "move the module below what it imports in docs/internals.md's module map: " + ", ".join(sorted(up))
 
 
-def test_every_import_inside_a_function_says_why():
+def _bare_late_imports(name: str, path: str) -> List[str]:
+    lines = open(path).read().splitlines()
+    bare: List[str] = []
+
+    def visit(node: ast.AST, inside: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if inside and isinstance(child, (ast.Import, ast.ImportFrom)):
+                own = lines[child.end_lineno - 1] if child.end_lineno else ""
+                above = lines[child.lineno - 2].strip() if child.lineno > 1 else ""
+                reason = own.split("#", 1)[1] if "#" in own else ""
+                reason = reason.replace("noqa", "").replace("type: ignore", "").strip(" :#,")
+                if not reason and not above.startswith("#"):
+                    bare.append(f"{name}:{child.lineno}")
+            visit(child, inside or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)))
+
+    visit(ast.parse("\n".join(lines)), False)
+    return bare
+
+
+def test_every_import_inside_a_function_says_why(tmp_path):
     """A one-line reason on the import's line, or a comment line right above it (a cycle, the cost
     of importing torch, an optional dependency)."""
-    bare = []
-    for name, path in _modules().items():
-        lines = open(path).read().splitlines()
-
-        def visit(node: ast.AST, inside: bool) -> None:
-            for child in ast.iter_child_nodes(node):
-                if inside and isinstance(child, (ast.Import, ast.ImportFrom)):
-                    own = lines[child.end_lineno - 1] if child.end_lineno else ""
-                    above = lines[child.lineno - 2].strip() if child.lineno > 1 else ""
-                    reason = own.split("#", 1)[1] if "#" in own else ""
-                    reason = reason.replace("noqa", "").replace("type: ignore", "").strip(" :#,")
-                    if not reason and not above.startswith("#"):
-                        bare.append(f"{name}:{child.lineno}")
-                visit(child, inside or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)))
-
-        visit(ast.parse("\n".join(lines)), False)
-    assert bare == []
+    probe = tmp_path / "probe.py"
+    probe.write_text("import os\ndef f():\n    import sys\n    import re  # why\n    # why\n    import json\n")
+    assert _bare_late_imports("probe", str(probe)) == ["probe:3"]  # the check finds a bare one
+    assert [b for name, path in _modules().items() for b in _bare_late_imports(name, path)] == []
 
 
 def test_where_things_go_names_paths_that_exist():
-    import re
+    import re  # (a reason, as the rule above asks of the package)
 
     named = set(re.findall(r"`((?:fusionguard|tests|docs|examples|benchmarks)/[\w/.]*|pyproject\.toml)`", _section("Where things go")))
     assert len(named) >= 10
