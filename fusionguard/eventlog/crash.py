@@ -1,6 +1,8 @@
 """Crash records: what was FlexAttention doing when the process died?
 
-``install(emit, last_flex_event=..., summary=...)`` adds, and ``uninstall()`` removes:
+``install(emit, last_flex_event=..., summary=..., registry=...)`` adds, each with its undo in
+``registry`` (fusionguard's one undo registry: ``disable()`` removes them; ``uninstall()`` without
+one):
 
 - ``sys.excepthook`` and ``threading.excepthook``: an uncaught exception writes a ``crash``
   event (exception type and message, the thread, the last frames, the last FlexAttention event,
@@ -26,8 +28,8 @@ Native crashes (a segfault or abort inside PyTorch, where no Python hook runs):
 ``capture_native(log_path)`` points CPython's ``faulthandler`` at a file beside the log (the
 fatal signal and every thread's Python stack), unless the host already enabled ``faulthandler``
 (pytest does): then it is left alone and the header says ``crash_capture: "host-owned"``.
-``release_native()`` disables it again (and removes the file if nothing was written).
-``native_crash(...)`` turns such a file into a ``crash`` record for ``fusionguard report``.
+``release_native()`` disables it again (and removes the file if nothing was written); so does
+its registry entry, ``faulthandler: crash file``. ``report/crashfile.py`` reads such a file.
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ _MAX_TRACEBACK = 4000
 class CrashHooks:
     """This module's process-wide bookkeeping, one object (fusionguard's ``State.crash``): the
     hooks it replaced, what they call, the faulthandler file it owns. Never reset while hooks
-    are installed: only ``uninstall()`` puts the previous ones back."""
+    are installed: only their undo (the registry's entries, or ``uninstall()``) puts the
+    previous ones back."""
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
@@ -67,6 +70,7 @@ class CrashHooks:
         self.prev_sigterm: Any = None
         self.sigterm_installed = False
         self.native: Optional[Tuple[int, str]] = None  # (fd, path) of the faulthandler file we own
+        self.native_registry: Optional[PatchRegistry] = None  # where that file's undo is recorded
         self.registry: Optional[PatchRegistry] = None  # where the hooks' undo is recorded (the package's)
         # SIGTERM handling: "idle"; "pending" (the shutdown event is being written); "done"
         # (written, or given up on: hand the signal over on the next delivery)
@@ -107,6 +111,7 @@ def install(
     with CRASH.lock:
         reg = CRASH.registry = registry
         CRASH.emit, CRASH.last_flex, CRASH.summary = emit, last_flex_event, summary
+        _record(reg, "crash: recording", _stop_recording, lambda: not CRASH.active)  # (first: undone after the hooks)
         if sys.excepthook is not _sys_hook:
             _forget(reg, "sys.excepthook")
             CRASH.prev_sys = prev_sys = sys.excepthook
@@ -123,15 +128,22 @@ def install(
 
 
 def uninstall() -> None:
-    """Stop recording; put back the previous hooks where ours are still installed."""
+    """Stop recording; put back the previous hooks where ours are still installed. (With a
+    registry, its entries do all of it: ``disable()`` removes them, newest first.)"""
     with CRASH.lock:
-        CRASH.active = False
-        for name in ("sys.excepthook", "threading.excepthook", "signal.SIGTERM"):
-            if CRASH.registry is not None:
+        if CRASH.registry is not None:
+            for name in ("signal.SIGTERM", "threading.excepthook", "sys.excepthook", "crash: recording"):
                 CRASH.registry.remove(name)
         _restore_sys()  # (no-ops when the registry's entries did it)
         _restore_threading()
         _uninstall_sigterm()
+        _stop_recording()
+
+
+def _stop_recording() -> None:
+    """Our hooks, wherever they still are (somebody may have chained to them), write nothing."""
+    with CRASH.lock:
+        CRASH.active = False
         CRASH.emit = CRASH.last_flex = CRASH.summary = None
 
 
@@ -183,8 +195,10 @@ def crash_file_for(log_path: str) -> str:
     return (base if base.endswith(tag) else base + tag) + ".crash"
 
 
-def capture_native(log_path: str, mode: int = 0o600) -> Dict[str, Any]:
-    """Send fatal-signal reports to a file beside ``log_path``; the header fields that say so."""
+def capture_native(log_path: str, mode: int = 0o600, registry: Optional[PatchRegistry] = None) -> Dict[str, Any]:
+    """Send fatal-signal reports to a file beside ``log_path``; the header fields that say so.
+    ``registry``: where its undo is recorded (``release_native``; default: the one ``install()``
+    was given, e.g. in a forked child)."""
     from fusionguard.eventlog.sink import open_regular
 
     with CRASH.lock:
@@ -211,13 +225,27 @@ def capture_native(log_path: str, mode: int = 0o600) -> Dict[str, Any]:
             if fd >= 0:
                 os.close(fd)
             return {"crash_capture": "off", "crash_capture_error": f"{type(exc).__name__}: {exc}", "crash_file": None}
-        CRASH.native = (fd, path)
+        CRASH.native = owned = (fd, path)
+        reg = CRASH.native_registry = registry if registry is not None else CRASH.registry
+        if reg is not None:
+            reg.remove("faulthandler: crash file")  # (a stale entry: its restored() is about the file it was for)
+            reg.add_hook("faulthandler: crash file", _release, lambda: CRASH.native != owned and not faulthandler.is_enabled())
         return {"crash_capture": "faulthandler", "crash_file": path}
 
 
 def release_native(after_fork: bool = False) -> None:
-    """Give ``faulthandler`` back as it was (off) if we turned it on; remove an empty crash file.
-    ``after_fork``: in a forked child, where the file is the parent's (closed, never removed)."""
+    """Give ``faulthandler`` back as it was (off) if we turned it on; remove an empty crash file;
+    drop its registry entry. ``after_fork``: in a forked child, where the file is the parent's
+    (closed, never removed)."""
+    with CRASH.lock:
+        _release(after_fork)
+        reg, CRASH.native_registry = CRASH.native_registry, None
+        if reg is not None:
+            reg.remove("faulthandler: crash file")  # (its undo, _release, has nothing left to do)
+
+
+def _release(after_fork: bool = False) -> None:
+    """The ``faulthandler`` entry's undo (``disable()``): ``release_native`` but the entry."""
     with CRASH.lock:
         if CRASH.native is None:
             return
