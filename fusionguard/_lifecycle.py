@@ -98,6 +98,10 @@ def _counts() -> dict:
     return {"counts": dict(STATE.counts)}
 
 
+def _write_lock() -> Any:
+    return STATE.log.write_lock  # (a forked child's log has a lock of its own)
+
+
 def start(config: Config, log_dir: Optional[str]) -> None:
     """``enable()`` with a validated ``config`` whose ``log_path`` is resolved."""
     new_log = config.log_path != STATE.config.log_path
@@ -132,7 +136,7 @@ def start(config: Config, log_dir: Optional[str]) -> None:
     if live is not None and live[0]:  # (after the header: their records are events of this log)
         _torch_side().adopt_live_graphs(*live)
     try:
-        crash.install(emit, last_flex_event=_last_flex, summary=_counts, registry=STATE.patches)
+        crash.install(emit, last_flex_event=_last_flex, summary=_counts, registry=STATE.patches, write_lock=_write_lock)
     except Exception as exc:
         internal_error("crash hooks", exc)
     if not STATE.atexit_registered:  # atexit has no undo we may use (unregister drops every

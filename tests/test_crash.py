@@ -478,6 +478,36 @@ print("not reached", flush=True)
     assert event["event"] == "shutdown" and event["reason"] == "sigterm"
 
 
+def test_sigterm_shutdown_counts_are_read_under_the_write_lock(tmp_path):
+    """The counts go into ``shutdown`` in the same hold of the log's lock as its write: an event
+    the interrupted thread counts and writes before letting go of the lock is in them (they were
+    read before the wait once, and came out one behind: docs/guarantees.md)."""
+    p, events = _run(
+        _EMIT_TO_FILE
+        + """
+import os, signal, time
+LOCK = threading.RLock()  # the log's lock: re-entrant, like EventLog.write_lock
+COUNTS = {"dense_forward": 0}
+def locked_emit(level, event, **fields):
+    with LOCK:
+        emit(level, event, **fields)
+crash.install(locked_emit, summary=lambda: {"counts": dict(COUNTS)}, write_lock=lambda: LOCK)
+with LOCK:  # the main thread in the middle of writing an event
+    os.kill(os.getpid(), signal.SIGTERM)  # the handler hands the write over, returns after 1 s
+    for _ in range(3):
+        time.sleep(0.01)
+    COUNTS["dense_forward"] += 1  # then it counts and writes one more, still holding the lock
+    locked_emit("warning", "flex_call")
+time.sleep(20)
+print("not reached", flush=True)
+""",
+        tmp_path,
+    )
+    assert p.returncode == -signal.SIGTERM and "not reached" not in p.stdout, p.stderr
+    assert [e["event"] for e in events] == ["flex_call", "shutdown"]
+    assert events[1]["counts"] == {"dense_forward": 1}
+
+
 # -- native crashes -----------------------------------------------------------------------------------
 
 

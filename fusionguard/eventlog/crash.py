@@ -13,9 +13,12 @@ one):
   signal to the previous handler: a Python handler is called, or ``SIG_DFL`` is restored and the
   signal re-raised (the process dies of SIGTERM as it would have). If the signal interrupted the
   main thread while it held the log's lock, the write is finished by a helper thread and the
-  signal delivered again (see ``_on_sigterm``): never a deadlock. Nothing is installed when
-  SIGTERM was ignored (``SIG_IGN``) or handled outside Python: the process would not stop, or we
-  could not hand it on.
+  signal delivered again (see ``_on_sigterm``): never a deadlock. The counts are read in the
+  same hold of the log's lock as the event is written (``write_lock``), and from the signal
+  until it is handed over the guard counts and logs no call (``sigterm_pending()``): the
+  ``shutdown`` event's counts are those of the events before it, and none follows it. Nothing
+  is installed when SIGTERM was ignored (``SIG_IGN``) or handled outside Python: the process
+  would not stop, or we could not hand it on.
 
 This module knows nothing of fusionguard's global state: it logs through ``emit(level, event,
 **fields)`` and reads the last FlexAttention event through ``last_flex_event()``; it imports
@@ -34,13 +37,14 @@ its registry entry, ``faulthandler: crash file``. ``report/crashfile.py`` reads 
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import signal
 import sys
 import threading
 import traceback
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Dict, List, Optional, Tuple
 
 from fusionguard.eventlog.diagnosis import MAX_MESSAGE, compact_flex, diagnose, exception_name
 
@@ -65,6 +69,7 @@ class CrashHooks:
         self.emit: Optional[Emit] = None
         self.last_flex: Optional[Callable[[], Optional[dict]]] = None
         self.summary: Optional[Callable[[], Dict[str, Any]]] = None
+        self.write_lock: Optional[Callable[[], ContextManager[Any]]] = None
         self.prev_sys: Any = None
         self.prev_threading: Any = None
         self.prev_sigterm: Any = None
@@ -99,6 +104,7 @@ def install(
     summary: Optional[Callable[[], Dict[str, Any]]] = None,
     sigterm: bool = True,
     registry: Optional[PatchRegistry] = None,
+    write_lock: Optional[Callable[[], ContextManager[Any]]] = None,
 ) -> None:
     """Install the hooks (a second call only updates the callables: never chains twice).
 
@@ -107,10 +113,13 @@ def install(
     summary:         returns extra fields for the SIGTERM ``shutdown`` event (e.g. ``counts``).
     sigterm:         also handle SIGTERM (only possible from the main thread; skipped otherwise).
     registry:        where each hook's undo is recorded (``disable()`` removes it); None: only ``uninstall()``.
+    write_lock:      returns the lock ``emit`` writes under (re-entrant): ``summary()`` is read and
+                     the SIGTERM ``shutdown`` written in one hold of it, so its counts are those of
+                     the events before it (docs/guarantees.md).
     """
     with CRASH.lock:
         reg = CRASH.registry = registry
-        CRASH.emit, CRASH.last_flex, CRASH.summary = emit, last_flex_event, summary
+        CRASH.emit, CRASH.last_flex, CRASH.summary, CRASH.write_lock = emit, last_flex_event, summary, write_lock
         _record(reg, "crash: recording", _stop_recording, lambda: not CRASH.active)  # (first: undone after the hooks)
         if sys.excepthook is not _sys_hook:
             _forget(reg, "sys.excepthook")
@@ -144,7 +153,7 @@ def _stop_recording() -> None:
     """Our hooks, wherever they still are (somebody may have chained to them), write nothing."""
     with CRASH.lock:
         CRASH.active = False
-        CRASH.emit = CRASH.last_flex = CRASH.summary = None
+        CRASH.emit = CRASH.last_flex = CRASH.summary = CRASH.write_lock = None
 
 
 def _forget(reg: Optional[PatchRegistry], name: str) -> None:
@@ -175,6 +184,13 @@ def _restore_threading() -> None:
 
 def is_installed() -> bool:
     return CRASH.active
+
+
+def sigterm_pending() -> bool:
+    """SIGTERM arrived and its ``shutdown`` event is being written, or is written and the signal
+    not yet handed over: the process is ending, and no event may follow that one (the guard
+    stops counting and logging calls; docs/guarantees.md)."""
+    return CRASH.sigterm_state != "idle"
 
 
 def tidy() -> None:
@@ -410,16 +426,19 @@ def _uninstall_sigterm() -> None:
 
 
 def _write_sigterm_shutdown() -> None:
-    emit, summary = CRASH.emit, CRASH.summary
+    """``summary()`` is read and the event written in one hold of the log's write lock: its
+    counts are those of the events before it, whatever the interrupted thread was writing."""
+    emit, summary, write_lock = CRASH.emit, CRASH.summary, CRASH.write_lock
     if emit is None or not CRASH.active:
         return
-    fields: Dict[str, Any] = {"reason": "sigterm", "signal": "SIGTERM"}
-    if summary is not None:
-        try:
-            fields.update(summary())
-        except Exception:
-            pass
-    emit("warning", "shutdown", **fields)
+    with write_lock() if write_lock is not None else contextlib.nullcontext():
+        fields: Dict[str, Any] = {"reason": "sigterm", "signal": "SIGTERM"}
+        if summary is not None:
+            try:
+                fields.update(summary())
+            except Exception:
+                pass
+        emit("warning", "shutdown", **fields)
 
 
 _SIGTERM_WAIT_S = 1.0  # the handler waits this long for the write before deferring
