@@ -16,7 +16,6 @@ from typing import Any, Optional
 from fusionguard.eventlog import crash, diagnosis
 from fusionguard.core.config import Config
 from fusionguard.core.state import STATE, emit, internal_error, write_stderr
-from fusionguard.dense.dynamo_signals import SIGNALS
 from fusionguard.eventlog.header import header_fields
 from fusionguard.eventlog.log import to_torch_trace
 from fusionguard.eventlog.sampler import Sampler
@@ -74,7 +73,7 @@ def _open_log(config: Config, live: Any) -> None:
                            shared=STATE.log_dir is None)  # (a log directory: a file per process)
             STATE.durable_keys.clear()
             _announce(config.log_path)
-            STATE.crash_fields = crash.capture_native(config.log_path, config.log_mode)
+            STATE.crash_fields = crash.capture_native(config.log_path, config.log_mode, STATE.patches)
         except OSError as exc:
             write_stderr(
                 f"fusionguard: cannot open log file {config.log_path!r} ({exc}); "
@@ -97,6 +96,10 @@ def _last_flex() -> Optional[dict]:
 
 def _counts() -> dict:
     return {"counts": dict(STATE.counts)}
+
+
+def _write_lock() -> Any:
+    return STATE.log.write_lock  # (a forked child's log has a lock of its own)
 
 
 def start(config: Config, log_dir: Optional[str]) -> None:
@@ -133,7 +136,7 @@ def start(config: Config, log_dir: Optional[str]) -> None:
     if live is not None and live[0]:  # (after the header: their records are events of this log)
         _torch_side().adopt_live_graphs(*live)
     try:
-        crash.install(emit, last_flex_event=_last_flex, summary=_counts, registry=STATE.patches)
+        crash.install(emit, last_flex_event=_last_flex, summary=_counts, registry=STATE.patches, write_lock=_write_lock)
     except Exception as exc:
         internal_error("crash hooks", exc)
     if not STATE.atexit_registered:  # atexit has no undo we may use (unregister drops every
@@ -146,7 +149,7 @@ def undo_start(exc: BaseException) -> None:
     log), so the process is never half-enabled (patches in while ``is_enabled()`` is False); the
     next ``enable()`` starts as a first one. Each step on its own: one failing stops none."""
     STATE.enabled = False
-    steps = (STATE.patches.remove_all, SIGNALS.remove, crash.uninstall, STATE.flusher.stop, STATE.log.close, crash.release_native)
+    steps = (STATE.patches.remove_all, STATE.flusher.stop, STATE.log.close)
     for step in steps:
         try:
             step()
@@ -163,17 +166,14 @@ def stop() -> None:
         crash.tidy()  # a SIGTERM handler left by a disable() from another thread
         return
     STATE.enabled = False
-    STATE.patches.remove_all()  # every patch, hook, handler and callback, newest first
+    STATE.patches.remove_all()  # every patch, hook, handler, callback and the crash file, newest first
     STATE.log.mirror = None
-    SIGNALS.remove()  # (its handler and callback are gone already: forgets what Dynamo said)
-    crash.uninstall()
     STATE.flusher.stop()
     try:
         _torch_side().final_events("disable")
     except Exception as exc:
         internal_error("shutdown event", exc)
     STATE.log.close()
-    crash.release_native()
 
 
 def at_exit() -> None:

@@ -13,6 +13,7 @@ import fusionguard
 from fusionguard.core import state as _state
 from fusionguard import torch_internals as ti
 from fusionguard.core.registry import Hook, Patch, PatchRegistry
+from fusionguard.eventlog import crash
 
 from conftest import PUBLIC, qkv
 
@@ -58,7 +59,7 @@ def test_every_registry_entry_is_undone_by_disable(guard, dynamo_reset):
     entries = _state.STATE.patches.entries()
     names = {e.name for e in entries}
     expected = {
-        "sys.excepthook", "threading.excepthook", "signal.SIGTERM", "OptimizedModule.__init__",
+        "crash: recording", "sys.excepthook", "threading.excepthook", "signal.SIGTERM", "OptimizedModule.__init__",
         "logging:torch._dynamo.convert_frame", "torch._dynamo.callback.on_compile_end",
         "inductor.CompiledFxGraph.post_compile", "FlexAttentionAutogradOp.forward", "FlexAttentionAutogradOp.backward",
         "flex_attention.CompositeExplicitAutograd", "flex_attention_backward.CompositeExplicitAutograd",
@@ -74,6 +75,7 @@ def test_every_registry_entry_is_undone_by_disable(guard, dynamo_reset):
 
     fusionguard.disable()
     assert _state.STATE.patches.entries() == []
+    assert not crash.is_installed() and crash.CRASH.emit is None  # (by its entry: nothing runs after the registry)
     unrestored = [e.name for e in entries if not e.restored()]
     assert unrestored == []
     after = _host_slots()
@@ -99,8 +101,6 @@ def test_hook_entries_undo_once():
 
 
 def test_reenable_after_a_host_replaced_our_excepthook(guard):
-    from fusionguard.eventlog import crash
-
     original = sys.excepthook
     guard()
 

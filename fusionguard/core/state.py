@@ -93,8 +93,8 @@ class State:
     Long-lived, reset in place (modules may hold them): ``stats`` (per-layer rows),
     ``watch`` (watch()'s registry), ``caches`` (the dense path's). Referenced, never reset here:
     ``signals`` (Dynamo's log handler and callback, installed through the patch registry) and
-    ``crash`` (the excepthooks, SIGTERM handler and faulthandler file: only ``crash.uninstall()``
-    and ``release_native()`` may let go of them).
+    ``crash`` (the excepthooks, SIGTERM handler and faulthandler file: let go of by their
+    entries in the patch registry, or ``crash.uninstall()`` / ``release_native()``).
 
     Per thread or per context by design, so module-level, not here: the ContextVars
     ``_ALLOW_DENSE`` (this module), ``guard._FORWARD_SLOT`` / ``_BACKWARD_ORIGIN`` / ``_INLINED``,

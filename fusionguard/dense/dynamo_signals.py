@@ -185,7 +185,7 @@ class Signals:
             logger.addHandler(handler)
             installed.append("logging:" + _DYNAMO_LOGGER)
             if registry is not None:
-                registry.add_hook("logging:" + _DYNAMO_LOGGER, self._remove_handler, lambda: handler not in logger.handlers)
+                registry.add_hook("logging:" + _DYNAMO_LOGGER, self._stop_listening, lambda: handler not in logger.handlers)
         callback_handler = ti.compile_callbacks()
         if self._end_callback is None and callback_handler is not None:
             try:
@@ -226,13 +226,15 @@ class Signals:
             self._seen_ids.pop(next(iter(self._seen_ids)))
         return True
 
-    def remove(self) -> None:
+    def _stop_listening(self) -> None:
+        """The log handler's undo (``disable()``): out, and what was heard forgotten, so a later
+        ``enable()`` starts with nothing heard (the compile-end callback, recorded after the
+        handler, is out already: nothing is added back)."""
+        self._remove_handler()
         with self.lock:
             self.recompile_limit.clear()
             self.compile_error.clear()
             self.frame_failure.clear()
-        self._remove_handler()
-        self._remove_callback()
 
     def _remove_handler(self) -> None:
         if self._handler is not None:

@@ -25,6 +25,7 @@ import torch
 
 from fusionguard.core import frames
 from fusionguard.dense import causes, memory as dense_memory
+from fusionguard.eventlog.crash import sigterm_pending
 from fusionguard.eventlog import profiler as profiling
 from fusionguard.core.formatting import human_bytes, site_text
 from fusionguard.eventlog.kinds import CAUSES
@@ -34,7 +35,7 @@ from fusionguard.core.state import STATE, count, dense_allowed_here, internal_er
 from fusionguard.dense.dynamo_signals import SIGNALS, reason_summary
 from fusionguard.core.frames import is_torch_file
 from fusionguard.errors import DenseFallbackError
-from fusionguard.torch_internals import dynamo_counters, dynamo_skips_frames, eval_frame_callback, is_concrete, is_fullgraph_hook, nested_flex_codes
+from fusionguard.torch_internals import debug_flag_on, dynamo_counters, dynamo_skips_frames, eval_frame_callback, is_concrete, is_fullgraph_hook, nested_flex_codes
 from fusionguard.watching import naming, paths
 
 # Set by FlexAttentionAutogradOp.forward's wrapper: the dense forward drops its record here so
@@ -387,6 +388,29 @@ def _check_dense(phase: str, args: tuple, kwargs: dict, frame: Any) -> Tuple[Opt
     return event, (diagnosis.site if phase == "forward" else None)
 
 
+def _while_ending(phase: str, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """A dense call while SIGTERM is handled: the ``shutdown`` event is (being) written with the
+    counts so far, and no event may follow it (docs/guarantees.md), so the call is neither counted
+    nor logged; strict mode still blocks what nothing allowed, before it allocates."""
+    try:
+        origin = _BACKWARD_ORIGIN.get() if phase == "backward" else None
+        blocked = (
+            STATE.config.strict
+            and is_concrete(_arg(args, kwargs, 0, "query"))
+            and not (_allowed(origin) or debug_flag_on() or (phase == "backward" and origin is None and _of_allowed_forward(args, kwargs)))
+        )
+    except Exception as exc:
+        internal_error(f"dense {phase} check (SIGTERM pending)", exc)
+        blocked = False
+    if blocked:
+        raise DenseFallbackError(
+            f"fusionguard: dense FlexAttention {phase} blocked before it allocated (strict mode); the process is "
+            "ending on SIGTERM, so the call is not logged (to let it run dense on purpose: `with fusionguard.allow_dense(): ...`)",
+            {"phase": phase, "path": "dense", "action": "raise", "sigterm": True},
+        )
+    return original(*args, **kwargs)
+
+
 def make_dense_wrapper(phase: str, original: Callable[..., Any]) -> Callable[..., Any]:
     note = _NOTE[phase]
 
@@ -399,6 +423,8 @@ def make_dense_wrapper(phase: str, original: Callable[..., Any]) -> Callable[...
             return original(*args, **kwargs)
         if _is_compiling() or not STATE.enabled:
             return original(*args, **kwargs)
+        if sigterm_pending():  # the process is ending: its shutdown event has the last counts
+            return _while_ending(phase, original, args, kwargs)
         blocked = warning = site = None
         mark = False
         event: Optional[Dict[str, Any]] = None

@@ -1,6 +1,8 @@
 """Crash records: what was FlexAttention doing when the process died?
 
-``install(emit, last_flex_event=..., summary=...)`` adds, and ``uninstall()`` removes:
+``install(emit, last_flex_event=..., summary=..., registry=...)`` adds, each with its undo in
+``registry`` (fusionguard's one undo registry: ``disable()`` removes them; ``uninstall()`` without
+one):
 
 - ``sys.excepthook`` and ``threading.excepthook``: an uncaught exception writes a ``crash``
   event (exception type and message, the thread, the last frames, the last FlexAttention event,
@@ -11,9 +13,12 @@
   signal to the previous handler: a Python handler is called, or ``SIG_DFL`` is restored and the
   signal re-raised (the process dies of SIGTERM as it would have). If the signal interrupted the
   main thread while it held the log's lock, the write is finished by a helper thread and the
-  signal delivered again (see ``_on_sigterm``): never a deadlock. Nothing is installed when
-  SIGTERM was ignored (``SIG_IGN``) or handled outside Python: the process would not stop, or we
-  could not hand it on.
+  signal delivered again (see ``_on_sigterm``): never a deadlock. The counts are read in the
+  same hold of the log's lock as the event is written (``write_lock``), and from the signal
+  until it is handed over the guard counts and logs no call (``sigterm_pending()``): the
+  ``shutdown`` event's counts are those of the events before it, and none follows it. Nothing
+  is installed when SIGTERM was ignored (``SIG_IGN``) or handled outside Python: the process
+  would not stop, or we could not hand it on.
 
 This module knows nothing of fusionguard's global state: it logs through ``emit(level, event,
 **fields)`` and reads the last FlexAttention event through ``last_flex_event()``; it imports
@@ -26,19 +31,20 @@ Native crashes (a segfault or abort inside PyTorch, where no Python hook runs):
 ``capture_native(log_path)`` points CPython's ``faulthandler`` at a file beside the log (the
 fatal signal and every thread's Python stack), unless the host already enabled ``faulthandler``
 (pytest does): then it is left alone and the header says ``crash_capture: "host-owned"``.
-``release_native()`` disables it again (and removes the file if nothing was written).
-``native_crash(...)`` turns such a file into a ``crash`` record for ``fusionguard report``.
+``release_native()`` disables it again (and removes the file if nothing was written); so does
+its registry entry, ``faulthandler: crash file``. ``report/crashfile.py`` reads such a file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import signal
 import sys
 import threading
 import traceback
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Dict, List, Optional, Tuple
 
 from fusionguard.eventlog.diagnosis import MAX_MESSAGE, compact_flex, diagnose, exception_name
 from fusionguard.eventlog.sink import open_regular
@@ -55,7 +61,8 @@ _MAX_TRACEBACK = 4000
 class CrashHooks:
     """This module's process-wide bookkeeping, one object (fusionguard's ``State.crash``): the
     hooks it replaced, what they call, the faulthandler file it owns. Never reset while hooks
-    are installed: only ``uninstall()`` puts the previous ones back."""
+    are installed: only their undo (the registry's entries, or ``uninstall()``) puts the
+    previous ones back."""
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
@@ -63,11 +70,13 @@ class CrashHooks:
         self.emit: Optional[Emit] = None
         self.last_flex: Optional[Callable[[], Optional[dict]]] = None
         self.summary: Optional[Callable[[], Dict[str, Any]]] = None
+        self.write_lock: Optional[Callable[[], ContextManager[Any]]] = None
         self.prev_sys: Any = None
         self.prev_threading: Any = None
         self.prev_sigterm: Any = None
         self.sigterm_installed = False
         self.native: Optional[Tuple[int, str]] = None  # (fd, path) of the faulthandler file we own
+        self.native_registry: Optional[PatchRegistry] = None  # where that file's undo is recorded
         self.registry: Optional[PatchRegistry] = None  # where the hooks' undo is recorded (the package's)
         # SIGTERM handling: "idle"; "pending" (the shutdown event is being written); "done"
         # (written, or given up on: hand the signal over on the next delivery)
@@ -96,6 +105,7 @@ def install(
     summary: Optional[Callable[[], Dict[str, Any]]] = None,
     sigterm: bool = True,
     registry: Optional[PatchRegistry] = None,
+    write_lock: Optional[Callable[[], ContextManager[Any]]] = None,
 ) -> None:
     """Install the hooks (a second call only updates the callables: never chains twice).
 
@@ -104,10 +114,14 @@ def install(
     summary:         returns extra fields for the SIGTERM ``shutdown`` event (e.g. ``counts``).
     sigterm:         also handle SIGTERM (only possible from the main thread; skipped otherwise).
     registry:        where each hook's undo is recorded (``disable()`` removes it); None: only ``uninstall()``.
+    write_lock:      returns the lock ``emit`` writes under (re-entrant): ``summary()`` is read and
+                     the SIGTERM ``shutdown`` written in one hold of it, so its counts are those of
+                     the events before it (docs/guarantees.md).
     """
     with CRASH.lock:
         reg = CRASH.registry = registry
-        CRASH.emit, CRASH.last_flex, CRASH.summary = emit, last_flex_event, summary
+        CRASH.emit, CRASH.last_flex, CRASH.summary, CRASH.write_lock = emit, last_flex_event, summary, write_lock
+        _record(reg, "crash: recording", _stop_recording, lambda: not CRASH.active)  # (first: undone after the hooks)
         if sys.excepthook is not _sys_hook:
             _forget(reg, "sys.excepthook")
             CRASH.prev_sys = prev_sys = sys.excepthook
@@ -124,16 +138,23 @@ def install(
 
 
 def uninstall() -> None:
-    """Stop recording; put back the previous hooks where ours are still installed."""
+    """Stop recording; put back the previous hooks where ours are still installed. (With a
+    registry, its entries do all of it: ``disable()`` removes them, newest first.)"""
     with CRASH.lock:
-        CRASH.active = False
-        for name in ("sys.excepthook", "threading.excepthook", "signal.SIGTERM"):
-            if CRASH.registry is not None:
+        if CRASH.registry is not None:
+            for name in ("signal.SIGTERM", "threading.excepthook", "sys.excepthook", "crash: recording"):
                 CRASH.registry.remove(name)
         _restore_sys()  # (no-ops when the registry's entries did it)
         _restore_threading()
         _uninstall_sigterm()
-        CRASH.emit = CRASH.last_flex = CRASH.summary = None
+        _stop_recording()
+
+
+def _stop_recording() -> None:
+    """Our hooks, wherever they still are (somebody may have chained to them), write nothing."""
+    with CRASH.lock:
+        CRASH.active = False
+        CRASH.emit = CRASH.last_flex = CRASH.summary = CRASH.write_lock = None
 
 
 def _forget(reg: Optional[PatchRegistry], name: str) -> None:
@@ -166,6 +187,13 @@ def is_installed() -> bool:
     return CRASH.active
 
 
+def sigterm_pending() -> bool:
+    """SIGTERM arrived and its ``shutdown`` event is being written, or is written and the signal
+    not yet handed over: the process is ending, and no event may follow that one (the guard
+    stops counting and logging calls; docs/guarantees.md)."""
+    return CRASH.sigterm_state != "idle"
+
+
 def tidy() -> None:
     """After a ``disable()`` from another thread left our SIGTERM handler in place (as a
     pass-through: signals cannot be touched there), remove it now if this is the main thread."""
@@ -184,8 +212,10 @@ def crash_file_for(log_path: str) -> str:
     return (base if base.endswith(tag) else base + tag) + ".crash"
 
 
-def capture_native(log_path: str, mode: int = 0o600) -> Dict[str, Any]:
-    """Send fatal-signal reports to a file beside ``log_path``; the header fields that say so."""
+def capture_native(log_path: str, mode: int = 0o600, registry: Optional[PatchRegistry] = None) -> Dict[str, Any]:
+    """Send fatal-signal reports to a file beside ``log_path``; the header fields that say so.
+    ``registry``: where its undo is recorded (``release_native``; default: the one ``install()``
+    was given, e.g. in a forked child)."""
 
     with CRASH.lock:
         path = crash_file_for(log_path)
@@ -211,13 +241,27 @@ def capture_native(log_path: str, mode: int = 0o600) -> Dict[str, Any]:
             if fd >= 0:
                 os.close(fd)
             return {"crash_capture": "off", "crash_capture_error": f"{type(exc).__name__}: {exc}", "crash_file": None}
-        CRASH.native = (fd, path)
+        CRASH.native = owned = (fd, path)
+        reg = CRASH.native_registry = registry if registry is not None else CRASH.registry
+        if reg is not None:
+            reg.remove("faulthandler: crash file")  # (a stale entry: its restored() is about the file it was for)
+            reg.add_hook("faulthandler: crash file", _release, lambda: CRASH.native != owned and not faulthandler.is_enabled())
         return {"crash_capture": "faulthandler", "crash_file": path}
 
 
 def release_native(after_fork: bool = False) -> None:
-    """Give ``faulthandler`` back as it was (off) if we turned it on; remove an empty crash file.
-    ``after_fork``: in a forked child, where the file is the parent's (closed, never removed)."""
+    """Give ``faulthandler`` back as it was (off) if we turned it on; remove an empty crash file;
+    drop its registry entry. ``after_fork``: in a forked child, where the file is the parent's
+    (closed, never removed)."""
+    with CRASH.lock:
+        _release(after_fork)
+        reg, CRASH.native_registry = CRASH.native_registry, None
+        if reg is not None:
+            reg.remove("faulthandler: crash file")  # (its undo, _release, has nothing left to do)
+
+
+def _release(after_fork: bool = False) -> None:
+    """The ``faulthandler`` entry's undo (``disable()``): ``release_native`` but the entry."""
     with CRASH.lock:
         if CRASH.native is None:
             return
@@ -382,16 +426,19 @@ def _uninstall_sigterm() -> None:
 
 
 def _write_sigterm_shutdown() -> None:
-    emit, summary = CRASH.emit, CRASH.summary
+    """``summary()`` is read and the event written in one hold of the log's write lock: its
+    counts are those of the events before it, whatever the interrupted thread was writing."""
+    emit, summary, write_lock = CRASH.emit, CRASH.summary, CRASH.write_lock
     if emit is None or not CRASH.active:
         return
-    fields: Dict[str, Any] = {"reason": "sigterm", "signal": "SIGTERM"}
-    if summary is not None:
-        try:
-            fields.update(summary())
-        except Exception:
-            pass
-    emit("warning", "shutdown", **fields)
+    with write_lock() if write_lock is not None else contextlib.nullcontext():
+        fields: Dict[str, Any] = {"reason": "sigterm", "signal": "SIGTERM"}
+        if summary is not None:
+            try:
+                fields.update(summary())
+            except Exception:
+                pass
+        emit("warning", "shutdown", **fields)
 
 
 _SIGTERM_WAIT_S = 1.0  # the handler waits this long for the write before deferring

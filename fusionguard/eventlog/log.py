@@ -33,7 +33,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable, Deque, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, ContextManager, Deque, Dict, List, Optional, Tuple, Union
 
 import structlog
 
@@ -114,6 +114,13 @@ class EventLog:
             context_class=dict,
             cache_logger_on_first_use=False,
         ).bind()
+
+    @property
+    def write_lock(self) -> ContextManager[Any]:
+        """The lock every write holds (re-entrant). Held, no other thread's event can be
+        written: for figures that must agree with the events before the next one (the counts
+        of a SIGTERM ``shutdown`` event, read in the same hold as its write)."""
+        return self._emit_lock
 
     @property
     def seq(self) -> int:
