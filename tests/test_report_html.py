@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from fusionguard.report import build, chart
+from fusionguard.report import chart
+from fusionguard.report.build import build
 from fusionguard.report import html as report_html
 
 from conftest import run_cli
