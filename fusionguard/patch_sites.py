@@ -4,6 +4,10 @@ all through the one registry (``STATE.patches``), each with its undo.
 Imports the torch side of the package (guard, inductor, watching, rescue): it is imported by
 ``enable()`` only, so ``import fusionguard`` stays torch-free (the pytest plugin and the
 start-up hook rely on that).
+
+The wrappers that decide by ``enable()``'s options (dense kernels, mask builds, rescue, recompile
+pressure) close over ``STATE.runtime``: they read its ``now`` (a frozen ``Runtime``) once per
+call and hand it down; a second ``enable()`` swaps ``now`` in one assignment.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ def _dense(reg: PatchRegistry, op_name: str, phase: str) -> None:
         f"{op_name}.CompositeExplicitAutograd",
         op.py_kernels,
         ti.dense_key(),
-        functools.partial(guard.make_dense_wrapper, phase),
+        functools.partial(guard.make_dense_wrapper, phase, STATE.runtime),
         after=functools.partial(ti.clear_dispatch_cache, op),
     )
 
@@ -78,7 +82,7 @@ def _pressure(reg: PatchRegistry) -> None:
     """Recompile pressure: Dynamo's FlexAttention tracing method counts the compiles of the frame
     being compiled (compile time only)."""
     cls, name = ti.flex_trace_method()
-    reg.apply(f"FlexAttentionHigherOrderVariable.{name}", vars(cls), name, pressure.make_trace_wrapper, owner=cls)
+    reg.apply(f"FlexAttentionHigherOrderVariable.{name}", vars(cls), name, functools.partial(pressure.make_trace_wrapper, STATE.runtime), owner=cls)
 
 
 def _compile_wrappers(reg: PatchRegistry) -> None:
@@ -88,12 +92,12 @@ def _compile_wrappers(reg: PatchRegistry) -> None:
 
 def _rescue(reg: PatchRegistry) -> None:
     home = ti.setup_compilation_env_home()
-    reg.apply("flex_attention.setup_compilation_env", home, "setup_compilation_env", rescue.make_setup_env_wrapper)
+    reg.apply("flex_attention.setup_compilation_env", home, "setup_compilation_env", functools.partial(rescue.make_setup_env_wrapper, STATE.runtime))
 
 
 def _mask_build(reg: PatchRegistry) -> None:
     """The ``create_mask`` global that every ``create_block_mask`` calls (``masks``)."""
-    reg.apply("flex_attention.create_mask", ti.mask_home(), "create_mask", masks.make_create_mask_wrapper)
+    reg.apply("flex_attention.create_mask", ti.mask_home(), "create_mask", functools.partial(masks.make_create_mask_wrapper, STATE.runtime))
 
 
 def _torch_logs(reg: PatchRegistry) -> None:
