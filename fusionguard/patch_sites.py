@@ -21,6 +21,7 @@ from fusionguard.dense import guard, masks, pressure, rescue
 from fusionguard.fused import inductor
 from fusionguard import torch_internals as ti, watching
 from fusionguard.eventlog.messages import LOGGER_NAME
+from fusionguard._summary import log_summary
 from fusionguard.core.state import STATE, emit, internal_error
 from fusionguard.dense.dynamo_signals import SIGNALS
 from fusionguard.core.registry import PatchRegistry
@@ -168,6 +169,6 @@ def new_log_stats() -> None:
 
 def final_events(reason: str, **extra: Any) -> None:
     """The per-layer summary and the shutdown event that end a log (disable, exit, a new log_path)."""
-    STATE.log.emit("info", "summary", counts=dict(STATE.counts), rows=STATE.stats.summary())
+    log_summary()
     STATE.log.emit("info", "shutdown", reason=reason, **extra, counts=dict(STATE.counts))
 
