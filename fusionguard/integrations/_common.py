@@ -9,6 +9,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import fusionguard
 from fusionguard.core.state import STATE, internal_error
+from fusionguard.core.tables import NO_LAYER
 
 # the metric names every integration reports (cumulative since the callback started)
 DENSE, FUSED, PEAK = "fusionguard/dense_calls", "fusionguard/fused_calls", "fusionguard/peak_layer_bytes"
@@ -159,6 +160,7 @@ class Session:
 
 
 def _verdict(label: str, rows: List[Dict[str, Any]], dense_total: int, model: Any) -> Tuple[str, bool]:
+    rows = [r for r in rows if r["layer"] != NO_LAYER]  # (calls no layer reaches: in dense_total, not layers)
     layers = sorted({r["layer"] for r in rows})
     from fusionguard.torch_internals import attn_implementation
 
