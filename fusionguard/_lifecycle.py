@@ -14,7 +14,7 @@ import logging
 from typing import Any, Optional
 
 from fusionguard.eventlog import crash, diagnosis
-from fusionguard.core.config import Config
+from fusionguard.core.config import Config, Runtime
 from fusionguard.core.state import STATE, emit, internal_error, write_stderr
 from fusionguard.eventlog.header import header_fields
 from fusionguard.eventlog.log import to_torch_trace
@@ -115,6 +115,7 @@ def start(config: Config, log_dir: Optional[str]) -> None:
         _torch_side().new_log_stats()
     STATE.log_dir = log_dir
     STATE.config = config
+    STATE.runtime.now = Runtime.of(config)  # one assignment: a call in flight sees all old or all new
     sampler = Sampler(
         first=config.fused_first,
         every=config.fused_every,
@@ -156,6 +157,7 @@ def undo_start(exc: BaseException) -> None:
         except Exception as undo_exc:
             internal_error("undoing a failed enable()", undo_exc)
     STATE.config = Config()
+    STATE.runtime.now = Runtime()
     if isinstance(exc, Exception):
         exc.add_note("fusionguard.enable() failed and undid itself: nothing of fusionguard is installed (is_enabled() is False)")
 
@@ -167,6 +169,7 @@ def stop() -> None:
         return
     STATE.enabled = False
     STATE.patches.remove_all()  # every patch, hook, handler, callback and the crash file, newest first
+    STATE.runtime.now = Runtime()  # (nothing of this enable()'s options stays behind)
     STATE.log.mirror = None
     STATE.flusher.stop()
     try:

@@ -1,11 +1,12 @@
-"""Per-layer summary: ``fusionguard.summary()`` and ``fusionguard.export(path)``."""
+"""Per-layer summary: ``fusionguard.summary()`` and ``fusionguard.export(path)``, and the one
+shape of the log's ``summary`` event (``log_summary``), whoever writes it."""
 
 from __future__ import annotations
 
 import csv
 import json
 import os
-from typing import Union
+from typing import Any, Dict, List, Optional, Union
 
 from fusionguard.core.formatting import causes_text, count_text, mem_text, table
 from fusionguard.core.state import STATE
@@ -48,14 +49,8 @@ def summary(all_ranks: bool = False) -> Summary:
     rank 0 through torch.distributed (other ranks get their own rows)."""
     if not isinstance(all_ranks, bool):
         raise TypeError(f"fusionguard.summary(): all_ranks must be True or False, not {all_ranks!r}")
-    rows = STATE.stats.summary()
-    rank = 0
-    try:
-        rank = rank_info()["rank"]
-    except Exception:
-        pass
-    for r in rows:
-        r["rank"] = rank
+    rows = own_rows()
+    rank = rows[0]["rank"] if rows else _rank()
     if all_ranks:
         try:
             gathered = gather_to_rank0(rows)
@@ -63,8 +58,34 @@ def summary(all_ranks: bool = False) -> Summary:
                 rows = [r for part in gathered for r in (part or [])]
         except ImportError:
             pass
-    STATE.log.emit("info", "summary", rows=rows, all_ranks=all_ranks)
+    log_summary(rows, all_ranks)
     return Summary(rows)
+
+
+def _rank() -> Any:
+    try:
+        return rank_info()["rank"]
+    except Exception:
+        return 0
+
+
+def own_rows() -> List[Dict[str, Any]]:
+    """This process's rows (``STATE.stats``), each with its ``rank``."""
+    rows = STATE.stats.summary()
+    rank = _rank()
+    for r in rows:
+        r["rank"] = rank
+    return rows
+
+
+def log_summary(rows: Optional[List[Dict[str, Any]]] = None, all_ranks: bool = False) -> None:
+    """Write the ``summary`` event, in its one shape, for ``summary()`` and for the end of a log
+    (``disable()``, exit, a new ``log_path``): ``rows`` (per layer and phase, each with its
+    ``rank``; default: this process's), ``all_ranks`` (True: every rank's rows, gathered to rank
+    0) and ``counts`` (this process's counters)."""
+    if rows is None:
+        rows = own_rows()
+    STATE.log.emit("info", "summary", rows=rows, all_ranks=all_ranks, counts=dict(STATE.counts))
 
 
 def export(path: Union[str, "os.PathLike[str]"]) -> str:

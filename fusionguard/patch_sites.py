@@ -4,6 +4,10 @@ all through the one registry (``STATE.patches``), each with its undo.
 Imports the torch side of the package (guard, inductor, watching, rescue): it is imported by
 ``enable()`` only, so ``import fusionguard`` stays torch-free (the pytest plugin and the
 start-up hook rely on that).
+
+The wrappers that decide by ``enable()``'s options (dense kernels, mask builds, rescue, recompile
+pressure) close over ``STATE.runtime``: they read its ``now`` (a frozen ``Runtime``) once per
+call and hand it down; a second ``enable()`` swaps ``now`` in one assignment.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from fusionguard.dense import guard, masks, pressure, rescue
 from fusionguard.fused import inductor
 from fusionguard import torch_internals as ti, watching
 from fusionguard.eventlog.messages import LOGGER_NAME
+from fusionguard._summary import log_summary
 from fusionguard.core.state import STATE, emit, internal_error
 from fusionguard.dense.dynamo_signals import SIGNALS
 from fusionguard.core.registry import PatchRegistry
@@ -30,7 +35,7 @@ def _dense(reg: PatchRegistry, op_name: str, phase: str) -> None:
         f"{op_name}.CompositeExplicitAutograd",
         ti.op_kernels(op),
         ti.dense_key(),
-        functools.partial(guard.make_dense_wrapper, phase),
+        functools.partial(guard.make_dense_wrapper, phase, STATE.runtime),
         after=functools.partial(ti.clear_dispatch_cache, op),
     )
 
@@ -78,7 +83,7 @@ def _pressure(reg: PatchRegistry) -> None:
     """Recompile pressure: Dynamo's FlexAttention tracing method counts the compiles of the frame
     being compiled (compile time only)."""
     cls, name = ti.flex_trace_method()
-    reg.apply(f"FlexAttentionHigherOrderVariable.{name}", vars(cls), name, pressure.make_trace_wrapper, owner=cls)
+    reg.apply(f"FlexAttentionHigherOrderVariable.{name}", vars(cls), name, functools.partial(pressure.make_trace_wrapper, STATE.runtime), owner=cls)
 
 
 def _compile_wrappers(reg: PatchRegistry) -> None:
@@ -88,12 +93,12 @@ def _compile_wrappers(reg: PatchRegistry) -> None:
 
 def _rescue(reg: PatchRegistry) -> None:
     home = ti.setup_compilation_env_home()
-    reg.apply(f"flex_attention.{ti.SETUP_COMPILATION_ENV}", home, ti.SETUP_COMPILATION_ENV, rescue.make_setup_env_wrapper)
+    reg.apply(f"flex_attention.{ti.SETUP_COMPILATION_ENV}", home, ti.SETUP_COMPILATION_ENV, functools.partial(rescue.make_setup_env_wrapper, STATE.runtime))
 
 
 def _mask_build(reg: PatchRegistry) -> None:
     """The ``create_mask`` global that every ``create_block_mask`` calls (``masks``)."""
-    reg.apply("flex_attention.create_mask", ti.mask_home(), "create_mask", masks.make_create_mask_wrapper)
+    reg.apply("flex_attention.create_mask", ti.mask_home(), "create_mask", functools.partial(masks.make_create_mask_wrapper, STATE.runtime))
 
 
 def _torch_logs(reg: PatchRegistry) -> None:
@@ -164,6 +169,6 @@ def new_log_stats() -> None:
 
 def final_events(reason: str, **extra: Any) -> None:
     """The per-layer summary and the shutdown event that end a log (disable, exit, a new log_path)."""
-    STATE.log.emit("info", "summary", counts=dict(STATE.counts), rows=STATE.stats.summary())
+    log_summary()
     STATE.log.emit("info", "shutdown", reason=reason, **extra, counts=dict(STATE.counts))
 

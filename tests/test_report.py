@@ -557,10 +557,12 @@ def test_repeated_dense_calls_are_sampled_and_counted_exactly(guard, capsys):
         assert c["scores_bytes_max"] == first["scores_bytes"]
     summary_event = [e for e in events if e["event"] == "summary"][-1]
     assert events.index(counters[-1]) < events.index(summary_event), "counters flushed before the summary"
-    assert not rows, "no watched layer: summary rows are per layer"
     rep = as_json(capsys, log)
     assert [r["dense"] for r in rep["rows"]] == [26]
     assert rep["rows"][0]["causes"] == {"eager_call": 26}
+    # no layer (no module made the calls): summary() has the row the report has (#24)
+    assert [(r["layer"], r["phase"], r["dense"], r["causes"]) for r in rows] == [(NO_LAYER, "forward", 26, {"eager_call": 26})]
+    assert summary_event["rows"] == list(rows)
 
 
 def test_keep_all_and_blocked_calls_are_never_sampled(guard):

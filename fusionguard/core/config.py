@@ -88,6 +88,36 @@ class Config:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class Runtime:
+    """What the installed wrappers read on a call, fixed for one ``enable()``: built from the
+    checked ``Config``, never changed, replaced whole by the next ``enable()``. A wrapper reads
+    it once per call and hands it down, so one call decides by one option set (a second
+    ``enable()`` from another thread cannot give it the old ``strict`` and the new ``mode``)."""
+
+    strict: bool = False
+    mode: str = "warn"
+    fsync: Union[bool, str] = True
+    rescue: bool = False
+    mask_limit: Optional[int] = None
+    recompile_warn_at: Optional[int] = None
+
+    @classmethod
+    def of(cls, config: Config) -> "Runtime":
+        return cls(**{f.name: getattr(config, f.name) for f in fields(cls)})
+
+
+class RuntimeRef:
+    """The one holder the wrappers close over (``STATE.runtime``, one per process): ``now`` is
+    swapped by a single assignment (``enable()``: the new settings; ``disable()``, ``reset()``:
+    the defaults), atomic under the GIL: a reader gets the old object or the new one."""
+
+    __slots__ = ("now",)
+
+    def __init__(self) -> None:
+        self.now = Runtime()
+
+
 #: ``enable()``'s keyword options: every field but the two it takes by name.
 OPTIONS = tuple(f.name for f in fields(Config) if f.name not in ("strict", "log_path"))
 

@@ -12,7 +12,7 @@ import traceback
 from typing import Any, Dict, Optional, Set, Tuple
 
 from fusionguard.eventlog import crash
-from fusionguard.core.config import Config, process_log_name
+from fusionguard.core.config import Config, Runtime, RuntimeRef, process_log_name
 from fusionguard.eventlog.messages import say
 from fusionguard.core.tables import Caches, Stats, WatchRegistry
 from fusionguard.dense.dynamo_signals import SIGNALS
@@ -91,7 +91,9 @@ class State:
 
     Rebuilt by ``reset()``: config, log, patch registry, counts and the bookkeeping of enable().
     Long-lived, reset in place (modules may hold them): ``stats`` (per-layer rows),
-    ``watch`` (watch()'s registry), ``caches`` (the dense path's). Referenced, never reset here:
+    ``watch`` (watch()'s registry), ``caches`` (the dense path's), ``runtime`` (the holder the
+    installed wrappers close over: ``runtime.now`` is the ``Runtime`` settings object of the
+    current ``enable()``, swapped whole, the defaults after ``disable()`` and ``reset()``). Referenced, never reset here:
     ``signals`` (Dynamo's log handler and callback, installed through the patch registry) and
     ``crash`` (the excepthooks, SIGTERM handler and faulthandler file: let go of by their
     entries in the patch registry, or ``crash.uninstall()`` / ``release_native()``).
@@ -114,6 +116,7 @@ class State:
         self.watch = WatchRegistry()
         self.stats = Stats(self.watch.names)
         self.caches = Caches()
+        self.runtime = RuntimeRef()
         self.signals = SIGNALS
         self.crash = crash.CRASH
         self._fresh()
@@ -155,6 +158,7 @@ class State:
         self.stats.reset()
         self.watch.reset()
         self.caches.reset()
+        self.runtime.now = Runtime()
 
 
 STATE = State()

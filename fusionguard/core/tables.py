@@ -13,6 +13,11 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
+#: The row of FlexAttention calls that no layer name reaches (a dense call outside any watched
+#: module, a graph compiled before ``enable()``, a compiled function called from no module):
+#: ``summary()``'s and ``fusionguard report``'s, the same words in both.
+NO_LAYER = "(no layer)"
+
 
 @dataclass
 class LayerStats:
@@ -100,10 +105,8 @@ class Stats:
     def on_dense(
         self, layer: Optional[str], phase: str, cause: Optional[str], scores: Optional[int], recompute: bool = False
     ) -> None:
-        if layer is None:
-            return
         with self.lock:
-            row = self.row(layer, phase)
+            row = self.row(NO_LAYER if layer is None else layer, phase)
             if recompute:  # checkpointing re-ran the dense forward: counted apart from calls
                 row.dense_recompute += 1
             else:
@@ -113,21 +116,24 @@ class Stats:
             if scores:
                 row.scores_bytes = max(row.scores_bytes or 0, scores)
 
-    def on_fused(self, layers: Iterable[Tuple[str, int]], phase: str) -> None:
-        """A compiled graph ran: ``(layer, n)`` fused FlexAttention calls per layer. Under
-        ``watch()``, only the watched model's layers (a graph compiled inside one block names
-        its modules relative to that block: ``attn`` for every block's)."""
+    def on_fused(self, layers: Iterable[Tuple[Optional[str], int]], phase: str) -> None:
+        """A compiled graph ran: ``(layer, n)`` fused FlexAttention calls per layer, ``None``
+        for calls no name reaches (``NO_LAYER``). Under ``watch()``, of the named, only the
+        watched model's layers (a graph compiled inside one block names its modules relative
+        to that block: ``attn`` for every block's)."""
         watched = self.watched
         with self.lock:
             for layer, n in layers:
-                if watched and layer not in watched:
+                if layer is None:
+                    layer = NO_LAYER
+                elif watched and layer not in watched:
                     continue
                 self.row(layer, phase).fused += n
 
     def summary(self) -> List[Dict[str, Any]]:
         with self.lock:
             out = []
-            for (layer, phase), r in sorted(self.rows.items()):
+            for (layer, phase), r in sorted(self.rows.items(), key=lambda kv: (kv[0][0] == NO_LAYER, kv[0])):  # (NO_LAYER last, as report has it)
                 d = {"layer": layer, "phase": phase, **r.__dict__}
                 d["causes"] = dict(r.causes)
                 # Calls of a FlexAttention layer that ran no dense kernel ran the fused one;

@@ -24,6 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from fusionguard.core import frames
+from fusionguard.core.config import Runtime, RuntimeRef
 from fusionguard.dense import causes, memory as dense_memory
 from fusionguard.eventlog.crash import sigterm_pending
 from fusionguard.eventlog import profiler as profiling
@@ -264,7 +265,7 @@ def _foreign_thread() -> bool:
     return isinstance(threading.current_thread(), _DUMMY_THREAD)
 
 
-def _memory(phase: str, args: tuple, kwargs: dict, q: Any, k: Any) -> Tuple[Optional[int], Optional[int]]:
+def _memory(rt: Runtime, phase: str, args: tuple, kwargs: dict, q: Any, k: Any) -> Tuple[Optional[int], Optional[int]]:
     """(predicted extra peak bytes of this dense call, what its CUDA device can still give)."""
     try:
         if phase == "forward":
@@ -276,7 +277,7 @@ def _memory(phase: str, args: tuple, kwargs: dict, q: Any, k: Any) -> Tuple[Opti
         predicted = dense_memory.predict_dense(phase, q, k, v, score_mod, buffers or (), mask_buffers or ())
         # (asking the driver, cudaMemGetInfo, costs about 0.8 ms on the H200: done here only where
         # the oom mode decides by it; otherwise only for the events written whole, below)
-        return predicted, dense_memory.free_bytes(q.device) if STATE.config.mode == "oom" else None
+        return predicted, dense_memory.free_bytes(q.device) if rt.mode == "oom" else None
     except Exception as exc:
         internal_error("dense memory prediction", exc)
         return None, None
@@ -290,13 +291,14 @@ def _free(q: Any) -> Optional[int]:
         return None
 
 
-def _wont_fit(predicted: Optional[int], free: Optional[int]) -> bool:
+def _wont_fit(rt: Runtime, predicted: Optional[int], free: Optional[int]) -> bool:
     """The oom mode's test: only a call known not to fit (both numbers known) is blocked."""
-    return STATE.config.mode == "oom" and predicted is not None and free is not None and predicted > free
+    return rt.mode == "oom" and predicted is not None and free is not None and predicted > free
 
 
-def _check_dense(phase: str, args: tuple, kwargs: dict, frame: Any) -> Tuple[Optional[Dict[str, Any]], Any]:
-    """(the dense call's event, the user's frame that made the call when the walk found it)."""
+def _check_dense(rt: Runtime, phase: str, args: tuple, kwargs: dict, frame: Any) -> Tuple[Optional[Dict[str, Any]], Any]:
+    """(the dense call's event, the user's frame that made the call when the walk found it).
+    ``rt``: the settings the wrapper read once for this call (every decision here is by them)."""
     q = _arg(args, kwargs, 0, "query")
     k = _arg(args, kwargs, 1, "key")
     if not is_concrete(q):
@@ -329,8 +331,8 @@ def _check_dense(phase: str, args: tuple, kwargs: dict, frame: Any) -> Tuple[Opt
         or diagnosis.cause == "debug_flag"
         or (phase == "backward" and origin is None and _of_allowed_forward(args, kwargs))
     )
-    predicted, free = _memory(phase, args, kwargs, q, k)
-    action = "allow" if allowed else ("raise" if STATE.config.strict or _wont_fit(predicted, free) else "warn")
+    predicted, free = _memory(rt, phase, args, kwargs, q, k)
+    action = "allow" if allowed else ("raise" if rt.strict or _wont_fit(rt, predicted, free) else "warn")
     fields: Dict[str, Any] = {
         "phase": phase,
         "path": "dense",
@@ -341,12 +343,13 @@ def _check_dense(phase: str, args: tuple, kwargs: dict, frame: Any) -> Tuple[Opt
         "layer": layer,
         "allowed": allowed,
         "action": action,
+        "mode": rt.mode,
         "call_site": call_site,
         "autograd": origin is not None or _FORWARD_SLOT.get() is not None,
         "predicted_bytes": predicted,
         "free_bytes": free,
     }
-    if action == "raise" and not STATE.config.strict:
+    if action == "raise" and not rt.strict:
         fields["blocked_by"] = "oom"  # the oom mode: predicted not to fit
     if free is None and q.is_cuda and STATE.log.written_in_full("flex_call", fields):
         fields["free_bytes"] = _free(q)  # (a sampled-out repeat skips the driver call)
@@ -365,8 +368,8 @@ def _check_dense(phase: str, args: tuple, kwargs: dict, frame: Any) -> Tuple[Opt
     STATE.stats.on_dense(layer, phase, diagnosis.cause, fields.get("scores_bytes"), bool(fields.get("recompute")))
     site = call_site or {}
     key = (phase, site.get("file"), site.get("line"), layer, action, diagnosis.cause)
-    durable = STATE.config.fsync == "always" or key not in STATE.durable_keys
-    if durable and STATE.config.fsync and len(STATE.durable_keys) < 10_000:
+    durable = rt.fsync == "always" or key not in STATE.durable_keys
+    if durable and rt.fsync and len(STATE.durable_keys) < 10_000:
         STATE.durable_keys.add(key)
     logged = STATE.log.emit("warning", "flex_call", durable=durable, **fields)
     # Decide from what we built, never from the log's "latest" event (another thread's, maybe).
@@ -388,14 +391,14 @@ def _check_dense(phase: str, args: tuple, kwargs: dict, frame: Any) -> Tuple[Opt
     return event, (diagnosis.site if phase == "forward" else None)
 
 
-def _while_ending(phase: str, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+def _while_ending(rt: Runtime, phase: str, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     """A dense call while SIGTERM is handled: the ``shutdown`` event is (being) written with the
     counts so far, and no event may follow it (docs/guarantees.md), so the call is neither counted
     nor logged; strict mode still blocks what nothing allowed, before it allocates."""
     try:
         origin = _BACKWARD_ORIGIN.get() if phase == "backward" else None
         blocked = (
-            STATE.config.strict
+            rt.strict
             and is_concrete(_arg(args, kwargs, 0, "query"))
             and not (_allowed(origin) or debug_flag_on() or (phase == "backward" and origin is None and _of_allowed_forward(args, kwargs)))
         )
@@ -411,7 +414,9 @@ def _while_ending(phase: str, original: Callable[..., Any], args: tuple, kwargs:
     return original(*args, **kwargs)
 
 
-def make_dense_wrapper(phase: str, original: Callable[..., Any]) -> Callable[..., Any]:
+def make_dense_wrapper(phase: str, runtime: RuntimeRef, original: Callable[..., Any]) -> Callable[..., Any]:
+    """The dense kernel's wrapper; ``runtime`` is ``STATE.runtime``: its settings are read once
+    per call (``runtime.now``) and handed down."""
     note = _NOTE[phase]
 
     def fusionguard_dense_kernel(*args: Any, **kwargs: Any) -> Any:
@@ -424,12 +429,12 @@ def make_dense_wrapper(phase: str, original: Callable[..., Any]) -> Callable[...
         if _is_compiling() or not STATE.enabled:
             return original(*args, **kwargs)
         if sigterm_pending():  # the process is ending: its shutdown event has the last counts
-            return _while_ending(phase, original, args, kwargs)
+            return _while_ending(runtime.now, phase, original, args, kwargs)
         blocked = warning = site = None
         mark = False
         event: Optional[Dict[str, Any]] = None
         try:  # the messages are built in here too: a bug in them must not reach the user's call
-            event, site = _check_dense(phase, args, kwargs, sys._getframe(1))
+            event, site = _check_dense(runtime.now, phase, args, kwargs, sys._getframe(1))
             if event is not None:
                 action = event.get("action")
                 mark = phase == "forward" and action == "allow"

@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 
 from fusionguard.core import frames
+from fusionguard.core.config import Runtime, RuntimeRef
 from fusionguard.core.formatting import human_bytes, site_text
 from fusionguard.eventlog.messages import dense_text
 from fusionguard.core.state import STATE, count, dense_allowed_here, internal_error
@@ -78,8 +79,8 @@ def _fix_text() -> str:
     )
 
 
-def _limit(device: Any) -> Optional[int]:
-    limit = STATE.config.mask_limit
+def _limit(rt: Runtime, device: Any) -> Optional[int]:
+    limit = rt.mask_limit
     if limit is not None:
         return int(limit)
     kind = getattr(device, "type", "cpu")
@@ -150,7 +151,8 @@ def message(event: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _check(frame: Any, args: tuple, kwargs: dict) -> Tuple[Optional[Dict[str, Any]], Any]:
+def _check(rt: Runtime, frame: Any, args: tuple, kwargs: dict) -> Tuple[Optional[Dict[str, Any]], Any]:
+    """(the build's event, the user's frame); ``rt``: the settings read once for this build."""
     dims = _dims(args, kwargs)
     if dims is None:
         return None, None
@@ -163,13 +165,13 @@ def _check(frame: Any, args: tuple, kwargs: dict) -> Tuple[Optional[Dict[str, An
     else:
         n_params = len(inspect.signature(mod_fn).parameters) if callable(mod_fn) else 4
         estimate = mask_build_bytes(b, h, q_len, kv_len, kind="mask", score_mod=n_params == 5)
-    limit = _limit(device)
+    limit = _limit(rt, device)
     free = free_bytes(device)
     over = limit is not None and estimate > limit
     wont_fit = free is not None and estimate > free
     if dense_allowed_here():
         action = "allow"
-    elif (over and STATE.config.strict) or (wont_fit and STATE.config.mode == "oom"):
+    elif (over and rt.strict) or (wont_fit and rt.mode == "oom"):
         action = "raise"
     elif over or wont_fit:
         action = "warn"
@@ -186,6 +188,7 @@ def _check(frame: Any, args: tuple, kwargs: dict) -> Tuple[Optional[Dict[str, An
         "mask_limit": limit,
         "free_bytes": free,
         "action": action,
+        "mode": rt.mode,
         "call_site": call_site,
         "layer": naming.flex_layer(user),
         "fix": fix_text(),
@@ -204,7 +207,9 @@ def _check(frame: Any, args: tuple, kwargs: dict) -> Tuple[Optional[Dict[str, An
     return event, site_frame
 
 
-def make_create_mask_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+def make_create_mask_wrapper(runtime: RuntimeRef, original: Callable[..., Any]) -> Callable[..., Any]:
+    """``create_mask``'s wrapper; ``runtime`` is ``STATE.runtime``, read once per build."""
+
     def create_mask(*args: Any, **kwargs: Any) -> Any:
         if _is_dynamo_compiling():
             _NOTE()  # a compiled build: recorded at trace time, nothing in the graph
@@ -213,7 +218,7 @@ def make_create_mask_wrapper(original: Callable[..., Any]) -> Callable[..., Any]
             return original(*args, **kwargs)
         blocked = warning = site = None
         try:
-            event, site = _check(sys._getframe(1), args, kwargs)
+            event, site = _check(runtime.now, sys._getframe(1), args, kwargs)
             if event is not None and event.get("action") in ("raise", "warn"):
                 text = message(event)
                 if event["action"] == "raise":

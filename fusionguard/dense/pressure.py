@@ -21,6 +21,7 @@ import types
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from fusionguard import torch_internals as ti
+from fusionguard.core.config import Runtime, RuntimeRef
 from fusionguard.core.state import STATE, internal_error
 from fusionguard.eventlog.kinds import FIXES
 from fusionguard.core.frames import first_user_frame, frame_site, warn_at_user_line
@@ -39,9 +40,9 @@ def threshold(limit: Optional[int], option: Optional[int]) -> Optional[int]:
     return n if n >= 2 else None
 
 
-def make_trace_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+def make_trace_wrapper(runtime: RuntimeRef, original: Callable[..., Any]) -> Callable[..., Any]:
     """Dynamo's FlexAttention tracing method, also counting the compiles of the frame being
-    compiled. Decided while Dynamo traces: its cache entries then hold the earlier compiles and
+    compiled (``runtime``: ``STATE.runtime``, read once per trace). Decided while Dynamo traces: its cache entries then hold the earlier compiles and
     its guard failures the reasons of this one (no compile-end callback, which
     ``torch._dynamo.reset()`` clears)."""
 
@@ -52,7 +53,7 @@ def make_trace_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
             try:
                 found = ti.compiling_frame()
                 if found is not None:
-                    check(found[1], found[0])
+                    check(runtime.now, found[1], found[0])
             except Warning:  # the user's filters made our warning an error: never into Dynamo (the event is logged)
                 pass
             except Exception as exc:
@@ -75,8 +76,9 @@ def compiles_of(code: Any, f_locals: Any = None) -> Tuple[int, int]:
     return (len(before) if same is None else same) + 1, len(before)
 
 
-def check(code: Any, f_locals: Any = None) -> None:
-    """Count this compile of ``code`` (a frame holding FlexAttention); warn at the threshold."""
+def check(rt: Runtime, code: Any, f_locals: Any = None) -> None:
+    """Count this compile of ``code`` (a frame holding FlexAttention); warn at the threshold
+    (``rt.recompile_warn_at``)."""
     limit = ti.recompile_limit_value()
     table = STATE.stats.pressure
     key = id(code)
@@ -89,7 +91,7 @@ def check(code: Any, f_locals: Any = None) -> None:
     if compiles < record.get("compiles", 0):
         record["warned"] = False  # fewer than before: Dynamo's caches were reset, the count starts over
     record["compiles"], record["limit"] = compiles, limit  # (the limit: read by causes at a dense call)
-    warn_at = threshold(limit, STATE.config.recompile_warn_at)
+    warn_at = threshold(limit, rt.recompile_warn_at)
     if warn_at is None or compiles < warn_at or record["warned"]:
         return
     record["warned"] = True

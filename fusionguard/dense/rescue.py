@@ -23,6 +23,7 @@ import time
 from typing import Any, Callable, Iterator, Optional
 
 from fusionguard.core import frames
+from fusionguard.core.config import Runtime, RuntimeRef
 from fusionguard.dense import causes
 from fusionguard import torch_internals as ti
 from fusionguard.core.state import STATE, count, dense_allowed_here, internal_error
@@ -116,9 +117,9 @@ def _user_disabled(frame: Any) -> bool:
     return False
 
 
-def decide(frame: Any) -> Optional[causes.Diagnosis]:
-    """The diagnosis if this eager call may be rescued, else None."""
-    if not STATE.config.rescue or dense_allowed_here():
+def decide(rt: Runtime, frame: Any) -> Optional[causes.Diagnosis]:
+    """The diagnosis if this eager call may be rescued (by the settings ``rt``), else None."""
+    if not rt.rescue or dense_allowed_here():
         return None
     if ti.debug_flag_on() or _user_disabled(frame):
         return None
@@ -143,15 +144,18 @@ def _out_only_ok(frame: Any) -> bool:
         return False
 
 
-def make_setup_env_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+def make_setup_env_wrapper(runtime: RuntimeRef, original: Callable[..., Any]) -> Callable[..., Any]:
+    """``setup_compilation_env``'s wrapper; ``runtime`` is ``STATE.runtime``, read once per call."""
+
     @contextlib.contextmanager
     def fusionguard_rescue_env(*args: Any, **kwargs: Any) -> Iterator[Any]:
         with original(*args, **kwargs) as backend:
             decision = None
-            if STATE.enabled and STATE.config.rescue:
+            rt = runtime.now
+            if STATE.enabled and rt.rescue:
                 try:
                     if backend is _eager_backend():
-                        decision = decide(_caller(sys._getframe(0)))
+                        decision = decide(rt, _caller(sys._getframe(0)))
                 except Exception as exc:
                     internal_error("rescue decision", exc)
             if decision is None:

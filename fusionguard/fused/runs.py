@@ -309,11 +309,12 @@ def _hook_names(fixed: Tuple[Optional[str], ...]) -> Tuple[Optional[str], ...]:
     return (now,)
 
 
-def _run_events(fields: Dict[str, Any], names: Tuple[Optional[str], ...]) -> Tuple[List[Dict[str, Any]], Tuple[Tuple[str, int], ...]]:
+def _run_events(fields: Dict[str, Any], names: Tuple[Optional[str], ...]) -> Tuple[List[Dict[str, Any]], Tuple[Tuple[Optional[str], int], ...]]:
     """The ``flex_run`` events of a graph run whose calls have ``names``, and its per-layer counts
     (for ``summary()``): one event per layer, so that the log's per-(layer, phase) counters stay
     exact when one graph holds several layers' calls (``flex_calls`` of the layer, ``graph_calls``
-    of the run); unnamed calls share one event with ``layer: null``."""
+    of the run); unnamed calls share one event with ``layer: null``, and count under ``None``
+    (``summary()``'s ``(no layer)`` row, as ``report`` counts that event)."""
     counts: Dict[Optional[str], int] = {}
     for x in names:
         counts[x] = counts.get(x, 0) + 1
@@ -322,7 +323,7 @@ def _run_events(fields: Dict[str, Any], names: Tuple[Optional[str], ...]) -> Tup
         events = [{**fields, "layer": x, "layers": [x] if x else None}]
     else:
         events = [{**fields, "layer": x, "layers": [x] if x else None, "flex_calls": k, "graph_calls": len(names)} for x, k in counts.items()]
-    return events, tuple((x, k) for x, k in counts.items() if x)
+    return events, tuple((x, k) for x, k in counts.items() if x != "")
 
 
 def count_runs(compiled: Any, records: List[Dict[str, Any]], namer: Optional[Namer] = None) -> None:

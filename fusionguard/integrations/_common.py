@@ -13,6 +13,7 @@ from fusionguard._summary import Summary
 from fusionguard.core.config import Config, check_log_path, check_options
 from fusionguard.core.distributed import process_group_ready
 from fusionguard.torch_internals import attn_implementation
+from fusionguard.core.tables import NO_LAYER
 
 # the metric names every integration reports (cumulative since the callback started)
 DENSE, FUSED, PEAK = "fusionguard/dense_calls", "fusionguard/fused_calls", "fusionguard/peak_layer_bytes"
@@ -160,6 +161,7 @@ class Session:
 
 
 def _verdict(label: str, rows: List[Dict[str, Any]], dense_total: int, model: Any) -> Tuple[str, bool]:
+    rows = [r for r in rows if r["layer"] != NO_LAYER]  # (calls no layer reaches: in dense_total, not layers)
     layers = sorted({r["layer"] for r in rows})
 
     impl = attn_implementation(model)

@@ -14,12 +14,12 @@ import math
 import random
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
+from fusionguard.core.tables import NO_LAYER
 from fusionguard.eventlog.kinds import KNOWN_EVENTS
 from fusionguard.report.read import FileStats, read_events
 
 RESERVOIR = 2048
 MAX_KEYS = 10_000
-NO_LAYER = "(no layer)"
 OTHER_LAYERS = "(other layers)"
 
 

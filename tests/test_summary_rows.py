@@ -1,0 +1,171 @@
+"""summary() agrees with ``fusionguard report`` (#24): the calls no layer name reaches are the
+``(no layer)`` row in both (a graph compiled before enable(), a compiled flex_attention called
+from no module, dense calls outside the watched modules or outside any module); and every
+``summary`` event has one shape, which report reads as it reads the older two. Real compiles
+on CPU (inference: CPU FlexAttention has no backward)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import flex_attention
+
+import fusionguard
+from fusionguard.core.tables import NO_LAYER
+
+from conftest import ROOT, child_env, qkv, read_jsonl, run_cli
+
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile", "ignore::fusionguard.DenseFallbackWarning")
+
+SUMMARY_FIELDS = {"rows", "all_ranks", "counts"}
+
+
+def summary_rows(rows):
+    """{(layer, phase): (fused, dense, causes)} of summary() rows."""
+    return {(r["layer"], r["phase"]): (r["fused"], r["dense"], r["causes"]) for r in rows}
+
+
+def report_rows(capsys, log):
+    """The same of ``fusionguard report LOG --format json``."""
+    rc, out, err = run_cli(capsys, log, "--format", "json")
+    assert rc in (0, 1), err  # (1: dense calls seen)
+    return {(r["layer"], r["phase"]): (r["fused"], r["dense"], r["causes"]) for r in json.loads(out)["rows"]}
+
+
+def summary_events(log):
+    events = [e for e in read_jsonl(log) if e["event"] == "summary"]
+    for e in events:
+        assert SUMMARY_FIELDS <= set(e) and all("rank" in r for r in e["rows"]), e  # one shape
+    return events
+
+
+_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, torch
+    from torch.nn.attention.flex_attention import flex_attention
+    import fusionguard
+
+    before, after, out = sys.argv[1:4]
+    q = torch.randn(1, 2, 32, 8)
+    flex = torch.compile(flex_attention)
+    with torch.no_grad():
+        flex(q, q.clone(), q.clone())  # compiled before enable()
+    fusionguard.enable(log_path=before)
+    with torch.no_grad():
+        for _ in range(4):
+            flex(q, q.clone(), q.clone())  # 4 fused calls, by a plain function: no layer
+    rows = {"before": [dict(r) for r in fusionguard.summary()]}
+
+    def attend(q, k, v):  # a function, no module: its calls have no layer
+        return flex_attention(q, k, v)
+
+    fusionguard.enable(log_path=after)  # a new log: its own rows
+    attend_c = torch.compile(attend)  # compiled while enabled, without watch()
+    with torch.no_grad():
+        for _ in range(3):
+            attend_c(q, q.clone(), q.clone())
+    rows["after"] = [dict(r) for r in fusionguard.summary()]
+    json.dump(rows, open(out, "w"))
+    fusionguard.disable()
+    """
+)
+
+
+@pytest.mark.slow
+def test_fused_calls_without_a_layer_are_a_summary_row_as_in_the_report(tmp_path, capsys):
+    """A graph compiled before enable() runs 4 fused calls; a function compiled after it, called
+    from no module, 3: the log, the report and now summary() count them, under ``(no layer)``.
+    (A process of its own: graphs of earlier tests would be found by enable() too.)"""
+    script, before, after, out = tmp_path / "s.py", tmp_path / "before.jsonl", tmp_path / "after.jsonl", tmp_path / "rows.json"
+    script.write_text(_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), str(before), str(after), str(out)], capture_output=True, text=True,
+                          timeout=600, cwd=ROOT, env=child_env(OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    for name, log, n in (("before", before, 4), ("after", after, 3)):
+        expected = {(NO_LAYER, "forward"): (n, 0, {})}
+        assert summary_rows(rows[name]) == expected, name
+        assert report_rows(capsys, log) == expected, name
+        assert [r["rank"] for r in rows[name]] == [0]
+        # the summary() event and the one that ends the log: one shape, the same rows
+        assert [summary_rows(e["rows"]) for e in summary_events(log)] == [expected, expected], name
+    runs = [e for e in read_jsonl(before) if e["event"] == "flex_run"]
+    assert [(e["layer"], e["flex_calls"]) for e in runs] == [(None, 1)] * 4
+
+
+class Attn(torch.nn.Module):
+    def forward(self, q, k, v):
+        return flex_attention(q, k, v)
+
+
+class Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = Attn()
+
+    def forward(self, q, k, v):
+        return self.attn(q, k, v)
+
+
+@pytest.mark.parametrize("watched", [True, False], ids=["watch", "no-watch"])
+def test_dense_calls_outside_any_layer_are_a_summary_row_as_in_the_report(guard, capsys, watched):
+    """Dense calls inside the model are its layer's; those made outside it (with watch(): outside
+    the watched modules; without: by no module) are the ``(no layer)`` row, in summary() and in
+    the report alike; strict mode's blocked call counts in both."""
+    log = guard(keep_all=True)
+    model = Model()
+    q, k, v = qkv()
+    with torch.no_grad():
+        if watched:
+            with fusionguard.watch(model):
+                model(q, k, v)
+                flex_attention(q, k, v)  # outside the watched modules
+                flex_attention(q, k, v)
+        else:
+            model(q, k, v)
+            flex_attention(q, k, v)  # no module makes these
+            flex_attention(q, k, v)
+        fusionguard.enable(strict=True, log_path=str(log), keep_all=True)
+        with pytest.raises(fusionguard.DenseFallbackError):
+            flex_attention(q, k, v)
+    rows = fusionguard.summary()
+    fusionguard.disable()
+    layer = "attn"
+    expected = {(layer, "forward"): (0, 1, {"eager_call": 1}), (NO_LAYER, "forward"): (0, 3, {"eager_call": 3})}
+    assert summary_rows(rows) == expected
+    assert [r["layer"] for r in rows] == [layer, NO_LAYER]  # (no layer) last, as in the report
+    assert report_rows(capsys, log) == expected
+    assert "(no layer)" in str(rows)
+    assert [summary_rows(e["rows"]) for e in summary_events(log)] == [expected, expected]
+
+
+def test_report_reads_every_summary_shape_alike(tmp_path, capsys):
+    """Logs written before #24 hold two shapes of ``summary`` (the end of a log: ``counts`` and
+    rows without ``rank``; ``summary()``: rows with ``rank`` and ``all_ranks``); the one shape now
+    holds all three fields. The report names a graph's unattributed calls from any of them alike."""
+    base = {"level": "info", "pid": 7, "rank": 0, "thread": "MainThread"}
+    row = {"phase": "forward", "fused": 2, "dense": 0, "causes": {}}
+    shapes = {
+        "old_end_of_log": {"counts": {"fused_runs_forward": 4}, "rows": [{"layer": n, **row} for n in "ab"]},
+        "old_summary_call": {"all_ranks": False, "rows": [{"layer": n, **row, "rank": 0} for n in "ab"]},
+        "one_shape": {"all_ranks": False, "counts": {"fused_runs_forward": 4},
+                      "rows": [{"layer": n, **row, "rank": 0} for n in "ab"] + [{"layer": NO_LAYER, **row, "fused": 0, "rank": 0}]},
+    }
+    got = {}
+    for name, fields in shapes.items():
+        events = [
+            {"event": "header", "seq": 0, "ts": 1.0, "schema": 1, "hostname": "h", **base},
+            # a graph of two layers' calls whose names the run could not tell: unattributed in the log
+            {"event": "flex_run", "seq": 1, "ts": 2.0, "layer": None, "layers": None, "phase": "forward", "path": "fused", "flex_calls": 4, **base},
+            {"event": "summary", "seq": 2, "ts": 3.0, **fields, **base},
+            {"event": "shutdown", "seq": 3, "ts": 4.0, "reason": "exit", **base},
+        ]
+        log = tmp_path / f"{name}.jsonl"
+        log.write_text("".join(json.dumps(e) + "\n" for e in events))
+        got[name] = report_rows(capsys, log)
+    assert got["old_end_of_log"] == got["old_summary_call"] == got["one_shape"] == {("a", "forward"): (2, 0, {}), ("b", "forward"): (2, 0, {})}
