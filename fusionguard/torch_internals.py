@@ -491,6 +491,28 @@ def compile_callbacks() -> Any:
     return _dynamo_attr("torch._dynamo.callback", "callback_handler")
 
 
+def hook_guards_skipped() -> bool:
+    """Dynamo installs no guard on an empty nn.Module hook dict (``skip_nnmodule_hook_guards``,
+    its default): hooks absent while it compiles and present afterwards recompile nothing."""
+    return bool(getattr(dynamo_config(), "skip_nnmodule_hook_guards", False))
+
+
+def skip_frames(codes: Any, skip: bool = True) -> bool:
+    """Dynamo's frame callback runs these code objects, and whatever they call, without compiling
+    them (``FrameExecStrategy(SKIP, SKIP)``; ``skip=False``: back to the default); a traced
+    frame calling them still inlines them. False where this torch lacks it."""
+    try:
+        from torch._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+        action = FrameAction.SKIP if skip else FrameAction.DEFAULT
+        for code in codes:
+            set_code_exec_strategy(code, FrameExecStrategy(action, action))
+        return True
+    except Exception:
+        return False
+
+
 def lookup_backend(name: str) -> Any:
     """A ``torch.compile`` backend by name (``"inductor"``, ``"eager"``)."""
     return module("torch._dynamo.backends.registry").lookup_backend(name)
@@ -732,6 +754,12 @@ def at_trace_time(fn: Any) -> Any:
 def hooks_home(handle: Any) -> Callable[[], Any]:
     """A hook handle's weak reference to the dict that holds its hook (``hooks_dict_ref``)."""
     return getattr(handle, HOOKS_DICT_REF)
+
+
+def hook_dicts(handle: Any) -> "list[Any]":
+    """The dicts a hook handle's registration wrote in: its hook dict, then its extra dicts
+    (with_kwargs, always_call), as weak-reference results (None where a dict is gone)."""
+    return [ref() for ref in (getattr(handle, HOOKS_DICT_REF), *getattr(handle, EXTRA_DICT_REF))]
 
 
 def hook_marks(handle: Any) -> Tuple[Any, ...]:

@@ -472,8 +472,10 @@ def test_wrapper_prefixes_map_to_watched_names_and_nothing_else():
 
 
 def test_watching_a_module_inside_compile_says_so_once(guard, dynamo_reset, recwarn):
-    """watch(model) with model called through torch.compile: Dynamo compiles the hooks; the log
-    and a RuntimeWarning say what that costs and what to do, once. watch(compiled): silent."""
+    """watch(model) with model called from a compiled function: fusionguard cannot know, yet
+    Dynamo never sees the hooks (out of sight while it compiles): no watch_traced. A module
+    with a forward hook of its own keeps them in sight: Dynamo compiles them, and the log and a
+    RuntimeWarning say what that costs and what to do, once. watch(compiled): silent."""
     q, k, v = gqa_qkv()
     guard()
     model = Two()
@@ -493,22 +495,162 @@ def test_watching_a_module_inside_compile_says_so_once(guard, dynamo_reset, recw
     with fusionguard.watch(model3):
         compiled3(q, k, v)
         compiled3(q, k, v)
+    assert fusionguard.events("watch_traced") == []
+    torch._dynamo.reset()
+    model4 = Two()
+    model4.b.register_forward_hook(lambda mod, args, out: None)  # the user's own: Dynamo guards on that dict
+    compiled4 = torch.compile(lambda q, k, v: model4(q, k, v), backend="eager")
+    with fusionguard.watch(model4):
+        compiled4(q, k, v)
+        compiled4(q, k, v)
     (told,) = fusionguard.events("watch_traced")
-    assert told["level"] == "warning" and "Compile the module (model = torch.compile(model)) after enable()" in told["advice"]
+    assert told["level"] == "warning" and told["layer"] == "b"
+    assert "Compile the module (model = torch.compile(model)) after enable()" in told["advice"]
     assert [str(w.message) for w in recwarn if issubclass(w.category, RuntimeWarning) and "watch()" in str(w.message)]
 
 
-def test_watch_entered_every_step_around_a_compiled_inner_model_compiles_once(guard, dynamo_reset, recwarn, tmp_path):
+class Counted:
+    """A ``torch.compile`` backend (eager) that records each graph's op count and its frame's
+    guard count (Dynamo's metrics), to compare a compile under watch() with one without."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(sum(n.op == "call_function" for n in gm.graph.nodes))
+        return gm.forward
+
+
+def _compile_pattern(pattern, model, backend):
+    if pattern == "watch, then torch.compile(model)":
+        return torch.compile(model, backend=backend)
+    if pattern == "compiled function":
+        return torch.compile(lambda q, k, v: model(q, k, v), backend=backend)
+    model.compile(backend=backend)
+    return model
+
+
+@pytest.mark.parametrize("pattern", ["watch, then torch.compile(model)", "compiled function", "watch, then model.compile()"])
+def test_hooks_dynamo_traces_are_out_of_its_sight(guard, dynamo_reset, recwarn, pattern):
+    """watch() entered before the model is compiled (fusionguard cannot know): the compile is
+    the one without watch(): the same graph ops, no hook inside it, no graph break, no
+    watch_traced, one graph however often watch() is entered and left; the hooks are back, in
+    order and under the same ids, once Dynamo is done, and still run eagerly."""
+    q, k, v = gqa_qkv()
+    guard()
+    plain = Counted()
+    torch.manual_seed(0)
+    _compile_pattern(pattern, Two(), plain)(q, k, v)
+    torch._dynamo.reset()
+    model = Two()
+    counted = Counted()
+    with fusionguard.watch(model):
+        before = {name: list(m._forward_pre_hooks.items()) + list(m._forward_hooks.items()) for name, m in model.named_modules()}
+        step = _compile_pattern(pattern, model, counted)
+        step(q, k, v)
+        after = {name: list(m._forward_pre_hooks.items()) + list(m._forward_hooks.items()) for name, m in model.named_modules()}
+        assert after == before and all(before[n] for n in ("", "a", "b"))
+    for _ in range(3):
+        step(q, k, v)
+        with fusionguard.watch(model):
+            step(q, k, v)
+    assert counted.graphs == plain.graphs and len(counted.graphs) == 1
+    assert dict(torch._dynamo.utils.counters["graph_break"]) == {}
+    assert fusionguard.events("watch_traced") == []
+    assert hooks(model) == 0
+    if pattern != "watch, then model.compile()":  # (a model compiled in place runs no eager call)
+        with fusionguard.watch(model):  # eagerly, the hooks run and name the calls
+            model(q, k, v)
+        assert [e["layer"] for e in flex_events()[-2:]] == ["a", "b"]
+
+
+def test_hooks_stay_in_sight_where_dynamo_would_guard_on_them(guard, dynamo_reset, recwarn):
+    """skip_nnmodule_hook_guards=False: Dynamo guards on empty hook dicts too, so hooks hidden
+    while it compiles would fail those guards at every run: they stay, are traced (said once),
+    and entering watch() each step compiles at most twice."""
+    from torch._dynamo.testing import CompileCounter
+
+    q, k, v = gqa_qkv()
+    guard()
+    model = Two()
+    counter = CompileCounter()
+    compiled = torch.compile(lambda q, k, v: model(q, k, v), backend=counter)
+    with torch._dynamo.config.patch(skip_nnmodule_hook_guards=False):
+        for _ in range(3):
+            with fusionguard.watch(model):
+                compiled(q, k, v)
+            compiled(q, k, v)
+    assert counter.frame_count <= 2
+    assert fusionguard.events("watch_traced")
+
+
+def test_a_forward_running_on_another_thread_keeps_its_hooks_while_dynamo_compiles(guard, dynamo_reset, recwarn):
+    """Thread B is inside a watched module's forward when Dynamo starts compiling on this thread
+    and leaves it before the compile ends: that module keeps its hooks, so its post-hook runs
+    (B's layer stack is empty again); the compiled model's hooks are out of sight meanwhile."""
+    from fusionguard.watching.naming import LAYER
+
+    q, k, v = gqa_qkv()
+    guard()
+    inside, go, done = threading.Event(), threading.Event(), threading.Event()
+
+    class Slow(nn.Module):  # (no FlexAttention call: its eager compile would wait for this one)
+        def forward(self, x):
+            inside.set()
+            go.wait(30)
+            return x * 2
+
+    class Holder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = Slow()
+
+        def forward(self, x):
+            return self.inner(x)
+
+    other, model = Holder(), Two()
+    seen = {}
+
+    def run_other():
+        other(q)
+        seen["stack"], seen["hooks"] = LAYER.get(), len(other.inner._forward_pre_hooks)
+        done.set()
+
+    @torch._dynamo.assume_constant_result
+    def let_other_finish():  # runs for real while Dynamo traces
+        seen["model's hooks"] = hooks(model)
+        go.set()
+        done.wait(30)
+        return 0
+
+    compiled = torch.compile(lambda q, k, v: model(q, k, v) + let_other_finish(), backend="eager")
+    with fusionguard.watch(model), fusionguard.watch(other):
+        thread = threading.Thread(target=run_other)
+        thread.start()
+        assert inside.wait(30)
+        compiled(q, k, v)
+        thread.join(30)
+        assert hooks(model) == 6
+    assert seen == {"model's hooks": 0, "stack": (), "hooks": 1}
+    assert fusionguard.events("watch_traced") == []
+    assert hooks(model) == 0 and hooks(other) == 0
+
+
+@pytest.mark.parametrize("own_hook", [False, True])
+def test_watch_entered_every_step_around_a_compiled_inner_model_compiles_once(guard, dynamo_reset, recwarn, tmp_path, own_hook):
     """watch(model) entered anew each step, model called from a compiled function (fusionguard
-    cannot know it is compiled): Dynamo traces and guards on the hooks, and the same hook
-    functions at every entry pass those guards. At most one graph with hooks and one without,
-    however many steps, also with a nested watch() of the same model; nothing is left on the
+    cannot know it is compiled): one graph, the hooks out of Dynamo's sight. With a forward
+    hook of the user's own, Dynamo traces and guards on watch()'s hooks too, and the same hook
+    functions at every entry pass those guards: at most one graph with hooks and one without,
+    however many steps, also with a nested watch() of the same model. Nothing is left on the
     model after exit (it pickles)."""
     from torch._dynamo.testing import CompileCounter
 
     q, k, v = gqa_qkv()
     guard()
     model = Two()
+    if own_hook:
+        model.a.register_forward_pre_hook(_noop_pre_hook)
     counter = CompileCounter()
     compiled = torch.compile(lambda q, k, v: model(q, k, v), backend=counter)  # a function: hooks traced
     for _ in range(4):
@@ -516,10 +658,14 @@ def test_watch_entered_every_step_around_a_compiled_inner_model_compiles_once(gu
             with fusionguard.watch(model):
                 compiled(q, k, v)
         compiled(q, k, v)  # and outside watch()
-    assert counter.frame_count <= 2
-    assert fusionguard.events("watch_traced")
-    assert not model.a._forward_pre_hooks and not model.a._forward_hooks and not model._forward_hooks
+    assert counter.frame_count == 1 if not own_hook else counter.frame_count <= 2
+    assert bool(fusionguard.events("watch_traced")) is own_hook
+    assert len(model.a._forward_pre_hooks) == own_hook and not model.a._forward_hooks and not model._forward_hooks
     torch.save(model, tmp_path / "model.pt")
+
+
+def _noop_pre_hook(module, args):  # (module level: the model pickles)
+    return None
 
 
 # Own process: on torch 2.11 only, after test_dense's autocast/block-mask test and its two-thread

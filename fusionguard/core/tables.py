@@ -44,9 +44,10 @@ class WatchRegistry:
     count; ``forward_sites``: their (file, first line) -> count (a forward Dynamo compiled runs
     its own rewritten code, with the same file and first line). ``roots``: id(watched model) ->
     (weak reference, count). ``pairs``: module -> its pool of hook pairs (the same hook objects at
-    every entry: Dynamo guards on them). ``compiled_inside``: module held by a live
+    every entry: Dynamo guards on them). ``hooked``: id(pair) -> the pairs now registered (taken
+    out of sight while Dynamo compiles). ``compiled_inside``: module held by a live
     ``torch.compile`` wrapper -> a weak reference to that wrapper. ``lock`` guards modules,
-    roots and pairs."""
+    roots, pairs and hooked."""
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
@@ -56,6 +57,7 @@ class WatchRegistry:
         self.forward_sites: Dict[Tuple[str, int], int] = {}
         self.roots: Dict[int, Tuple[Any, int]] = {}
         self.pairs: "weakref.WeakKeyDictionary[Any, List[Any]]" = weakref.WeakKeyDictionary()
+        self.hooked: Dict[int, Any] = {}
         self.compiled_inside: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 
     def tables(self) -> Dict[str, Any]:

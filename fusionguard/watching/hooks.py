@@ -1,10 +1,11 @@
 """watch()'s hook pool: one pre/post hook pair per module, the same objects at every entry;
-the per-thread frames that pair a pre-hook with its post-hook; the trace-time note."""
+the per-thread frames that pair a pre-hook with its post-hook; the hooks kept out of Dynamo's
+sight while it compiles; the trace-time note."""
 
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -61,9 +62,13 @@ class Hooks:
     the hooks and one without. Nothing stays on the module after watch() exits (pickling and
     ``torch.jit.script`` after it are unaffected; a copy made *during* watch() carries the hooks,
     which never count it as the watched module).
+
+    Dynamo never sees them where it can be helped: ``out_of_sight`` takes them out of their
+    module's hook dicts while Dynamo compiles a frame. The guards and the reuse above matter
+    where it cannot (a module with forward hooks of its own).
     """
 
-    __slots__ = ("owner", "name", "compiled", "handles", "home", "pre", "post", "__weakref__")
+    __slots__ = ("owner", "name", "compiled", "handles", "home", "pre", "post", "calls", "__weakref__")
 
     def __init__(self) -> None:
         self.owner: Optional["Watch"] = None
@@ -71,6 +76,9 @@ class Hooks:
         self.compiled = False
         self.handles: List[Tuple[Any, Tuple[Any, ...]]] = []  # (pre, post): (handle, ti.hook_marks)
         self.home: Callable[[], Any] = lambda: None  # the module's pre-hook dict, weakly
+        # one entry per eager forward of the module between this pair's pre- and post-hook, on
+        # any thread (list append and pop are atomic): such a module keeps its hooks in sight
+        self.calls: List[None] = []
         slot = self  # the hooks hold the slot, never the module (the module holds the hooks)
         traced = ti.at_trace_time(lambda: _hooks_traced(slot))
 
@@ -78,6 +86,7 @@ class Hooks:
             if _is_dynamo_compiling():
                 traced()
                 return
+            slot.calls.append(None)
             owner = slot.owner
             # (a deepcopy of the model made during watch() carries these hooks in dicts of its
             # own: not the watched module, never counted as it)
@@ -87,6 +96,10 @@ class Hooks:
         def post_hook(mod: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
             if _is_dynamo_compiling():
                 return
+            try:
+                slot.calls.pop()
+            except IndexError:  # (its pre-hook ran before this watch() began)
+                pass
             stack = frames_of(mod)
             if stack:
                 frame = stack.pop()
@@ -94,6 +107,13 @@ class Hooks:
 
         self.pre: Callable[..., Any] = pre_hook
         self.post: Callable[..., Any] = post_hook
+        if not _SIGHT.codes_skipped:
+            # The hooks of a module Dynamo does not trace run as frames of their own under its
+            # frame callback (the compiled module's own, the module of a graph break): compiled
+            # once each to an empty graph, ~2 % of a small model's warm compile. Skipped as
+            # frames, with what they call (fusionguard's code only); inlining is unaffected.
+            _SIGHT.codes = (pre_hook.__code__, post_hook.__code__)
+            _SIGHT.codes_skipped = ti.skip_frames(_SIGHT.codes, _SIGHT.on)
 
     @classmethod
     def attach(cls, module: torch.nn.Module, owner: "Watch", name: str, compiled: bool) -> "Hooks":
@@ -110,11 +130,14 @@ class Hooks:
                 slot = cls()
                 pool.append(slot)
             slot.owner, slot.name, slot.compiled = owner, name, compiled
+            slot.calls.clear()
             try:
                 slot._register(module)
             except BaseException:
                 slot.detach()
                 raise
+            STATE.watch.hooked[id(slot)] = slot
+            out_of_sight()
             return slot
 
     def _register(self, module: torch.nn.Module) -> None:
@@ -133,24 +156,162 @@ class Hooks:
     def detach(self) -> None:
         with STATE.watch.lock:
             self.owner = None
+            STATE.watch.hooked.pop(id(self), None)  # (out of sight now: never put back)
             for h, _ in self.handles:
                 h.remove()  # the handles stay, to put the same hooks back under the same ids
 
 
+# -- out of Dynamo's sight ---------------------------------------------------------------------
+#
+# A module with forward hooks makes Dynamo trace ``Module.__call__`` and ``_call_impl`` around
+# its forward (the hooks, the kwargs and always-called bookkeeping, a closure) and guard on every
+# hook dict: +10 % of the Python calls of a warm compile for an 8-block model, x1.1-1.8 wall time,
+# for hooks that never run inside the graph. Without hooks Dynamo inlines ``forward`` directly
+# and, under ``skip_nnmodule_hook_guards`` (its default), guards on no empty hook dict. So while
+# Dynamo compiles a frame (its compile start/end callbacks, outermost compile only), watch()'s
+# hook entries are taken out of their module's hook dicts and put back, in order and under the
+# same ids, when the compile ends: the compile, its graph and its guards are those of the model
+# without watch(), and a later watch() entry or exit recompiles nothing. Left in sight: a
+# module with forward hooks of its own (Dynamo guards on that dict's length), a module whose
+# forward is running eagerly on some thread (its post-hook must run), and every module when
+# ``skip_nnmodule_hook_guards`` is off or this torch has no compile callbacks (traced as
+# before, ``watch_traced`` says so).
+
+
+class _Sight:
+    """The compile now running (the depth of Dynamo's start/end callbacks) and the hook dict
+    entries taken out for it: [(dict, [(hook id, value), ...]), ...] per module."""
+
+    def __init__(self) -> None:
+        self.on = True
+        self.depth = 0
+        self.saved: List[List[Tuple[Dict[Any, Any], List[Tuple[Any, Any]]]]] = []
+        self.codes: Tuple[Any, ...] = ()
+        self.codes_skipped = False
+
+
+_SIGHT = _Sight()
+OUT_OF_SIGHT = "torch._dynamo.callback: watch() hooks out of sight while compiling"
+
+
+def out_of_sight() -> None:
+    """Register the compile callbacks that hide watch()'s hooks (at each hook attach: cheap, and
+    ``torch._dynamo.reset()`` clears them); ``disable()`` removes them (the registry)."""
+    handler = ti.compile_callbacks()
+    try:
+        if handler is None or _compile_started in handler.start_callbacks:
+            return
+        handler.register_start_callback(_compile_started)
+        handler.register_end_callback(_compile_ended)
+    except Exception as exc:
+        internal_error("watch hooks out of sight (register)", exc)
+        return
+    STATE.patches.add_hook(OUT_OF_SIGHT, _unregister, lambda: _compile_started not in getattr(handler, "start_callbacks", ()))
+
+
+def _unregister() -> None:
+    with STATE.watch.lock:
+        _put_back()
+        _SIGHT.depth = 0
+    handler = ti.compile_callbacks()
+    for callbacks, fn in (("start_callbacks", _compile_started), ("end_callbacks", _compile_ended)):
+        registered = getattr(handler, callbacks, [])
+        while fn in registered:
+            registered.remove(fn)
+
+
+def keep_out_of_sight(on: bool) -> None:
+    """Hide watch()'s hooks from Dynamo (the default) or leave them traced, as before #24
+    (``benchmarks/watch_compile_cost.py``'s ``traced`` variant)."""
+    _SIGHT.on = on
+    if _SIGHT.codes:
+        ti.skip_frames(_SIGHT.codes, on)
+
+
+def _compile_started(*_: Any) -> None:
+    try:
+        w = STATE.watch
+        with w.lock:
+            _SIGHT.depth += 1
+            if _SIGHT.depth == 1 and _SIGHT.on and w.hooked and ti.hook_guards_skipped():
+                _hide(list(w.hooked.values()))
+    except Exception as exc:
+        internal_error("watch hooks out of sight", exc)
+
+
+def _compile_ended(*_: Any) -> None:
+    try:
+        with STATE.watch.lock:
+            if _SIGHT.depth == 0:  # (registered during this compile)
+                return
+            _SIGHT.depth -= 1
+            if _SIGHT.depth == 0:
+                _put_back()
+    except Exception as exc:
+        internal_error("watch hooks put back", exc)
+
+
+def _hook_dicts(slot: "Hooks") -> Optional[List[Dict[Any, Any]]]:
+    """The dicts registering the pair wrote in (pre-hooks, forward hooks, their with_kwargs and
+    always_call dicts), through its handles; None if the module is gone or the handles differ."""
+    if len(slot.handles) != 2:
+        return None
+    (pre, _), (post, _) = slot.handles
+    (pre_home, *pre_extra), (post_home, *post_extra) = ti.hook_dicts(pre), ti.hook_dicts(post)
+    dicts = [pre_home, post_home, *pre_extra, *post_extra]
+    return None if any(d is None for d in dicts) else dicts
+
+
+def _hide(slots: List["Hooks"]) -> None:
+    ours = {h.id for s in slots for h, _ in s.handles}
+    modules: Dict[int, List[Hooks]] = {}
+    for s in slots:
+        modules.setdefault(id(s.home()), []).append(s)
+    for group in modules.values():
+        try:
+            dicts = _hook_dicts(group[0])
+            if dicts is None or any(s.calls for s in group):
+                continue
+            if any(k not in ours for d in dicts[:2] for k in d):
+                continue  # the user's own forward hooks: Dynamo guards on these dicts' length
+            saved = []
+            for d in dicts:
+                items = [(k, v) for k, v in d.items() if k in ours]
+                for k, _ in items:
+                    del d[k]
+                saved.append((d, items))
+            _SIGHT.saved.append(saved)
+        except Exception as exc:
+            internal_error("watch hooks out of sight", exc)
+
+
+def _put_back() -> None:
+    saved, _SIGHT.saved = _SIGHT.saved, []
+    live = {h.id for s in STATE.watch.hooked.values() for h, _ in s.handles}  # (not a watch() that ended meanwhile)
+    for module in saved:
+        for d, items in module:
+            for k, v in items:
+                if k in live:
+                    d.setdefault(k, v)
+
+
 WATCH_TRACED_ADVICE = (
     "fusionguard.watch() put hooks on modules that run inside torch.compile and Dynamo traced "
-    "them (they never run inside the graph), which makes the compile longer (x1.3-1.5 measured). "
-    "fusionguard could not tell: the model is called from a compiled function, or its "
-    "torch.compile wrapper was made before fusionguard.enable(), or watch() was entered before "
-    "torch.compile (or module.compile()). Compile the module (model = torch.compile(model)) after enable() and before "
+    "them (they never run inside the graph), which makes the compile longer (x1.1-1.8 measured). "
+    "fusionguard keeps its hooks out of Dynamo's sight while it compiles, but not on a module "
+    "with forward hooks of its own (Dynamo guards on those) nor with "
+    "torch._dynamo.config.skip_nnmodule_hook_guards=False, nor in the first compile after a "
+    "torch._dynamo.reset() inside watch(). Compile the module (model = torch.compile(model)) after enable() and before "
     "watch()."
 )
 
 
 def _hooks_traced(slot: "Hooks") -> int:
-    """Runs at trace time: once per process, say that watch()'s hooks are being compiled."""
+    """Runs at trace time: once per process, say that watch()'s hooks are being compiled; hide
+    them from the next compiles (callbacks that ``torch._dynamo.reset()`` cleared)."""
     name = slot.name
     try:
+        out_of_sight()
         if not STATE.stats.told_traced:
             STATE.stats.told_traced = True
             STATE.log.emit("warning", "watch_traced", layer=name or None, advice=WATCH_TRACED_ADVICE)
