@@ -502,7 +502,7 @@ def skip_frames(codes: Any, skip: bool = True) -> bool:
     them (``FrameExecStrategy(SKIP, SKIP)``; ``skip=False``: back to the default); a traced
     frame calling them still inlines them. False where this torch lacks it."""
     try:
-        from torch._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.eval_frame import set_code_exec_strategy  # lazy: a release may lack it; looked up on first use
         from torch._dynamo.types import FrameAction, FrameExecStrategy
 
         action = FrameAction.SKIP if skip else FrameAction.DEFAULT
