@@ -503,7 +503,7 @@ def skip_frames(codes: Any, skip: bool = True) -> bool:
     frame calling them still inlines them. False where this torch lacks it."""
     try:
         from torch._dynamo.eval_frame import set_code_exec_strategy  # lazy: a release may lack it; looked up on first use
-        from torch._dynamo.types import FrameAction, FrameExecStrategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy  # (as above)
 
         action = FrameAction.SKIP if skip else FrameAction.DEFAULT
         for code in codes:
