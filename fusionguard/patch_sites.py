@@ -4,6 +4,13 @@ all through the one registry (``STATE.patches``), each with its undo.
 Imports the torch side of the package (guard, inductor, watching, rescue): it is imported by
 ``enable()`` only, so ``import fusionguard`` stays torch-free (the pytest plugin and the
 start-up hook rely on that).
+
+Attribute sites (a class attribute or a module global) get a ``wrapt.FunctionWrapper``:
+descriptor-correct for staticmethods and methods, ``__wrapped__``, name, signature and doc of
+the original kept. Two kinds stay plain functions, each said at its installer: where Dynamo must
+run our wrapper's own body while it traces (a wrapt proxy passes for the function it wraps, so
+Dynamo inlines the original and skips ours), and dict entries (a dispatch table's value is called,
+never looked up on an owner: nothing for a descriptor to bind). docs/internals.md has the matrix.
 """
 
 from __future__ import annotations
@@ -23,7 +30,8 @@ from fusionguard.core.registry import PatchRegistry
 
 
 def _dense(reg: PatchRegistry, op_name: str, phase: str) -> None:
-    """The dense kernel of one higher-order operator (``py_kernels``: Dynamo may trace it)."""
+    """The dense kernel of one higher-order operator (``py_kernels``: Dynamo may trace it).
+    Plain: a dict entry, and Dynamo must trace our body to note a dense kernel it inlines."""
     op = ti.hop(op_name)
     ti.dense_kernel(op)
     reg.apply(
@@ -50,6 +58,8 @@ def _autograd_op(reg: PatchRegistry) -> None:
 
 
 def _lowerings(reg: PatchRegistry) -> None:
+    # the lowerings: plain (entries of Inductor's dict, called from it); the template selectors
+    # (module globals): wrapt
     table = ti.lowerings()
     ops = ((torch.ops.higher_order.flex_attention, "forward"), (torch.ops.higher_order.flex_attention_backward, "backward"))
     for op, phase in ops:
@@ -92,7 +102,9 @@ def _rescue(reg: PatchRegistry) -> None:
 
 
 def _mask_build(reg: PatchRegistry) -> None:
-    """The ``create_mask`` global that every ``create_block_mask`` calls (``masks``)."""
+    """The ``create_mask`` global that every ``create_block_mask`` calls (``masks``). Plain, not
+    wrapt: under ``torch.compile(create_block_mask)`` Dynamo must trace our body (its trace-time
+    record); a wrapt proxy it would see through to the original (tests/test_masks.py)."""
     reg.apply("flex_attention.create_mask", ti.mask_home(), "create_mask", masks.make_create_mask_wrapper)
 
 
