@@ -6,7 +6,10 @@ its ``sitecustomize`` runs at the start of every Python process that inherits th
 (spawn and forkserver children, torchrun's workers, a launcher's workers you cannot edit), calls
 ``startup()``, then runs the ``sitecustomize`` it hides, if any. ``startup()`` never imports
 torch: it waits until the program imports torch, then calls ``fusionguard.enable()`` (log path:
-``FUSIONGUARD_LOG`` as usual). A process that never imports torch pays for reading one variable.
+``FUSIONGUARD_LOG`` as usual). A process that never imports torch pays for reading one variable
+and loading this file: under 1 ms (``benchmarks/startup.py``; the bound is 10 ms). Hence no
+``typing`` at run time here, and no wrapt post-import hook (``import wrapt`` costs ~90 ms:
+docs/internals.md).
 
 ``FUSIONGUARD=off`` is a kill switch: ``enable()`` does nothing (said once on stderr), also when
 the program calls it. Unset (the default): nothing happens at start-up; ``enable()`` in code works
@@ -21,7 +24,10 @@ from __future__ import annotations
 import _thread
 import os
 import sys
-from typing import Any, List, Optional, Sequence
+
+TYPE_CHECKING = False  # (typing costs the start-up hook ~2-4 ms: docs/internals.md, benchmarks/startup.py)
+if TYPE_CHECKING:
+    from typing import Any, List, Optional, Sequence
 
 ENV = "FUSIONGUARD"
 MODES = ("strict", "warn", "oom", "off")

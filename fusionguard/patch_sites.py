@@ -8,6 +8,13 @@ start-up hook rely on that).
 The wrappers that decide by ``enable()``'s options (dense kernels, mask builds, rescue, recompile
 pressure) close over ``STATE.runtime``: they read its ``now`` (a frozen ``Runtime``) once per
 call and hand it down; a second ``enable()`` swaps ``now`` in one assignment.
+
+Attribute sites (a class attribute or a module global) get a ``wrapt.FunctionWrapper``:
+descriptor-correct for staticmethods and methods, ``__wrapped__``, name, signature and doc of
+the original kept. Two kinds stay plain functions, each said at its installer: where Dynamo must
+run our wrapper's own body while it traces (a wrapt proxy passes for the function it wraps, so
+Dynamo inlines the original and skips ours), and dict entries (a dispatch table's value is called,
+never looked up on an owner: nothing for a descriptor to bind). docs/internals.md has the matrix.
 """
 
 from __future__ import annotations
@@ -28,7 +35,8 @@ from fusionguard.core.registry import PatchRegistry
 
 
 def _dense(reg: PatchRegistry, op_name: str, phase: str) -> None:
-    """The dense kernel of one higher-order operator (``py_kernels``: Dynamo may trace it)."""
+    """The dense kernel of one higher-order operator (``py_kernels``: Dynamo may trace it).
+    Plain: a dict entry, and Dynamo must trace our body to note a dense kernel it inlines."""
     op = ti.hop(op_name)
     ti.dense_kernel(op)
     reg.apply(
@@ -55,6 +63,8 @@ def _autograd_op(reg: PatchRegistry) -> None:
 
 
 def _lowerings(reg: PatchRegistry) -> None:
+    # the lowerings: plain (entries of Inductor's dict, called from it); the template selectors
+    # (module globals): wrapt
     table = ti.lowerings()
     ops = ((torch.ops.higher_order.flex_attention, "forward"), (torch.ops.higher_order.flex_attention_backward, "backward"))
     for op, phase in ops:
@@ -97,7 +107,9 @@ def _rescue(reg: PatchRegistry) -> None:
 
 
 def _mask_build(reg: PatchRegistry) -> None:
-    """The ``create_mask`` global that every ``create_block_mask`` calls (``masks``)."""
+    """The ``create_mask`` global that every ``create_block_mask`` calls (``masks``). Plain, not
+    wrapt: under ``torch.compile(create_block_mask)`` Dynamo must trace our body (its trace-time
+    record); a wrapt proxy it would see through to the original (tests/test_masks.py)."""
     reg.apply("flex_attention.create_mask", ti.mask_home(), "create_mask", functools.partial(masks.make_create_mask_wrapper, STATE.runtime))
 
 

@@ -195,6 +195,9 @@ def lowerings() -> Dict[Any, Any]:
 
 
 def flex_lowering_module() -> types.ModuleType:
+    # Inductor's lowering module first: on torch 2.7 importing the flex kernel module before it
+    # is a circular import that leaves Inductor unable to lower flex_attention ("not an OpOverload")
+    module(LOWERING_MODULE)
     return _first_module(FLEX_LOWERING_MODULES)
 
 

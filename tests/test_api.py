@@ -14,7 +14,7 @@ import fusionguard
 from fusionguard.core import state as _state
 from fusionguard import torch_internals as ti
 
-from conftest import HOP_MODULE, ROOT, flex_events, lacks, qkv, read_jsonl
+from conftest import HOP_MODULE, ROOT, flex_events, lacks, op_call, qkv, read_jsonl
 
 
 def _patch_points():
@@ -76,6 +76,56 @@ def test_enable_twice_reconfigures_without_double_wrapping(guard):
     wrapper = second["dense_fwd"]
     assert not hasattr(wrapper.__wrapped__, "__wrapped__"), "wrapped twice"
     assert _state.STATE.config.strict is True
+
+
+def _attribute_sites():
+    """(name, owning dict, key) of every attribute site: a class attribute or a module global."""
+    sites = [(f"FlexAttentionAutogradOp.{k}", vars(ti.autograd_op()), k) for k in ("forward", "backward")]
+    sites.append(("CompiledFxGraph.post_compile", vars(ti.compiled_fx_graph()), "post_compile"))
+    cls, name = ti.flex_trace_method()
+    sites.append((f"FlexAttentionHigherOrderVariable.{name}", vars(cls), name))
+    sites.append(("OptimizedModule.__init__", vars(ti.optimized_module()), "__init__"))
+    mod = ti.flex_lowering_module()
+    sites += [(f"selector {n}", mod.__dict__, n) for n in ti.TEMPLATE_SELECTORS if n in mod.__dict__]
+    if not lacks("rescue"):
+        sites.append(("setup_compilation_env", ti.setup_compilation_env_home(), "setup_compilation_env"))
+    return sites
+
+
+def test_attribute_sites_are_wrapt_function_wrappers_that_keep_the_originals_face(guard):
+    """#24: wrapt at attribute sites: the original object wrapped as it sits in its dict (a
+    staticmethod stays one to isinstance and binds as one), its name, signature and doc kept;
+    ``create_mask`` stays a plain function (Dynamo must trace its body); disable() puts back the
+    very objects."""
+    import inspect
+
+    import wrapt
+
+    originals = {name: (table, key, table[key]) for name, table, key in _attribute_sites()}
+    mask_home = ti.mask_home()
+    create_mask = mask_home["create_mask"]
+    guard()
+    for name, (table, key, original) in originals.items():
+        wrapper = table[key]
+        assert isinstance(wrapper, wrapt.FunctionWrapper) and wrapper.__wrapped__ is original, name
+        fn = getattr(original, "__func__", original)
+        assert (wrapper.__name__, wrapper.__qualname__, wrapper.__doc__) == (fn.__name__, fn.__qualname__, fn.__doc__), name
+        assert inspect.signature(wrapper) == inspect.signature(original), name
+    cls = ti.autograd_op()
+    for k in ("forward", "backward"):
+        assert isinstance(vars(cls)[k], staticmethod), "still a staticmethod to isinstance (ti.autograd_op checks it)"
+        assert inspect.signature(getattr(cls, k)) == inspect.signature(originals[f"FlexAttentionAutogradOp.{k}"][2].__func__)
+    q, k, v = qkv()
+    with pytest.warns(fusionguard.DenseFallbackWarning):
+        out = op_call(q, k, v)  # the operator, through the wrapped autograd forward, then the dense kernel
+    assert out[0].shape == q.shape
+    assert flex_events()[-1]["evidence"]["how"] == "flex_attention operator called directly"
+    wrapped_mask = mask_home["create_mask"]
+    assert type(wrapped_mask).__name__ == "function" and wrapped_mask.__wrapped__ is create_mask
+    fusionguard.disable()
+    for name, (table, key, original) in originals.items():
+        assert table[key] is original, name
+    assert mask_home["create_mask"] is create_mask
 
 
 def test_permutations_in_a_fresh_process(tmp_path):

@@ -99,6 +99,34 @@ def test_the_hook_chains_to_an_existing_sitecustomize_and_never_imports_torch(tm
     assert p.stdout.split() == ["theirs", "ran", "False", "False"]
 
 
+# The hook run as site.py runs it, in a Python started with -S (no site: only what the interpreter
+# itself imports), so that what the hook imports shows, whatever this venv's .pth files import.
+HOOK_IMPORTS = """
+import json, os, sys
+before = set(sys.modules)
+hook = sys.argv[1]
+sys.path.insert(0, os.path.dirname(hook))
+exec(compile(open(hook).read(), hook, "exec"), {"__file__": hook, "__name__": "sitecustomize"})
+print(json.dumps({"new": sorted(set(sys.modules) - before), "finder": type(sys.meta_path[0]).__name__}))
+"""
+
+
+def test_the_hook_imports_next_to_nothing_in_a_process_that_never_imports_torch(tmp_path):
+    """#24: every Python process under ``fusionguard run`` pays for the hook (budget: 10 ms over
+    plain Python, benchmarks/startup.py): no typing, no importlib.util (contextlib, functools),
+    no wrapt (asyncio), nothing of fusionguard's package, no torch."""
+    hook = os.path.join(activate.HOOK_DIR, "sitecustomize.py")
+    for mode in ("warn", "strict", ""):
+        p = _run([PY, "-S", "-c", HOOK_IMPORTS, hook], tmp_path, FUSIONGUARD=mode)
+        assert p.returncode == 0 and p.stderr == "", p.stderr
+        got = json.loads(p.stdout)
+        heavy = {"typing", "importlib.util", "contextlib", "functools", "wrapt", "asyncio", "re", "fusionguard", "torch"}
+        assert not heavy & set(got["new"]), (mode, got["new"])
+        assert (got["finder"] == "_TorchWatcher") == bool(mode), (mode, got)
+        if mode:
+            assert set(got["new"]) <= {"_fusionguard_activate", "__future__", "importlib", "importlib._bootstrap", "importlib._bootstrap_external", "importlib.machinery", "warnings"}, got["new"]
+
+
 def test_bad_values_and_missing_commands_are_reported_never_a_crash(tmp_path):
     hook = activate.HOOK_DIR
     p = _run([PY, "-c", "print('ran')"], tmp_path, FUSIONGUARD="loud", PYTHONPATH=os.pathsep.join([hook, str(ROOT)]))

@@ -1,23 +1,45 @@
 """fusionguard's start-up hook (put first on PYTHONPATH by ``fusionguard run``): honour
-``FUSIONGUARD`` in this process, then run the ``sitecustomize`` this file hides, if any."""
+``FUSIONGUARD`` in this process, then run the ``sitecustomize`` this file hides, if any.
+
+Every Python process under ``fusionguard run`` runs this, torch or not: it imports nothing that
+a bare interpreter has not already imported but ``importlib.machinery`` (no ``importlib.util``,
+no ``typing``: ~2.5 ms and ~2-4 ms of start-up; ``benchmarks/startup.py``, docs/internals.md).
+"""
 
 
 def _fusionguard_startup() -> None:
     import os  # lazy: runs in every Python process: it imports little
     import sys  # lazy: runs in every Python process: it imports little
 
+    def _fusionguard_exec(loader, path, spec=None):  # (untyped: typing costs start-up time)
+        """What ``importlib.util.module_from_spec`` + ``exec_module`` do, without importing
+        ``importlib.util`` (it imports ``contextlib``, ``functools`` and ``collections``)."""
+        from importlib.machinery import ModuleSpec
+
+        if spec is None:
+            spec = ModuleSpec(loader.name, loader, origin=path)
+            spec.has_location = True
+        module = loader.create_module(spec) if hasattr(loader, "create_module") else None
+        if module is None:
+            module = type(sys)(spec.name)
+        module.__spec__ = spec
+        module.__loader__ = loader
+        if spec.has_location:
+            module.__file__ = spec.origin
+            if spec.cached:
+                module.__cached__ = spec.cached
+        sys.modules[spec.name] = module
+        loader.exec_module(module)
+        return module
+
     here = os.path.dirname(os.path.abspath(__file__))
     mode = os.environ.get("FUSIONGUARD", "").strip().lower()
     if mode and mode != "off":  # "off" acts in enable(); unset: nothing to do, nothing imported
         try:  # activate.py alone, by path: importing the fusionguard package costs ~0.1 s
-            import importlib.util  # lazy: runs in every Python process: it imports little
+            from importlib.machinery import SourceFileLoader
 
-            spec = importlib.util.spec_from_file_location("_fusionguard_activate", os.path.join(os.path.dirname(here), "activate.py"))
-            if spec is None or spec.loader is None:
-                raise ImportError("fusionguard/activate.py not found")
-            activate = importlib.util.module_from_spec(spec)
-            sys.modules[spec.name] = activate
-            spec.loader.exec_module(activate)
+            path = os.path.join(os.path.dirname(here), "activate.py")
+            activate = _fusionguard_exec(SourceFileLoader("_fusionguard_activate", path), path)
             activate.startup()
         except Exception as exc:  # fusionguard not importable here: never break the program
             try:
@@ -25,16 +47,13 @@ def _fusionguard_startup() -> None:
             except Exception:
                 pass
     # Chain: the sitecustomize that would have run without us (a distro's, a venv's, ddtrace's).
-    import importlib.machinery
-    import importlib.util  # lazy: runs in every Python process: it imports little
+    from importlib.machinery import PathFinder
 
     rest = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
-    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
+    spec = PathFinder.find_spec("sitecustomize", rest)
     if spec is None or spec.loader is None:
         return
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["sitecustomize"] = module
-    spec.loader.exec_module(module)  # its errors surface as they would have (site.py reports them)
+    _fusionguard_exec(spec.loader, spec.origin, spec)  # its errors surface as they would have (site.py reports them)
 
 
 _fusionguard_startup()

@@ -32,8 +32,17 @@ def is_torch_file(filename: str) -> bool:
     return filename.startswith(torch_dir())
 
 
+@functools.lru_cache(maxsize=4096)
+def is_wrapt_file(filename: str) -> bool:
+    """wrapt's pure-Python wrappers (no C extension, or ``WRAPT_DISABLE_EXTENSIONS=1``) are frames
+    between a patched function and its caller: never the user's. (Asked only of frames that
+    exist: before ``import wrapt`` no frame is wrapt's, so a cached False stays true.)"""
+    path = getattr(sys.modules.get("wrapt"), "__file__", None)
+    return bool(path) and filename.startswith(os.path.dirname(os.path.abspath(str(path))) + os.sep)
+
+
 def is_user_file(filename: str) -> bool:
-    return not is_torch_file(filename) and not filename.startswith(FG_DIR) and not filename.startswith("<")
+    return not is_torch_file(filename) and not filename.startswith(FG_DIR) and not filename.startswith("<") and not is_wrapt_file(filename)
 
 
 def first_user_frame(f: Optional[types.FrameType]) -> Optional[types.FrameType]:

@@ -7,7 +7,10 @@ Dynamo callback). ``disable()`` removes them all, newest first; removing twice i
 
 Originals are read from the owning ``dict`` (``vars(cls)``, a module's ``__dict__``, a dispatch
 table), never through ``getattr``, so a staticmethod or a bound method comes back as the very same
-object. ``apply`` is idempotent: a key already patched is left alone (never double-wrapped).
+object; the replacement (a ``wrapt.FunctionWrapper`` at attribute sites, wrapping that very
+object: ``patch_sites``) is what is put in the slot, and identity decides whether it is still
+ours to take out. ``apply`` is idempotent: a key already patched is left alone (never
+double-wrapped).
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
+import wrapt
 
 from fusionguard.core import frames
 from fusionguard.core.config import Runtime, RuntimeRef
@@ -483,47 +484,44 @@ _skip_frames(is_fullgraph_hook, nested=True)
 _frame_hook = eval_frame_callback()
 
 
-def make_autograd_forward(original: staticmethod) -> staticmethod:
-    fn = original.__func__
+def make_autograd_forward(original: staticmethod) -> wrapt.FunctionWrapper:
+    """The autograd op's ``forward`` (a staticmethod: wrapt binds it as one, so ``fn`` gets
+    ``(ctx, query, ...)``), its verdict linked to ``ctx`` for the backward."""
 
-    def forward(ctx: Any, *args: Any, **kwargs: Any) -> Any:
+    def forward(fn: Callable[..., Any], _instance: Any, args: tuple, kwargs: dict) -> Any:
         hook = _frame_hook()  # PyTorch's own fullgraph wrapper runs uncompiled above (torch 2.7):
         if hook and is_fullgraph_hook(hook):  # run as its graph would, with the hook off
-            return _hook_free(forward, ctx, *args, **kwargs)
-        if _is_compiling() or not STATE.enabled or not args or not is_concrete(args[0]):
-            return fn(ctx, *args, **kwargs)
+            return _hook_free(forward, fn, _instance, args, kwargs)
+        if _is_compiling() or not STATE.enabled or len(args) < 2 or not is_concrete(args[1]):
+            return fn(*args, **kwargs)
         slot: List[dict] = []
         token = _FORWARD_SLOT.set(slot)
         try:
-            out = fn(ctx, *args, **kwargs)
+            out = fn(*args, **kwargs)
         finally:
             _FORWARD_SLOT.reset(token)
         if slot:
             try:
-                ctx._fusionguard = slot[-1]
+                args[0]._fusionguard = slot[-1]  # (args[0]: ctx)
             except Exception as exc:
                 internal_error("autograd forward link", exc)
         return out
 
-    forward.__wrapped__ = fn  # type: ignore[attr-defined]
     _skip_frames(forward, nested=False)  # compiling it alone gains nothing: a graph break at fn
-    return staticmethod(forward)
+    return wrapt.FunctionWrapper(original, forward)
 
 
-def make_autograd_backward(original: staticmethod) -> staticmethod:
-    fn = original.__func__
-
-    def backward(ctx: Any, *grads: Any) -> Any:
-        if _is_compiling():
-            return fn(ctx, *grads)
-        origin = getattr(ctx, "_fusionguard", None)
+def make_autograd_backward(original: staticmethod) -> wrapt.FunctionWrapper:
+    def backward(fn: Callable[..., Any], _instance: Any, args: tuple, kwargs: dict) -> Any:
+        if _is_compiling() or not args:
+            return fn(*args, **kwargs)
+        origin = getattr(args[0], "_fusionguard", None)  # (args[0]: ctx)
         if origin is None:
-            return fn(ctx, *grads)
+            return fn(*args, **kwargs)
         token = _BACKWARD_ORIGIN.set(origin)
         try:
-            return fn(ctx, *grads)
+            return fn(*args, **kwargs)
         finally:
             _BACKWARD_ORIGIN.reset(token)
 
-    backward.__wrapped__ = fn  # type: ignore[attr-defined]
-    return staticmethod(backward)
+    return wrapt.FunctionWrapper(original, backward)

@@ -13,12 +13,13 @@ the user's line, with what varies and its fix.
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 import sysconfig
 import types
 from typing import Any, Callable, Dict, Optional, Tuple
+
+import wrapt
 
 from fusionguard import torch_internals as ti
 from fusionguard.core.config import Runtime, RuntimeRef
@@ -40,15 +41,14 @@ def threshold(limit: Optional[int], option: Optional[int]) -> Optional[int]:
     return n if n >= 2 else None
 
 
-def make_trace_wrapper(runtime: RuntimeRef, original: Callable[..., Any]) -> Callable[..., Any]:
+def make_trace_wrapper(runtime: RuntimeRef, original: Callable[..., Any]) -> wrapt.FunctionWrapper:
     """Dynamo's FlexAttention tracing method, also counting the compiles of the frame being
     compiled (``runtime``: ``STATE.runtime``, read once per trace). Decided while Dynamo traces: its cache entries then hold the earlier compiles and
     its guard failures the reasons of this one (no compile-end callback, which
     ``torch._dynamo.reset()`` clears)."""
 
-    @functools.wraps(original)
-    def traced(self: Any, tx: Any, *args: Any, **kwargs: Any) -> Any:
-        out = original(self, tx, *args, **kwargs)
+    def traced(wrapped: Callable[..., Any], _variable: Any, args: tuple, kwargs: dict) -> Any:
+        out = wrapped(*args, **kwargs)
         if STATE.enabled:
             try:
                 found = ti.compiling_frame()
@@ -60,7 +60,7 @@ def make_trace_wrapper(runtime: RuntimeRef, original: Callable[..., Any]) -> Cal
                 internal_error("recompile pressure", exc)
         return out
 
-    return traced
+    return wrapt.FunctionWrapper(original, traced)
 
 
 def compiles_of(code: Any, f_locals: Any = None) -> Tuple[int, int]:

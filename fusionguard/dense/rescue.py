@@ -22,6 +22,8 @@ import sys
 import time
 from typing import Any, Callable, Iterator, Optional
 
+import wrapt
+
 from fusionguard.core import frames
 from fusionguard.core.config import Runtime, RuntimeRef
 from fusionguard.dense import causes
@@ -144,45 +146,49 @@ def _out_only_ok(frame: Any) -> bool:
         return False
 
 
-def make_setup_env_wrapper(runtime: RuntimeRef, original: Callable[..., Any]) -> Callable[..., Any]:
+def make_setup_env_wrapper(runtime: RuntimeRef, original: Callable[..., Any]) -> wrapt.FunctionWrapper:
     """``setup_compilation_env``'s wrapper; ``runtime`` is ``STATE.runtime``, read once per call."""
 
-    @contextlib.contextmanager
-    def fusionguard_rescue_env(*args: Any, **kwargs: Any) -> Iterator[Any]:
-        with original(*args, **kwargs) as backend:
-            decision = None
-            rt = runtime.now
-            if STATE.enabled and rt.rescue:
-                try:
-                    if backend is _eager_backend():
-                        decision = decide(rt, _caller(sys._getframe(0)))
-                except Exception as exc:
-                    internal_error("rescue decision", exc)
-            if decision is None:
-                yield backend
-                return
-            record = {
-                "cause": decision.cause,
-                "evidence": decision.evidence,
-                "compiles_before": STATE.counts.get("fused_compile_forward", 0),
-                "t0": time.perf_counter(),
-                "out_only": _out_only_ok(_caller(sys._getframe(0))),
-            }
-            token = RESCUING.set(record)
-            try:
-                # A user's torch.compile(dynamic=False) around a frame that slid to eager is still
-                # in force here: without this, every new sequence length would recompile.
-                with _dynamic_ok():
-                    yield rescue_backend
-            finally:
-                RESCUING.reset(token)
-                try:
-                    _log_rescue(record, _caller(sys._getframe(0)))
-                except Exception as exc:
-                    internal_error("rescue event", exc)
+    def fusionguard_rescue_env(wrapped: Callable[..., Any], _instance: Any, args: tuple, kwargs: dict) -> Any:
+        return _rescue_env(runtime.now, wrapped, args, kwargs)
 
-    fusionguard_rescue_env.__wrapped__ = original  # type: ignore[attr-defined]
-    return fusionguard_rescue_env
+    return wrapt.FunctionWrapper(original, fusionguard_rescue_env)
+
+
+@contextlib.contextmanager
+def _rescue_env(rt: Runtime, original: Callable[..., Any], args: tuple, kwargs: dict) -> Iterator[Any]:
+    """PyTorch's ``setup_compilation_env`` context, whose backend is swapped for
+    ``rescue_backend`` when the eager call is one to rescue."""
+    with original(*args, **kwargs) as backend:
+        decision = None
+        if STATE.enabled and rt.rescue:
+            try:
+                if backend is _eager_backend():
+                    decision = decide(rt, _caller(sys._getframe(0)))
+            except Exception as exc:
+                internal_error("rescue decision", exc)
+        if decision is None:
+            yield backend
+            return
+        record = {
+            "cause": decision.cause,
+            "evidence": decision.evidence,
+            "compiles_before": STATE.counts.get("fused_compile_forward", 0),
+            "t0": time.perf_counter(),
+            "out_only": _out_only_ok(_caller(sys._getframe(0))),
+        }
+        token = RESCUING.set(record)
+        try:
+            # A user's torch.compile(dynamic=False) around a frame that slid to eager is still
+            # in force here: without this, every new sequence length would recompile.
+            with _dynamic_ok():
+                yield rescue_backend
+        finally:
+            RESCUING.reset(token)
+            try:
+                _log_rescue(record, _caller(sys._getframe(0)))
+            except Exception as exc:
+                internal_error("rescue event", exc)
 
 
 def _log_rescue(record: dict, frame: Any) -> None:

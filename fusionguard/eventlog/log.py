@@ -13,7 +13,8 @@ Why this shape:
 - a torn last line left by an earlier crash is closed with a newline before we append, so it can
   never swallow our first line;
 - events go through fusionguard's own structlog bound logger (``structlog.wrap_logger`` over
-  this log's memory and file: stamp, then structlog's ``JSONRenderer``), never
+  this log's memory and file: structlog's ``add_log_level`` and ``TimeStamper``, our stamp,
+  structlog's ``JSONRenderer``), never
   ``structlog.configure`` nor the process-wide contextvars: the host's structlog and ``logging``
   setup stay theirs (docs/logging.md);
 - the file itself is ``sink.FileSink`` (durability) and the sampling ``sampler.Sampler``;
@@ -32,7 +33,6 @@ import json
 import logging
 import os
 import threading
-import time
 from typing import Any, Callable, ContextManager, Deque, Dict, List, Optional, Tuple, Union
 
 import structlog
@@ -103,10 +103,13 @@ class EventLog:
         # Set in a forked child (see _state._after_fork_in_child): opens the child's own file on
         # its first event, so a worker that never logs leaves no file behind.
         self.open_pending: Optional[Callable[[], None]] = None
-        # fusionguard's own structlog pipeline (see _Bound): stamp, render; never
+        # fusionguard's own structlog pipeline (see _Bound): structlog's level and UNIX-time
+        # stamps, ours (seq, pid, rank, thread, the field order), structlog's JSON renderer; never
         # structlog.configure() and no merge_contextvars (the host's bound context, secrets
-        # included, has no business in this log, and ours none in theirs).
-        processors: List[Any] = [self._stamp, _render]
+        # included, has no business in this log, and ours none in theirs). Exceptions stay
+        # formatted where they are caught (``traceback``, crash's tail): structlog's
+        # format_exc_info would write them as ``exception``, without the final newline.
+        processors: List[Any] = [structlog.processors.add_log_level, _TIME, self._stamp, _render]
         self._bound: _Bound = structlog.wrap_logger(
             _LineWriter(self),
             processors=processors,
@@ -130,8 +133,10 @@ class EventLog:
 
     # -- structlog processors -------------------------------------------------------------
     def _stamp(self, logger: Any, method: str, event_dict: dict) -> dict:
+        """``seq``, ``pid``, ``rank``, ``thread``; ``event``, ``level``, ``ts`` (stamped by
+        structlog's processors before this one) and ``seq`` first, in that order."""
         self._seq += 1  # under self._emit_lock (see _log)
-        head = {"event": event_dict.pop("event", None), "level": method, "ts": time.time(), "seq": self._seq}
+        head = {"event": event_dict.pop("event", None), "level": event_dict.pop("level"), "ts": event_dict.pop("ts"), "seq": self._seq}
         stamped = dict(head)
         stamped.update(event_dict)
         stamped.update(head)  # our stamp wins over a field of the same name, and comes first
@@ -328,6 +333,8 @@ def _render(logger: Any, method: str, event_dict: dict) -> Tuple[Tuple[Any, ...]
 
 
 _JSON = structlog.processors.JSONRenderer(serializer=lambda obj, **_: dumps(obj))
+#: ``ts``: seconds since the epoch, a float (``time.time()``), as the log has always had it.
+_TIME = structlog.processors.TimeStamper(fmt=None, utc=True, key="ts")
 
 
 class _LineWriter:

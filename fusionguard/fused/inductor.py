@@ -21,6 +21,8 @@ import sys
 import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+import wrapt
+
 from fusionguard import torch_internals as ti
 from fusionguard.core.state import STATE, internal_error
 from fusionguard.core.frames import user_call_site
@@ -153,17 +155,16 @@ def make_lowering_wrapper(phase: str, original: Callable[..., Any]) -> Callable[
     return fusionguard_flex_lowering
 
 
-def make_selector_wrapper(template: str, original: Callable[..., Any]) -> Callable[..., Any]:
+def make_selector_wrapper(template: str, original: Callable[..., Any]) -> wrapt.FunctionWrapper:
     """Wraps an Inductor helper that picks a non-default template (CPU, decode, FLASH)."""
 
-    def fusionguard_template_selector(*args: Any, **kwargs: Any) -> Any:
+    def fusionguard_template_selector(wrapped: Callable[..., Any], _instance: Any, args: tuple, kwargs: dict) -> Any:
         record = getattr(_TL, "current", None)
         if record is not None and record.get("template") is None:
             record["template"] = template
-        return original(*args, **kwargs)
+        return wrapped(*args, **kwargs)
 
-    fusionguard_template_selector.__wrapped__ = original  # type: ignore[attr-defined]
-    return fusionguard_template_selector
+    return wrapt.FunctionWrapper(original, fusionguard_template_selector)
 
 
 def _parse_graph(text: str) -> List[Dict[str, Any]]:
@@ -334,18 +335,17 @@ def _template_from_source(compiled: Any, device: Optional[str]) -> str:
     return "triton"
 
 
-def make_post_compile_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
-    def post_compile(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(self, *args, **kwargs)
+def make_post_compile_wrapper(original: Callable[..., Any]) -> wrapt.FunctionWrapper:
+    def post_compile(wrapped: Callable[..., Any], graph: Any, args: tuple, kwargs: dict) -> Any:
+        result = wrapped(*args, **kwargs)
         if STATE.enabled:
             try:
-                count_runs(self, *record_compiled_graph(self))
+                count_runs(graph, *record_compiled_graph(graph))
             except Exception as exc:
                 internal_error("inductor post_compile record", exc)
         return result
 
-    post_compile.__wrapped__ = original  # type: ignore[attr-defined]
-    return post_compile
+    return wrapt.FunctionWrapper(original, post_compile)
 
 
 UNSEEN_FIX = (

@@ -5,13 +5,13 @@ and the backward spans open on this thread."""
 from __future__ import annotations
 
 import contextvars
-import functools
 import inspect
 import threading
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
+import wrapt
 
 from fusionguard import torch_internals as ti
 from fusionguard.core.state import STATE, internal_error
@@ -86,7 +86,7 @@ def note_flex_call(frame: Any = None) -> Optional[str]:
 # The user's modules under an active watch(), by identity: STATE.watch (_tables.WatchRegistry).
 
 
-def make_wrapper_init(original: Callable[..., None]) -> Callable[..., None]:
+def make_wrapper_init(original: Callable[..., None]) -> wrapt.FunctionWrapper:
     """``OptimizedModule.__init__``, also noting the modules it wraps.
 
     Why: users often compile ``model`` and hand ``watch()`` the same ``model``. Hooks on modules
@@ -97,9 +97,8 @@ def make_wrapper_init(original: Callable[..., None]) -> Callable[..., None]:
     while the wrapper lives; ``torch.compiler.disable(module)`` (the same class) is not a
     compile."""
 
-    @functools.wraps(original)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
+    def __init__(wrapped: Callable[..., None], self: Any, args: tuple, kwargs: dict) -> None:
+        wrapped(*args, **kwargs)
         try:
             inner = ti.wrapped_module(self)
             if isinstance(inner, torch.nn.Module):
@@ -110,7 +109,7 @@ def make_wrapper_init(original: Callable[..., None]) -> Callable[..., None]:
         except Exception as exc:
             internal_error("torch.compile wrapper note", exc)
 
-    return __init__
+    return wrapt.FunctionWrapper(original, __init__)
 
 
 def compiled_inside(module: torch.nn.Module) -> bool:
