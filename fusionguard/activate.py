@@ -8,7 +8,7 @@ its ``sitecustomize`` runs at the start of every Python process that inherits th
 torch: it waits until the program imports torch, then calls ``fusionguard.enable()`` (log path:
 ``FUSIONGUARD_LOG`` as usual). A process that never imports torch pays for reading one variable
 and loading this file: under 1 ms (``benchmarks/startup.py``; the bound is 10 ms). Hence no
-``typing`` at run time here, and no wrapt post-import hook (``import wrapt`` costs ~90 ms:
+``typing`` at run time here, and no wrapt post-import hook (``import wrapt`` costs 70-90 ms:
 docs/internals.md).
 
 ``FUSIONGUARD=off`` is a kill switch: ``enable()`` does nothing (said once on stderr), also when

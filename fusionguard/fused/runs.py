@@ -407,6 +407,8 @@ def count_runs(compiled: Any, records: List[Dict[str, Any]], namer: Optional[Nam
                 internal_error("fused run count", exc)
         return out
 
+    # A plain function, not wrapt (#24): an entry of the graph's __dict__, called once per graph run,
+    # and it carries attributes of its own (a wrapt proxy would set them on the graph's callable).
     counted._fusionguard_records = summaries  # type: ignore[attr-defined]
     counted.__wrapped__ = fn  # type: ignore[attr-defined]
     if not ti.graph_callable_is_own(compiled):  # (not reversible: not wrapped)
