@@ -14,7 +14,7 @@ def _fusionguard_startup() -> None:
     def _fusionguard_exec(loader, path, spec=None):  # (untyped: typing costs start-up time)
         """What ``importlib.util.module_from_spec`` + ``exec_module`` do, without importing
         ``importlib.util`` (it imports ``contextlib``, ``functools`` and ``collections``)."""
-        from importlib.machinery import ModuleSpec
+        from importlib.machinery import ModuleSpec  # lazy: runs in every Python process: it imports little
 
         if spec is None:
             spec = ModuleSpec(loader.name, loader, origin=path)
@@ -36,7 +36,7 @@ def _fusionguard_startup() -> None:
     mode = os.environ.get("FUSIONGUARD", "").strip().lower()
     if mode and mode != "off":  # "off" acts in enable(); unset: nothing to do, nothing imported
         try:  # activate.py alone, by path: importing the fusionguard package costs ~0.1 s
-            from importlib.machinery import SourceFileLoader
+            from importlib.machinery import SourceFileLoader  # lazy: only when FUSIONGUARD is set
 
             path = os.path.join(os.path.dirname(here), "activate.py")
             activate = _fusionguard_exec(SourceFileLoader("_fusionguard_activate", path), path)
