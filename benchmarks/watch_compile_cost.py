@@ -28,6 +28,7 @@ calls made during the compile (deterministic where times are not: a busy host).
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -88,6 +89,7 @@ def trial(pattern: str, variant: str, args: argparse.Namespace):
     torch._dynamo.utils.clear_compilation_metrics()  # (a capped deque: counted from empty)
     w = fusionguard.watch(model).__enter__() if variant != "none" else None
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    gc.collect()  # (the last trial's garbage is not this one's cost)
     with torch.enable_grad() if args.backward else torch.no_grad():
         sync()
         t0, c0 = time.perf_counter(), time.process_time()

@@ -117,6 +117,7 @@ class Hooks:
 
     @classmethod
     def attach(cls, module: torch.nn.Module, owner: "Watch", name: str, compiled: bool) -> "Hooks":
+        out_of_sight()  # (outside the watch lock: the registry's lock comes first, as in disable())
         pairs = STATE.watch.pairs
         with STATE.watch.lock:
             try:
@@ -137,7 +138,6 @@ class Hooks:
                 slot.detach()
                 raise
             STATE.watch.hooked[id(slot)] = slot
-            out_of_sight()
             return slot
 
     def _register(self, module: torch.nn.Module) -> None:
@@ -228,12 +228,15 @@ def keep_out_of_sight(on: bool) -> None:
         ti.skip_frames(_SIGHT.codes, on)
 
 
-def _compile_started(*_: Any) -> None:
+def _compile_started(*args: Any) -> None:
     try:
         w = STATE.watch
         with w.lock:
             _SIGHT.depth += 1
-            if _SIGHT.depth == 1 and _SIGHT.on and w.hooked and ti.hook_guards_skipped():
+            # (other triggers, where the callbacks carry one: AOTAutograd's backward compiled at
+            # its first run, a CUDA graph recorded; Dynamo traces nothing there)
+            trigger = getattr(getattr(args[0], "callback_trigger", None), "name", "DYNAMO") if args else "DYNAMO"
+            if _SIGHT.depth == 1 and trigger == "DYNAMO" and _SIGHT.on and w.hooked and ti.hook_guards_skipped():
                 _hide(list(w.hooked.values()))
     except Exception as exc:
         internal_error("watch hooks out of sight", exc)
@@ -274,13 +277,11 @@ def _hide(slots: List["Hooks"]) -> None:
                 continue
             if any(k not in ours for d in dicts[:2] for k in d):
                 continue  # the user's own forward hooks: Dynamo guards on these dicts' length
-            saved = []
-            for d in dicts:
-                items = [(k, v) for k, v in d.items() if k in ours]
+            saved = [(d, [(k, v) for k, v in d.items() if k in ours]) for d in dicts]
+            _SIGHT.saved.append(saved)  # (before any is taken out)
+            for d, items in saved:
                 for k, _ in items:
                     del d[k]
-                saved.append((d, items))
-            _SIGHT.saved.append(saved)
         except Exception as exc:
             internal_error("watch hooks out of sight", exc)
 
