@@ -133,7 +133,7 @@ def disable() -> None:
         _lifecycle.stop()
 
 
-_at_exit = _lifecycle.at_exit  # (run by a multiprocessing worker as it ends: _state._worker_exit)
+_at_exit = _lifecycle.at_exit  # (run by a multiprocessing worker as it ends: core.state._worker_exit)
 
 
 def is_enabled() -> bool:

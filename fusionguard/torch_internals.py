@@ -77,6 +77,14 @@ POST_COMPILE = _private("post_compile", "CompiledFxGraph: runs after every Induc
 CURRENT_CALLABLE = _private("current_callable", "CompiledFxGraph: the callable every run of the graph goes through (wrapped)")
 POST_GRAD_GRAPH_STR = _private("inductor_post_grad_graph_str", "CompiledFxGraph: the post-grad FX graph's text (2.7+)")
 RUNNABLE_GRAPH_STR = _private("runnable_graph_str", "CompiledFxGraph: the runnable FX graph's text")
+SOURCE_CODE = _private("source_code", "CompiledFxGraph: the generated module's Python source")
+FWD_NN_MODULE_STACK = _private("fwd_nn_module_stack", "an FX node's meta: the forward's module stack, on a backward node")
+START_CALLBACKS = _private("start_callbacks", "torch._dynamo.callback's handler: the compile-start callbacks")
+END_CALLBACKS = _private("end_callbacks", "torch._dynamo.callback's handler: the compile-end callbacks")
+REGISTER_START_CALLBACK = _private("register_start_callback", "torch._dynamo.callback's handler: add a compile-start callback")
+REGISTER_END_CALLBACK = _private("register_end_callback", "torch._dynamo.callback's handler: add a compile-end callback")
+REMOVE_END_CALLBACK = _private("remove_end_callback", "torch._dynamo.callback's handler: drop a compile-end callback")
+CALLBACK_TRIGGER = _private("callback_trigger", "torch._dynamo.callback's CallbackArgs: what started the compile (DYNAMO, a lazy backward, a CUDA graph)")
 CUDAGRAPH_INFO = _private("cudagraph_info", "CompiledFxGraph: set when the graph runs as CUDA graphs")
 FX_GRAPH_CACHE_KEY = _private("_fx_graph_cache_key", "CompiledFxGraph: the FX graph cache key on older releases (cache_key later)")
 # Dynamo
@@ -494,6 +502,48 @@ def compile_callbacks() -> Any:
     return _dynamo_attr("torch._dynamo.callback", "callback_handler")
 
 
+def add_compile_callbacks(start: Any, end: Any) -> bool:
+    """Register Dynamo compile start (``start``; None: none) and end callbacks; False where this
+    torch has no callback registry."""
+    handler = compile_callbacks()
+    if handler is None:
+        return False
+    if start is not None:
+        getattr(handler, REGISTER_START_CALLBACK)(start)
+    getattr(handler, REGISTER_END_CALLBACK)(end)
+    return True
+
+
+def compile_callback_registered(fn: Any, end: bool = False) -> bool:
+    """Is ``fn`` among Dynamo's compile-start (``end``: compile-end) callbacks now?"""
+    return fn in getattr(compile_callbacks(), END_CALLBACKS if end else START_CALLBACKS, ())
+
+
+def remove_compile_callbacks(start: Any, end: Any) -> None:
+    """Drop ``start`` / ``end`` from Dynamo's compile callbacks, every copy; nothing if absent."""
+    handler = compile_callbacks()
+    for name, fn in ((START_CALLBACKS, start), (END_CALLBACKS, end)):
+        registered = getattr(handler, name, None)
+        while registered is not None and fn in registered:
+            registered.remove(fn)
+
+
+def compile_trigger(args: tuple) -> str:
+    """What started the compile a start callback hears about (``"DYNAMO"``; a lazily compiled
+    backward or a CUDA graph recording otherwise), ``"DYNAMO"`` where the callback says nothing."""
+    return getattr(getattr(args[0], CALLBACK_TRIGGER, None), "name", "DYNAMO") if args else "DYNAMO"
+
+
+def graph_source(compiled: Any) -> str:
+    """The generated Python source of a ``CompiledFxGraph``, or ``""``."""
+    return getattr(compiled, SOURCE_CODE, "") or ""
+
+
+def module_stack(meta: Any) -> Any:
+    """An FX node's module stack: its own, or on a backward node its forward's; {} if none."""
+    return meta.get("nn_module_stack") or meta.get(FWD_NN_MODULE_STACK) or {}
+
+
 def hook_guards_skipped() -> bool:
     """Dynamo installs no guard on an empty nn.Module hook dict (``skip_nnmodule_hook_guards``,
     its default): hooks absent while it compiles and present afterwards recompile nothing."""
@@ -651,7 +701,7 @@ def compiled_graph_text(compiled: Any, source: bool = False) -> str:
     ``source``: else the graph's generated Python code."""
     text = getattr(compiled, POST_GRAD_GRAPH_STR, None) or getattr(compiled, RUNNABLE_GRAPH_STR, None)
     if not text and source:
-        text = getattr(compiled, "source_code", None)
+        text = getattr(compiled, SOURCE_CODE, None)
     return text or ""
 
 

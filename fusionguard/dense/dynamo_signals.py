@@ -195,14 +195,14 @@ class Signals:
                     except Exception as exc:  # never disturb Dynamo
                         self.on_error("dynamo_signals.compile_end", exc)
 
-                callback_handler.register_end_callback(_on_compile_end)
+                ti.add_compile_callbacks(None, _on_compile_end)
                 self._end_callback = _on_compile_end
                 installed.append("torch._dynamo.callback.on_compile_end")
                 if registry is not None:
                     registry.add_hook(
                         "torch._dynamo.callback.on_compile_end",
                         self._remove_callback,
-                        lambda: _on_compile_end not in getattr(callback_handler, "end_callbacks", ()),
+                        lambda: not ti.compile_callback_registered(_on_compile_end, end=True),
                     )
             except Exception:
                 pass
@@ -244,7 +244,7 @@ class Signals:
     def _remove_callback(self) -> None:
         if self._end_callback is not None:
             try:
-                ti.compile_callbacks().remove_end_callback(self._end_callback)
+                ti.remove_compile_callbacks(None, self._end_callback)
             except Exception:
                 pass
             self._end_callback = None

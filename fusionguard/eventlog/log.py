@@ -100,7 +100,7 @@ class EventLog:
         self.mirror: Optional[Callable[[dict], None]] = None  # e.g. to PyTorch's structured trace
         self.on_sink_error: Optional[Callable[[BaseException], None]] = None
         self.on_sink_resume: Optional[Callable[[int], None]] = None  # with the events not written
-        # Set in a forked child (see _state._after_fork_in_child): opens the child's own file on
+        # Set in a forked child (see core.state._after_fork_in_child): opens the child's own file on
         # its first event, so a worker that never logs leaves no file behind.
         self.open_pending: Optional[Callable[[], None]] = None
         # fusionguard's own structlog pipeline (see _Bound): structlog's level and UNIX-time

@@ -4,7 +4,7 @@ around each run of a compiled graph holding fused FlexAttention calls
 (``fusionguard: fused forward layers.0, layers.1 (2 flex calls)``).
 
 Ranges come only from the run-time wrappers (``guard.make_dense_wrapper``'s kernel wrapper and
-``compiled.count_runs``' graph-run wrapper), never from code Dynamo traces (it drops
+``fused.runs.count_runs``' graph-run wrapper), never from code Dynamo traces (it drops
 ``record_function`` there and warns at each compile). When no profiler records, the wrappers
 pay one cheap check (``recording``: a flag read, about 0.06 us) and nothing else; the range
 itself (``record_function``, about 13 us) is opened only while a profiler records. Every call

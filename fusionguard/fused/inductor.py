@@ -113,7 +113,7 @@ def _node_layer() -> Optional[str]:
     node = ti.lowering_node()
     meta = getattr(node, "meta", None) or {}
     # backward nodes carry their forward node's stack (AOTAutograd copies it by seq_nr)
-    stack = meta.get("nn_module_stack") or meta.get("fwd_nn_module_stack") or {}
+    stack = ti.module_stack(meta)
     if stack:
         last = list(stack.values())[-1]
         fqn = last[0] if isinstance(last, (tuple, list)) else str(last)
@@ -242,7 +242,7 @@ def record_compiled_graph(compiled: Any, source: Optional[str] = None) -> Tuple[
         # no graph text kept (torch 2.7): what the lowerings saw, now or when the cached graph
         # was compiled (the sidecar), names the calls
         calls = [{k: r.get(k) for k in ("phase", "q_shape", "kv_shape", "dtype", "device")} for r in records]
-    if not calls and found and "flex_attention" in (getattr(compiled, "source_code", "") or ""):
+    if not calls and found and "flex_attention" in ti.graph_source(compiled):
         calls = [{"phase": "forward"}]  # (no graph text, no lowering seen: a count unknown, one at least)
     # The watched layer around the compile (hooks), if any: names a call nothing else names.
     around = flex_layer() if calls and not found else None
@@ -325,7 +325,7 @@ def _load_sidecar(graph: Optional[str]) -> List[dict]:
 
 
 def _template_from_source(compiled: Any, device: Optional[str]) -> str:
-    source = getattr(compiled, "source_code", "") or ""
+    source = ti.graph_source(compiled)
     if device == "cpu" or "cpp_fused" in source and "flex_attention" in source:
         return "cpp"
     if "cutedsl" in source.lower():

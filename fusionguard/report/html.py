@@ -28,6 +28,7 @@ from fusionguard.core.formatting import escape, human_bytes
 from fusionguard._version import __version__
 from fusionguard.report import chart
 from fusionguard.eventlog.kinds import CAUSES, FIXES
+from fusionguard.report.plot import short_labels  # (matplotlib itself is imported by plot() only)
 from fusionguard.report.render import MAX_CRASHES_SHOWN, fmt_duration, fmt_ts, notice_lines, rank_ranges
 
 MAX_TEXT = 300  # characters of one string from a log in a cell (crash messages: MAX_MESSAGE)
@@ -283,8 +284,6 @@ def _svg_text(x: float, y: float, text: str, extra: str = "") -> str:
 def _chart(rep: Dict[str, Any]) -> str:
     """The per-layer chart as inline SVG; each bar carries its numbers (``data-bytes`` or
     ``data-calls``, layer index and phase) and a tooltip."""
-    from fusionguard.report.plot import short_labels  # (matplotlib is imported by plot() only)
-
     rows = rep["rows"]
     all_layers = chart.layers(rows)
     names = chart.shown(rows)

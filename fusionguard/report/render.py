@@ -1,7 +1,7 @@
 """Writing the report dict for people and programs: text (a terminal), CSV (one row per
 layer and phase), JSON (the dict itself).
 
-A log's strings are untrusted: text and CSV escape every control character (``_format.escape``),
+A log's strings are untrusted: text and CSV escape every control character (``core.formatting.escape``),
 JSON writes C1 controls and bidirectional overrides as ``\\uXXXX``; none of them can drive the
 terminal that shows the report.
 """

@@ -197,27 +197,20 @@ OUT_OF_SIGHT = "torch._dynamo.callback: watch() hooks out of sight while compili
 def out_of_sight() -> None:
     """Register the compile callbacks that hide watch()'s hooks (at each hook attach: cheap, and
     ``torch._dynamo.reset()`` clears them); ``disable()`` removes them (the registry)."""
-    handler = ti.compile_callbacks()
     try:
-        if handler is None or _compile_started in handler.start_callbacks:
+        if ti.compile_callback_registered(_compile_started) or not ti.add_compile_callbacks(_compile_started, _compile_ended):
             return
-        handler.register_start_callback(_compile_started)
-        handler.register_end_callback(_compile_ended)
     except Exception as exc:
         internal_error("watch hooks out of sight (register)", exc)
         return
-    STATE.patches.add_hook(OUT_OF_SIGHT, _unregister, lambda: _compile_started not in getattr(handler, "start_callbacks", ()))
+    STATE.patches.add_hook(OUT_OF_SIGHT, _unregister, lambda: not ti.compile_callback_registered(_compile_started))
 
 
 def _unregister() -> None:
     with STATE.watch.lock:
         _put_back()
         _SIGHT.depth = 0
-    handler = ti.compile_callbacks()
-    for callbacks, fn in (("start_callbacks", _compile_started), ("end_callbacks", _compile_ended)):
-        registered = getattr(handler, callbacks, [])
-        while fn in registered:
-            registered.remove(fn)
+    ti.remove_compile_callbacks(_compile_started, _compile_ended)
 
 
 def keep_out_of_sight(on: bool) -> None:
@@ -235,7 +228,7 @@ def _compile_started(*args: Any) -> None:
             _SIGHT.depth += 1
             # (other triggers, where the callbacks carry one: AOTAutograd's backward compiled at
             # its first run, a CUDA graph recorded; Dynamo traces nothing there)
-            trigger = getattr(getattr(args[0], "callback_trigger", None), "name", "DYNAMO") if args else "DYNAMO"
+            trigger = ti.compile_trigger(args)
             if _SIGHT.depth == 1 and trigger == "DYNAMO" and _SIGHT.on and w.hooked and ti.hook_guards_skipped():
                 _hide(list(w.hooked.values()))
     except Exception as exc:

@@ -83,7 +83,7 @@ def note_flex_call(frame: Any = None) -> Optional[str]:
     return flex_layer(frame)
 
 
-# The user's modules under an active watch(), by identity: STATE.watch (_tables.WatchRegistry).
+# The user's modules under an active watch(), by identity: STATE.watch (core.tables.WatchRegistry).
 
 
 def make_wrapper_init(original: Callable[..., None]) -> wrapt.FunctionWrapper:
