@@ -189,6 +189,7 @@ def dynamo_silenced():
 @pytest.fixture
 def dynamo_reset():
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # (reset() keeps them: an earlier test's graph breaks would read as this one's)
     yield
     torch._dynamo.reset()
 
