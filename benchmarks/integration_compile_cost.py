@@ -9,7 +9,8 @@ work a re-run pays) plus one step. On CPU (no FlexAttention backward) ``evaluate
 - ``none``: no fusionguard;
 - ``callback``: ``FusionGuardCallback`` (enable + names-only watch: no hooks Dynamo traces);
 - ``hooks``: ``fusionguard.enable()`` and ``watch(model)`` entered before the Trainer compiles the
-  model (what a user reaching into the Trainer gets: Dynamo traces watch's hooks).
+  model (what a user reaching into the Trainer gets: hooks Dynamo traced before #24, out of its
+  sight while it compiles since).
 
     python benchmarks/integration_compile_cost.py [--rounds 5] [--device cuda]
 

@@ -8,7 +8,8 @@ per-round ratios.
 
 Variants: no watch; ``watch(model)`` with ``model`` the module inside ``torch.compile``;
 ``watch(compiled)``; ``watch(model)`` with the wrapper made before ``enable()`` (fusionguard
-cannot know it: Dynamo traces the hooks). Also prints Dynamo's graph counters (no extra graphs or recompiles).
+cannot know it: Dynamo traced the hooks before #24; out of its sight while it compiles since,
+``watch_compile_cost.py``). Also prints Dynamo's graph counters (no extra graphs or recompiles).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def trace_once(variant: str):
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     model = Model()
-    if variant.endswith("before enable()"):  # a wrapper fusionguard does not know: hooks traced
+    if variant.endswith("before enable()"):  # a wrapper fusionguard does not know (hooks out of Dynamo's sight)
         fusionguard.disable()
         compiled = torch.compile(model, backend="eager")
         fusionguard.enable(log_path=False)

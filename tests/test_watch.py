@@ -637,6 +637,38 @@ def test_a_forward_running_on_another_thread_keeps_its_hooks_while_dynamo_compil
     assert hooks(model) == 0 and hooks(other) == 0
 
 
+def test_a_dynamo_reset_inside_watch_costs_one_traced_compile_and_disable_removes_the_callbacks(guard, dynamo_reset, recwarn):
+    """torch._dynamo.reset() drops Dynamo's compile callbacks: the next compile sees (traces)
+    watch()'s hooks and puts the callbacks back, the one after sees none (the backend is called
+    inside the compile). disable() removes the callbacks, whatever watch() is doing."""
+    from torch._dynamo.callback import callback_handler
+
+    from fusionguard.core.state import STATE
+    from fusionguard.watching.hooks import OUT_OF_SIGHT
+
+    q, k, v = gqa_qkv()
+    before = (list(callback_handler.start_callbacks), list(callback_handler.end_callbacks))
+    guard()
+    model = Two()
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(hooks(model))  # (hooks on model's modules while Dynamo compiles)
+        return gm.forward
+
+    with fusionguard.watch(model):
+        assert OUT_OF_SIGHT in {e.name for e in STATE.patches.entries()}
+        assert len(callback_handler.start_callbacks) == len(before[0]) + 1
+        torch._dynamo.reset()
+        torch.compile(lambda q, k, v: model(q, k, v), backend=backend)(q, k, v)
+        torch.compile(lambda q, k, v: model(q, k, v) * 2, backend=backend)(q, k, v)
+        assert seen == [6, 0] and hooks(model) == 6
+        assert fusionguard.events("watch_traced")
+        fusionguard.disable()
+        assert (list(callback_handler.start_callbacks), list(callback_handler.end_callbacks)) == before
+    assert hooks(model) == 0
+
+
 @pytest.mark.parametrize("own_hook", [False, True])
 def test_watch_entered_every_step_around_a_compiled_inner_model_compiles_once(guard, dynamo_reset, recwarn, tmp_path, own_hook):
     """watch(model) entered anew each step, model called from a compiled function (fusionguard

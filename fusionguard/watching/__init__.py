@@ -17,9 +17,11 @@ Why this design:
   call (or the classes / names passed as ``layers=``). Everything else costs one ContextVar set.
 - Modules inside a ``torch.compile``d module get no hooks (Dynamo would trace them and recompile);
   their fused calls are attributed at compile time from the FX node's ``nn_module_stack``, dense
-  ones by the module whose forward is on the stack (``naming.layer_from_stack``). Hooks Dynamo does
-  trace (fusionguard could not know) are the same function objects at every watch() entry, so
-  re-entering does not recompile (see ``hooks.Hooks``).
+  ones by the module whose forward is on the stack (``naming.layer_from_stack``). Hooks on modules
+  fusionguard could not know are compiled (a compiled function calling the model, watch() before
+  torch.compile) are out of Dynamo's sight while it compiles (``hooks.out_of_sight``): the
+  compile is the one without watch(). Those it must trace (a module with hooks of its own) are
+  the same function objects at every watch() entry, so re-entering does not recompile.
 
 Modules: ``naming`` (names, layer lookup, backward spans), ``memory`` (CUDA peaks, per-layer rows),
 ``hooks`` (the hook pool), ``watcher`` (``Watch``, ``watch()``). Named ``watching`` and ``watcher``,

@@ -126,3 +126,36 @@ def test_per_block_compile_in_training_names_every_block(guard, fresh_cache, wat
     assert sorted(r) == [(f"layers.{i}.attn", p) for i in (0, 1) for p in ("backward", "forward")]
     assert all(row["fused"] == 2 and row["dense"] == 0 for row in r.values())
     check_report(log, {k: (2, 0) for k in r})
+
+
+@pytest.mark.parametrize("pattern", ["torch.compile(model)", "compiled function", "model.compile()"])
+def test_watch_before_the_compile_keeps_its_hooks_out_of_dynamos_sight_in_training(guard, fresh_cache, pattern):
+    """#24: watch(model) entered before the model is compiled (fusionguard cannot know it will
+    be): Dynamo compiles it without watch()'s hooks (one frame, no watch_traced), the backward
+    compiled at its first run too, and every fused call, forward and backward, is counted and
+    named per layer; the hooks are back on the model for its eager calls."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    log = guard(keep_all=True)
+    torch.manual_seed(0)
+    model = Model(**SHAPE).cuda().to(torch.bfloat16)
+    counter = CompileCounterWithBackend("inductor")
+    with fusionguard.watch(model):
+        if pattern == "torch.compile(model)":
+            step = torch.compile(model, backend=counter)
+        elif pattern == "compiled function":
+            step = torch.compile(lambda x: model(x), backend=counter)
+        else:
+            model.compile(backend=counter)
+            step = model
+        train(step)
+        assert all(len(m._forward_pre_hooks) == 1 for m in (model, model.layers[0], model.layers[0].attn))
+    assert counter.frame_count == 1 and fusionguard.events("watch_traced") == []
+    counts = _state.STATE.counts
+    assert counts["fused_runs_forward"] == counts["fused_runs_backward"] == 4
+    for phase in ("forward", "backward"):
+        got = fused_by_layer(phase)
+        # (a compiled function's graph names the model by its source there, e.g. L['model'])
+        assert sorted(got.values()) == [2, 2] and sorted(k.rsplit("layers.", 1)[-1] for k in got) == ["0.attn", "1.attn"], got
+    if pattern != "compiled function":
+        check_report(log, {(f"layers.{i}.attn", p): (2, 0) for i in (0, 1) for p in ("forward", "backward")})
