@@ -41,7 +41,9 @@ TEMPLATE_SELECTORS = {
 # --- The registry of PyTorch's private names -------------------------------------------------
 
 #: name -> whose it is and why fusionguard spells it: every underscore-prefixed one, and the
-#: non-underscore internals (no public API) the rest of the package needs.
+#: non-underscore internals (no public API) the rest of the package needs. tests/test_wiring.py
+#: catches a new underscore name anywhere else; a new non-underscore internal only once it is
+#: registered here: register it when you first use it.
 PRIVATE_NAMES: Dict[str, str] = {}
 
 
