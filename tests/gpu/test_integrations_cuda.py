@@ -25,7 +25,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 import fusionguard
 from fusionguard.core import state as _state
-from conftest import fresh_hf_wrapper, read_jsonl
+from conftest import Lines, fresh_hf_wrapper, read_jsonl
 
 pytestmark = [
     pytest.mark.gpu,
@@ -36,15 +36,6 @@ pytestmark = [
 ]
 STEPS, SEQ = 3, 512
 FUSED_VERDICT = "fusionguard: step 1: 2 FlexAttention layers, forward fused 2/2, backward fused 2/2"
-
-
-class Lines(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.lines = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
 
 
 @pytest.fixture
