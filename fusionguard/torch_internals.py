@@ -117,6 +117,14 @@ FORWARD_PRE_HOOKS = _private("_forward_pre_hooks", "nn.Module: its forward pre-h
 COMPILED_CALL_IMPL = _private("_compiled_call_impl", "nn.Module: set by module.compile()")
 HOOKS_DICT_REF = _private("hooks_dict_ref", "RemovableHandle: a weak reference to the dict holding the hook")
 EXTRA_DICT_REF = _private("extra_dict_ref", "RemovableHandle: weak references to the dicts of the hook's flags (with_kwargs, always_call)")
+# context parallelism for FlexAttention (torchtitan's path: the public context_parallel() patches SDPA only)
+CP_MODULES = (
+    "torch.distributed.tensor.experimental._context_parallel._attention",  # 2.11 and 2.13 (checked)
+    "torch.distributed.tensor.experimental._attention",  # earlier releases, and a re-export stub later
+)
+CONTEXT_PARALLEL = _private("_ContextParallel", "torch.distributed.tensor.experimental: ParallelStyle; AttentionType.FLEX all-gathers K/V")
+CP_BLOCK_MASK = _private("_create_cp_block_mask", "torch.distributed.tensor.experimental: a rank's BlockMask, local Q against the whole KV")
+CP_SHARD = _private("_context_parallel_shard", "torch.distributed.tensor.experimental: shards buffers along the sequence as the mask expects")
 FSDP_WRAPPED_MODULE = _private("_fsdp_wrapped_module", "FullyShardedDataParallel (FSDP1): the wrapped module")
 CHECKPOINT_WRAPPED_MODULE = _private("_checkpoint_wrapped_module", "CheckpointWrapper (activation checkpointing): the wrapped module")
 
@@ -934,3 +942,22 @@ def block_sizes(frame: Any) -> Tuple[int, int]:
         mod = public_module()
         size = int(getattr(mod, DEFAULT_BLOCK_SIZE, 128))
         return size, size
+
+
+def context_parallel_flex() -> types.SimpleNamespace:
+    """PyTorch's private context parallelism for FlexAttention: ``ContextParallel`` (the
+    ``ParallelStyle``; ``ContextParallel(seq_dim, ContextParallel.AttentionType.FLEX)``),
+    ``create_cp_block_mask`` and ``shard`` (``_context_parallel_shard``), from the first of
+    ``CP_MODULES`` that has all three (tests/gpu/dist_cuda_worker.py, docs/distributed.md)."""
+    errors = []
+    for name in CP_MODULES:
+        try:
+            mod = module(name)
+        except ImportError as exc:
+            errors.append(f"{name}: {exc}")
+            continue
+        found = [mod.__dict__.get(n) for n in (CONTEXT_PARALLEL, CP_BLOCK_MASK, CP_SHARD)]
+        if all(callable(f) for f in found) and hasattr(found[0], "AttentionType"):
+            return types.SimpleNamespace(ContextParallel=found[0], create_cp_block_mask=found[1], shard=found[2])
+        errors.append(f"{name}: no {CONTEXT_PARALLEL} with AttentionType, {CP_BLOCK_MASK} and {CP_SHARD}")
+    raise LookupError("context parallelism for FlexAttention not found: " + "; ".join(errors))
