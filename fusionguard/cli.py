@@ -8,8 +8,8 @@ Exit status, the same contract for every command (``docs/cli.md``):
   ``--fail-on-recompile-pressure``: a frame holding FlexAttention near the recompile limit;
   ``--expect-fused`` / ``--expect-calls N``: fewer fused calls than expected); 2 usage or input
   error (a bad option, a missing path, no fusionguard event in the input, an unwritable
-  ``-o`` / ``--plot`` / ``--html`` path, a ``--plot`` format matplotlib cannot write, ``--plot``
-  without matplotlib).
+  ``-o`` / ``--plot`` / ``--html`` path, an empty one, one that is an input (nothing is written
+  then), a ``--plot`` format matplotlib cannot write, ``--plot`` without matplotlib).
 - ``doctor``: 0 every compiled case ran fused; 1 something ran dense or an experiment failed;
   2 usage error (a bad ``--shape``, ``--device``, ``--backend``).
 - ``run``: the command's own status (it is exec-ed); 2 usage error before anything starts (no
@@ -152,6 +152,27 @@ def _write_html(rep: Dict[str, Any], path: str) -> Optional[str]:
     return None
 
 
+def _clobbers(args: argparse.Namespace) -> Optional[str]:
+    """Why an output would destroy an input (None: it would not); nothing is written then."""
+    from fusionguard.report.plot import PLOT_NAME  # lazy: each subcommand loads only what it runs
+    from fusionguard.report.read import input_named  # lazy: each subcommand loads only what it runs
+
+    outputs = [("-o", args.output), ("--html", args.html)]
+    if args.plot:  # the file plot() writes: into a directory, or with .png added (plot_target)
+        target = args.plot
+        if target.endswith(("/", os.sep)) or os.path.isdir(target):
+            target = os.path.join(target, PLOT_NAME)
+        elif not os.path.splitext(target)[1]:
+            target += ".png"
+        outputs += [("--plot", args.plot), ("--plot", target)]
+    for flag, out in outputs:
+        if out:
+            hit = input_named(out, args.paths)
+            if hit is not None:
+                return f"{flag} {out} is an input ({hit}): writing it would destroy the log; nothing written"
+    return None
+
+
 def _report(args: argparse.Namespace) -> int:
     from fusionguard.report.build import build as build_report_dict  # lazy: each subcommand loads only what it runs
     from fusionguard.report.plot import plot, plot_target  # lazy: each subcommand loads only what it runs
@@ -162,6 +183,11 @@ def _report(args: argparse.Namespace) -> int:
         return _fail("report", "--last must be >= 0")
     if args.expect_calls is not None and args.expect_calls < 0:
         return _fail("report", "--expect-calls must be >= 0")
+    if args.html == "" or args.output == "" or args.plot == "":
+        return _fail("report", "an empty output path (-o, --html, --plot): name a file")
+    problem = _clobbers(args)
+    if problem:
+        return _fail("report", problem)
     plot_file = None
     if args.plot:
         try:

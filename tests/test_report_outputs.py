@@ -1,0 +1,93 @@
+"""What ``fusionguard report`` writes (#32): an output that is an input is refused before anything
+is written; the page's size bound holds for any log; the page shows invisible and direction
+characters escaped; a report's outputs take the input logs' most restrictive mode; the run's
+strings are redacted where fusionguard writes them."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from fusionguard.report import html as report_html
+from fusionguard.report.build import build
+
+from conftest import run_cli
+
+
+def ev(kind, seq, pid=100, rank=0, **fields):
+    return {"event": kind, "level": "info", "ts": 1_800_000_000.0 + seq, "seq": seq, "pid": pid, "rank": rank, "thread": "MainThread", **fields}
+
+
+def header(pid=100, rank=0, host="node1"):
+    return ev("header", 1, pid=pid, rank=rank, schema=1, fusionguard="0.1.0", torch="2.13.0", triton="3.6.0",
+              python="3.11.7", hostname=host, cuda={"available": False}, world_size=1, local_rank=rank)
+
+
+def write(path, events):
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as fh:
+        for e in events:
+            fh.write(json.dumps(e) + "\n")
+    return path
+
+
+def small_log(path):
+    return write(path, [header(), dict(ev("flex_call", 2, layer="layers.0", phase="forward", path="dense", cause="eager_call",
+                                          action="warn", scores_bytes=1000), level="warning"), ev("shutdown", 3, reason="exit")])
+
+
+# -- 1. an output that is an input ---------------------------------------------------------------------
+
+
+def _clobber_cases(tmp_path):
+    """(inputs, output path) pairs where the output is an input by some name."""
+    run = tmp_path / "run"
+    log = small_log(run / "fg.jsonl")
+    small_log(run / "sub" / "other.jsonl")
+    (run / "fg.jsonl.1").write_bytes(log.read_bytes())
+    os.symlink(log, tmp_path / "alias.txt")
+    os.link(log, tmp_path / "hard.html")
+    os.symlink(run, tmp_path / "runlink")
+    return [
+        ([log], log),  # the issue's own case
+        ([log], tmp_path / "alias.txt"),  # a symlink to it
+        ([log], tmp_path / "hard.html"),  # a hard link
+        ([tmp_path / "alias.txt"], log),  # the input named through a link
+        ([run], run / "fg.jsonl"),  # a log inside an input directory
+        ([run], run / "fg.jsonl.1"),  # a rotated part inside it
+        ([run], run / "sub" / "other.jsonl"),
+        ([run], tmp_path / "runlink" / "fg.jsonl"),  # the directory through a link
+        ([run], run / "new.jsonl"),  # not there yet, but a log's name inside an input directory
+    ]
+
+
+@pytest.mark.parametrize("flag", ["-o", "--html", "--plot"])
+def test_an_output_that_is_an_input_exits_2_and_writes_nothing(flag, tmp_path, capsys):
+    if flag == "--plot":
+        pytest.importorskip("matplotlib")
+    for inputs, out in _clobber_cases(tmp_path):
+        before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and not p.is_symlink()}
+        rc, stdout, err = run_cli(capsys, *inputs, flag, out)
+        assert rc == 2, (inputs, out, err)
+        assert "is an input" in err and "Traceback" not in err and stdout == "", err
+        after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and not p.is_symlink()}
+        assert after == before, (inputs, out)
+        assert not (tmp_path / "run" / "new.jsonl").exists()
+
+
+def test_an_output_beside_the_input_is_still_written(tmp_path, capsys):
+    log = small_log(tmp_path / "run" / "fg.jsonl")
+    rc, _, err = run_cli(capsys, log, "-o", tmp_path / "run" / "report.txt", "--html", tmp_path / "run" / "report.html")
+    assert rc == 0, err
+    assert (tmp_path / "run" / "report.txt").read_text().startswith("fusionguard report:")
+    assert (tmp_path / "run" / "report.html").read_text().startswith("<!DOCTYPE html>")
+
+
+def test_an_empty_html_path_is_a_usage_error(tmp_path, capsys):
+    rc, out, err = run_cli(capsys, small_log(tmp_path / "fg.jsonl"), "--html", "")
+    assert rc == 2 and "--html" in err and out == "", err
