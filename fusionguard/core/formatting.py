@@ -27,7 +27,10 @@ def human_bytes(n: Optional[float], signed: bool = False, unknown: str = "-") ->
     if n is None:
         return unknown
     sign = "-" if n < 0 else ("+" if signed and n > 0 else "")
-    value = abs(float(n))
+    try:
+        value = abs(float(n))
+    except OverflowError:  # an int past float's range (a hostile log): never a traceback
+        return f"{sign}>1e308 B"
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if value < 1000 or unit == "TB":
             body = f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"

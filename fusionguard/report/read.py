@@ -212,7 +212,8 @@ _STR_FIELDS = (
 _INT_FIELDS = ("seq", "pid", "rank", "line", "world_size", "local_rank")
 _COUNT_FIELDS = (  # never negative: a count of -5 would take calls away
     "scores_bytes", "scores_bytes_max", "scores_bytes_last", "count", "total", "flex_calls", "calls", "dense",
-    "fused", "dense_recompute", "measured",
+    "fused", "dense_recompute", "measured", "predicted_bytes", "predicted_bytes_max", "free_bytes", "estimated_bytes",
+    "estimated_bytes_max",
 )
 _NUM_FIELDS = (
     "alloc_delta", "peak_delta", "alloc_delta_max", "alloc_delta_last", "peak_delta_max", "peak_delta_last",
