@@ -91,3 +91,34 @@ def test_an_output_beside_the_input_is_still_written(tmp_path, capsys):
 def test_an_empty_html_path_is_a_usage_error(tmp_path, capsys):
     rc, out, err = run_cli(capsys, small_log(tmp_path / "fg.jsonl"), "--html", "")
     assert rc == 2 and "--html" in err and out == "", err
+
+
+# -- smaller: invisible characters, a run ended by SIGTERM ------------------------------------------------
+
+INVISIBLE = ["\u200f", "\u061c", "\u200b", "\u2028", "\ufeff", "\u202e"]  # RLM, ALM, ZWSP, LINE SEPARATOR, BOM, RLO
+
+
+def test_invisible_and_direction_characters_are_shown_escaped_in_every_output(tmp_path, capsys):
+    name = "layers.0" + "".join(INVISIBLE) + "x"
+    log = write(tmp_path / "fg.jsonl", [header(), dict(ev("flex_call", 2, layer=name, phase="forward", path="dense", cause="eager_call",
+                                                             action="warn"), level="warning"), ev("shutdown", 3, reason="exit")])
+    page = tmp_path / "r.html"
+    for fmt in ("text", "json", "csv"):
+        rc, out, err = run_cli(capsys, log, "--format", fmt, "--html", page)
+        assert rc == 0, err
+        for c in INVISIBLE:
+            assert c not in out, (fmt, hex(ord(c)))
+    text = page.read_text(encoding="utf-8")
+    for c in INVISIBLE:
+        assert c not in text and f"\\u{ord(c):04x}" in text, hex(ord(c))
+
+
+def test_a_run_ended_by_sigterm_is_not_a_clean_banner(tmp_path, capsys):
+    log = write(tmp_path / "fg.jsonl", [header(), ev("flex_run", 2, layer="a", phase="forward", path="fused", flex_calls=1),
+                                        ev("shutdown", 3, reason="sigterm")])
+    kind, sentence = report_html.ending(build([str(log)]))
+    assert kind == "terminated" and "SIGTERM" in sentence and "clean" not in sentence
+    page = tmp_path / "r.html"
+    assert run_cli(capsys, log, "--html", page)[0] == 0
+    banner = page.read_text(encoding="utf-8").split('<header class="banner ', 1)[1].split('"', 1)[0]
+    assert banner == "b-stopped"

@@ -138,7 +138,8 @@ def _rank_text(ranks: List[Any]) -> str:
 def ending(rep: Dict[str, Any]) -> Tuple[str, str]:
     """(kind, sentence): ``crash`` (an uncaught exception), ``native`` (a segfault or abort,
     from the faulthandler file), ``stopped`` (no shutdown event: SIGKILL, the OOM killer, a node
-    failure, or still running), ``clean`` (every process shut down), ``unknown``."""
+    failure, or still running), ``terminated`` (a shutdown on SIGTERM), ``clean`` (every process
+    shut down otherwise), ``unknown``."""
     endings = rep["endings"]
     crashed = [c for c in rep["crashes"] if c["kind"] == "crash" and c.get("crash")]
     native = [c for c in crashed if (c["crash"] or {}).get("where") == "faulthandler"]
@@ -155,6 +156,10 @@ def ending(rep: Dict[str, Any]) -> Tuple[str, str]:
         ranks = rank_ranges([e["rank"] for e in stopped])
         return "stopped", f"stopped without shutdown (rank {ranks}): SIGKILL and the OOM killer leave the same log; or a node failure, or still running"
     real = [e for e in endings if e["ending"] != "summary only"]
+    signalled = [e for e in real if str(e["ending"]).startswith("sigterm")]
+    if signalled:  # a shutdown, but not the end of the program: a scheduler's time limit, a preemption, kill
+        ranks = rank_ranges([e["rank"] for e in signalled])
+        return "terminated", f"terminated by SIGTERM (rank {ranks}): the program did not finish on its own (a time limit, a preemption, kill)"
     if real:
         reasons = sorted({str(e["ending"]) for e in real})
         thread = any("thread crash" in r for r in reasons)
@@ -195,7 +200,7 @@ def _banner(rep: Dict[str, Any]) -> str:
         verdict, css = "OK: no dense FlexAttention", "b-ok"
     if kind in ("crash", "native"):
         css = "b-crash"
-    elif kind == "stopped" and css == "b-ok":
+    elif kind in ("stopped", "terminated") and css == "b-ok":
         css = "b-stopped"
     also = f"{_count(totals['fused_calls'], 'fused call')}, {_count(totals['compiles'], 'compiled graph')}"
     if totals["allowed_dense_calls"]:

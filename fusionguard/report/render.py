@@ -15,7 +15,7 @@ import re
 import time
 from typing import Any, Dict, Iterable, List, Optional
 
-from fusionguard.core.formatting import causes_text, escape, human_bytes, mem_text, site_text, table
+from fusionguard.core.formatting import UNSAFE_ABOVE_C0, causes_text, escape, human_bytes, mem_text, site_text, table
 from fusionguard.report.aggregate import NO_LAYER
 
 MAX_CRASHES_SHOWN = 4  # crash/stop sections in the text report (all in --format json)
@@ -377,11 +377,11 @@ def render_csv(rep: Dict[str, Any]) -> str:
     return buf.getvalue()
 
 
-_JSON_UNSAFE = re.compile("[\x7f-\x9f\u202a-\u202e\u2066-\u2069]")  # json.dumps escapes C0 itself
+_JSON_UNSAFE = re.compile(f"[{UNSAFE_ABOVE_C0}]")  # json.dumps escapes C0 itself (and its indent is newlines)
 
 
 def render_json(rep: Dict[str, Any]) -> str:
-    """JSON; C1 controls, DEL and bidirectional overrides written as ``\\uXXXX`` escapes (the
+    """JSON; C1 controls, DEL, direction and invisible characters written as ``\\uXXXX`` escapes (the
     decoded data is the same; a terminal showing it is never driven by a log's strings)."""
     text = json.dumps(rep, indent=1, ensure_ascii=False, default=str)
     return _JSON_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", text) + "\n"
