@@ -158,3 +158,37 @@ def test_any_value_in_any_field_of_any_kind_is_a_report_or_exit_2(tmp_path, caps
         assert rc in (0, 2) and "Traceback" not in err, err
         out.encode("utf-8")
     assert page_ok(page)
+
+
+# -- 6. totals past the listed examples' cap ----------------------------------------------------------------
+
+
+def test_totals_are_exact_past_the_listed_examples_cap(tmp_path, capsys):
+    n = 40_000
+    events = [header()]
+    for i in range(n):
+        events.append(ev("recompile_pressure", 2 + 2 * i, file="train.py", line=i, function=f"f{i}", compiles=4, limit=8, reason="r"))
+        events.append(ev("no_flex_calls", 3 + 2 * i, model=f"Model{i}", attn_implementation="sdpa"))
+    log = write(tmp_path / "fg.jsonl", events)
+    rc, out, err = report(capsys, log, "--format", "json")
+    rep = json.loads(out)
+    assert rep["totals"]["recompile_pressure_frames"] == n and rep["totals"]["no_flex_models"] == n
+    assert len(rep["recompile_pressure"]) <= 10_000 and len(rep["no_flex_calls"]) <= 10_000  # the examples are capped
+    rc, out, err = report(capsys, log)
+    assert "recompile pressure: 40,000 frames at 4 of 8 compiles" in out and "... and 39,990 more frame(s)" in out, out[:2000]
+    assert "no FlexAttention: 40,000 watched models" in out and "... and 39,990 more model(s)" in out
+    rc, _, err = report(capsys, log, "--fail-on-recompile-pressure")
+    assert rc == 1 and "40,000 frames holding FlexAttention" in err
+
+
+def test_past_the_distinct_key_bound_the_total_is_a_lower_bound_with_a_warning(tmp_path, capsys, monkeypatch):
+    from fusionguard.report import aggregate
+
+    monkeypatch.setattr(aggregate, "MAX_DISTINCT", 1000)  # a million in use; 1,000 keeps the test fast
+    monkeypatch.setattr(aggregate, "MAX_KEYS", 100)  # (examples listed: 10,000 in use)
+    events = [header()] + [ev("recompile_pressure", 2 + i, file="t.py", line=i, function="f", compiles=4, limit=8) for i in range(1500)]
+    rep = json.loads(report(capsys, write(tmp_path / "fg.jsonl", events), "--format", "json")[1])
+    assert rep["totals"]["recompile_pressure_frames"] == 1000 and rep["totals"]["recompile_pressure_frames_at_least"] is True
+    assert any("at least 1,000 recompile-pressure frames" in w for w in rep["warnings"]), rep["warnings"]
+    text = report(capsys, write(tmp_path / "fg.jsonl", events))[1]
+    assert "recompile pressure: at least 1,000 frames" in text and "... and at least 990 more frame(s)" in text

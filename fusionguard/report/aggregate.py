@@ -20,6 +20,9 @@ from fusionguard.report.read import FileStats, read_events
 
 RESERVOIR = 2048
 MAX_KEYS = 10_000
+#: Distinct recompile-pressure frames / no-FlexAttention models counted exactly (a hash each, about
+#: 60 MB at the bound); past it their totals are lower bounds ("at least"), with a warning.
+MAX_DISTINCT = 1_000_000
 OTHER_LAYERS = "(other layers)"
 
 
@@ -212,6 +215,8 @@ class Aggregator:
         self.firsts: Dict[str, Dict[str, Any]] = {}  # per known event kind, its earliest event (compacted)
         self.pressure: Dict[Tuple[Any, Any, Any], Dict[str, Any]] = {}  # recompile_pressure, per frame
         self.no_flex: Dict[Tuple[Any, Any], Dict[str, Any]] = {}  # no_flex_calls, per model and implementation
+        # every distinct frame / model, by hash: exact totals beyond the MAX_KEYS listed above
+        self.distinct: Dict[str, Any] = {"pressure": set(), "no_flex": set(), "pressure_full": False, "no_flex_full": False}
         # dense calls the oom mode blocked (blocked_by "oom"): how many, and the one that needed most
         self.oom: Dict[str, Any] = {"blocked": 0, "needed_bytes": None, "free_bytes": None, "layer": None, "phase": None, "call_site": None}
 
@@ -432,6 +437,7 @@ class Aggregator:
         """A frame near Dynamo's recompile limit: one entry per frame (file, line, function),
         its highest compile count across processes."""
         key = (_text(e.get("file")), _count(e.get("line")), _text(e.get("function")))
+        self._distinct("pressure", key)
         old = self.pressure.get(key)
         if old is None and len(self.pressure) >= MAX_KEYS:
             return
@@ -444,6 +450,16 @@ class Aggregator:
             "varies": _text(e.get("varies")), "reason": _text(e.get("reason")), "fix": _text(e.get("fix")),
             "processes": (old["processes"] + 1) if old else 1,
         }
+
+    def _distinct(self, what: str, key: Tuple[Any, ...]) -> None:
+        """Count ``key`` among ``what``'s distinct keys, up to ``MAX_DISTINCT`` (then: full)."""
+        seen = self.distinct[what]
+        h = hash(key)
+        if h not in seen:
+            if len(seen) >= MAX_DISTINCT:
+                self.distinct[what + "_full"] = True
+            else:
+                seen.add(h)
 
     def _oom(self, e: dict, n: int) -> None:
         """A dense call the oom mode blocked: counted; the largest need kept with what the
@@ -459,6 +475,7 @@ class Aggregator:
         """A watched model whose forward made no FlexAttention call: one entry per model class
         and attention implementation."""
         key = (_text(e.get("model")), _text(e.get("attn_implementation")))
+        self._distinct("no_flex", key)
         old = self.no_flex.get(key)
         if old is not None:
             old["processes"] += 1

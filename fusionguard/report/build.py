@@ -13,6 +13,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from fusionguard.core.formatting import site_text
 from fusionguard.report.crashfile import native_crash
+from fusionguard.report import aggregate
 from fusionguard.report.aggregate import MAX_KEYS, NO_LAYER, OTHER_LAYERS, Aggregator, Counts, Stream, compact
 from fusionguard.report.read import SUPPORTED_SCHEMA, ReportError, find_logs
 
@@ -177,6 +178,9 @@ def build_report(agg: Aggregator) -> Dict[str, Any]:
         warnings.append("unknown event kinds ignored: " + ", ".join(f"{k} ({v})" for k, v in sorted(agg.unknown.items())))
     if agg.key_overflow:
         warnings.append(f"more than {MAX_KEYS} layer/phase pairs: the rest are counted under {OTHER_LAYERS!r}")
+    for what, label in (("pressure", "recompile-pressure frames"), ("no_flex", "watched models without FlexAttention")):
+        if agg.distinct[what + "_full"]:
+            warnings.append(f"at least {len(agg.distinct[what]):,} {label}: more than {aggregate.MAX_DISTINCT:,} distinct ones, the rest not counted")
     if agg.kinds.get("partial_names"):  # (layer names without watch(): see docs/compiled.md)
         warnings.append("some layer names are partial (Class[i]...: the model holding them was not known); fusionguard.watch(model) gives full names")
     if agg.kinds.get("internal_error"):
@@ -241,8 +245,11 @@ def build_report(agg: Aggregator) -> Dict[str, Any]:
             "causes": _sum_causes(rows),
             "scores_bytes_max": max((r["scores_bytes_max"] for r in rows if r["scores_bytes_max"] is not None), default=None),
             "predicted_bytes_max": max((r["predicted_bytes_max"] for r in rows if r["predicted_bytes_max"] is not None), default=None),
-            "recompile_pressure_frames": len(agg.pressure),
-            "no_flex_models": len(agg.no_flex),
+            # exact up to MAX_DISTINCT distinct keys (then "at least"); the lists below are capped examples
+            "recompile_pressure_frames": len(agg.distinct["pressure"]),
+            "recompile_pressure_frames_at_least": agg.distinct["pressure_full"],
+            "no_flex_models": len(agg.distinct["no_flex"]),
+            "no_flex_models_at_least": agg.distinct["no_flex_full"],
         },
         "recompile_pressure": sorted(agg.pressure.values(), key=lambda p: (-(p["compiles"] or 0), str(p["file"]), p["line"] or 0)),
         "no_flex_calls": sorted(agg.no_flex.values(), key=lambda m: (str(m["model"]), str(m["attn_implementation"]))),
