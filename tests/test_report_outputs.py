@@ -122,3 +122,40 @@ def test_a_run_ended_by_sigterm_is_not_a_clean_banner(tmp_path, capsys):
     assert run_cli(capsys, log, "--html", page)[0] == 0
     banner = page.read_text(encoding="utf-8").split('<header class="banner ', 1)[1].split('"', 1)[0]
     assert banner == "b-stopped"
+
+
+# -- 7. the page's bound -------------------------------------------------------------------------------
+
+
+def quote_flood(path, layers=300, causes=9, ranks=1):
+    """The issue's shape, smaller: every string 400 ``"`` (six bytes each once HTML-escaped)."""
+    q = '"' * 400
+    events, seq = [], 2
+    for rank in range(ranks):
+        events.append(header(pid=100 + rank, rank=rank))
+        for i in range(layers):
+            for c in range(causes):
+                events.append(dict(ev("flex_call", seq, pid=100 + rank, rank=rank, layer=f"{q}{i}", phase="forward", path="dense",
+                                      cause=f"{q}{c}", action="warn", scores_bytes=1000,
+                                      call_site={"file": q, "line": i, "function": q}), level="warning"))
+                seq += 1
+    return write(path, events)
+
+
+def test_the_page_stays_within_its_bound_for_any_log_and_says_what_was_cut(tmp_path, capsys, monkeypatch):
+    """The bound is measured on what is written (escaping grows a ``"`` six-fold). Here the
+    bound is 1 MB so that a small log overflows it; docs/cli.md's is 16 MB."""
+    log = quote_flood(tmp_path / "fg.jsonl")
+    monkeypatch.setattr(report_html, "MAX_PAGE_BYTES", 1_000_000)
+    page = tmp_path / "r.html"
+    rc, _, err = run_cli(capsys, log, "--html", page)
+    assert rc == 0, err
+    size = page.stat().st_size
+    assert size <= 1_000_000, size
+    text = page.read_text(encoding="utf-8")
+    assert text.rstrip().endswith("</html>") and 'id="cut"' in text and "cut to stay within 1,000,000 bytes" in text
+    assert "DENSE: 2,700 dense FlexAttention calls" in text  # the verdict is never cut
+    monkeypatch.setattr(report_html, "MAX_PAGE_BYTES", 100)  # below any page: the least page, still saying why
+    assert run_cli(capsys, log, "--html", page)[0] == 0
+    text = page.read_text(encoding="utf-8")
+    assert "DENSE: 2,700 dense" in text and "only the verdict: every section was left out" in text and page.stat().st_size < 20_000
