@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import stat
 import sys
 from typing import Any, Dict, List, Optional
 
@@ -139,13 +140,42 @@ def _gates(args: argparse.Namespace, totals: Dict[str, Any]) -> List[str]:
     return failed
 
 
-def _write_html(rep: Dict[str, Any], path: str) -> Optional[str]:
+def _input_mode(rep: Dict[str, Any]) -> int:
+    """The most restrictive permission bits of the logs read (0o600 when none can be read): a
+    report holds what its logs hold, so it is no more readable than the most private of them."""
+    mode = 0o777
+    for f in rep.get("files") or ():
+        try:
+            mode &= stat.S_IMODE(os.stat(f["path"]).st_mode)
+        except OSError:
+            return 0o600
+    return mode & 0o666 if rep.get("files") else 0o600
+
+
+def _open_output(path: str, mode: int, newline: str) -> Any:
+    """``path`` opened for writing text with ``mode`` (also when it exists already: its old mode
+    may be wider than the logs')."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), mode)
+    try:
+        os.fchmod(fd, mode & ~_umask())
+    except (OSError, AttributeError):  # not our file, or no fchmod (Windows): its mode stays
+        pass
+    return os.fdopen(fd, "w", encoding="utf-8", newline=newline)
+
+
+def _umask() -> int:
+    old = os.umask(0o077)
+    os.umask(old)
+    return old
+
+
+def _write_html(rep: Dict[str, Any], path: str, mode: int) -> Optional[str]:
     """Write ``--html``; the problem when it cannot be written (None: written)."""
     from fusionguard.report.html import render_html  # lazy: each subcommand loads only what it runs
 
     page = render_html(rep)
     try:
-        with open(path, "w", encoding="utf-8", newline="\n") as fh:
+        with _open_output(path, mode, "\n") as fh:
             fh.write(page)
     except OSError as exc:
         return f"cannot write --html {path}: {exc.strerror or exc}"
@@ -204,9 +234,10 @@ def _report(args: argparse.Namespace) -> int:
     except ReportError as exc:
         return _fail("report", str(exc))
     text = {"text": render_text, "json": render_json, "csv": render_csv}[args.format](rep)
+    mode = _input_mode(rep)
     if args.output:
         try:
-            with open(args.output, "w", encoding="utf-8", newline="") as fh:
+            with _open_output(args.output, mode, "") as fh:
                 fh.write(text)
         except OSError as exc:
             return _fail("report", f"cannot write -o {args.output}: {exc.strerror or exc}")
@@ -217,11 +248,12 @@ def _report(args: argparse.Namespace) -> int:
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())
     if args.html:
-        problem = _write_html(rep, args.html)
+        problem = _write_html(rep, args.html, mode)
         if problem:
             return _fail("report", problem)
     if plot_file is not None:
         try:
+            _open_output(plot_file, mode, "").close()  # created with the logs' mode before matplotlib writes it
             note = plot(rep, plot_file)
         except OSError as exc:
             return _fail("report", f"cannot write --plot {plot_file}: {exc.strerror or exc}")

@@ -159,3 +159,82 @@ def test_the_page_stays_within_its_bound_for_any_log_and_says_what_was_cut(tmp_p
     assert run_cli(capsys, log, "--html", page)[0] == 0
     text = page.read_text(encoding="utf-8")
     assert "DENSE: 2,700 dense" in text and "only the verdict: every section was left out" in text and page.stat().st_size < 20_000
+
+
+# -- 11. secrets -----------------------------------------------------------------------------------------
+
+SECRETS = {
+    "hf": "hf_abcdefghijklmnopqrstuvwxyz0123",
+    "url": "https://alice:s3cr3tPassw0rd@example.com/repo.git",
+    "bearer": "Authorization: Bearer eyJhbGciOiJIUzI1NiJ9abcdef.0123456789abcdef",
+    "bearer2": "bearer abcdef0123456789ABCDEF.xyz",
+    "aws": "AKIAABCDEFGHIJKLMNOP",
+    "gcp": "AIzaSyA1234567890abcdefghijklmnopqrstuv",
+    "option": "--password=hunter2hunter2",
+    "option2": "--api-key hunter3hunter3",
+}
+LEAKS = ["abcdefghijklmnopqrstuvwxyz0123", "s3cr3tPassw0rd", "eyJhbGciOiJIUzI1NiJ9abcdef", "abcdef0123456789ABCDEF", "AKIAABCDEFGHIJKLMNOP",
+         "AIzaSyA1234567890abcdefghijklmnopqrstuv", "hunter2hunter2", "hunter3hunter3"]
+
+
+def test_redact_text_covers_every_secret_shape_and_keeps_ordinary_text():
+    from fusionguard.eventlog.redact import redact_text
+
+    for name, secret in SECRETS.items():
+        out = redact_text(f"failed: {secret} (while loading)")
+        assert not any(leak in out for leak in LEAKS), (name, out)
+        assert "<redacted>" in out and out.startswith("failed: ") and out.endswith(" (while loading)"), out
+    for ordinary in ("KeyError: 'layers.0.self_attn'", "tensor 'q' size mismatch at index 2. expected 2048, actual 1536",
+                     "/home/me/train.py:7 in attention", "https://example.com/a:b", "--lr 3e-4 --steps 512"):
+        assert redact_text(ordinary) == ordinary
+
+
+CRASH_SCRIPT = """
+import sys, warnings
+import torch
+import fusionguard
+from torch.nn.attention.flex_attention import flex_attention
+warnings.simplefilter("ignore")
+fusionguard.enable(log_path=sys.argv[1])
+q = torch.randn(1, 2, 16, 8)
+flex_attention(q, q, q)
+raise RuntimeError("could not fetch " + sys.argv[2] + " with token " + sys.argv[3] + "; " + sys.argv[4])
+"""
+
+
+def test_a_crash_with_secrets_is_redacted_in_the_log_and_the_report_outputs_keep_its_mode(tmp_path, capsys):
+    """A real process: its crash message holds a Hugging Face token, a URL with a password and a
+    bearer token. None reaches the log or the page; the page, CSV, text and plot are as private as
+    the log (0600 by default), whatever the umask."""
+    import subprocess
+    import sys
+
+    from conftest import child_env
+
+    log = tmp_path / "fg.jsonl"
+    p = subprocess.run([sys.executable, "-c", CRASH_SCRIPT, str(log), SECRETS["url"], SECRETS["hf"], SECRETS["bearer"]],
+                       env=child_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1 and "RuntimeError" in p.stderr, p.stderr[-2000:]
+    text = log.read_text()
+    assert '"crash"' in text and "could not fetch" in text
+    assert not any(leak in text for leak in LEAKS), [leak for leak in LEAKS if leak in text]
+    assert stat.S_IMODE(log.stat().st_mode) == 0o600
+    old = os.umask(0o022)
+    try:
+        outs = {"--html": tmp_path / "r.html", "-o": tmp_path / "r.csv"}
+        args = [log, "--format", "csv"] + [x for kv in outs.items() for x in kv]
+        try:
+            import matplotlib  # noqa: F401
+
+            outs["--plot"] = tmp_path / "r.png"
+            args += ["--plot", outs["--plot"]]
+        except ImportError:
+            pass
+        rc, _, err = run_cli(capsys, *args)
+    finally:
+        os.umask(old)
+    assert rc == 0, err
+    for flag, path in outs.items():
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, (flag, oct(path.stat().st_mode))
+    page = outs["--html"].read_text(encoding="utf-8")
+    assert "could not fetch" in page and not any(leak in page for leak in LEAKS)

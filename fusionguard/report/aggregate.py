@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import math
 import random
-from typing import Any, Deque, Dict, List, Optional, Tuple
+from typing import Any, Deque, Dict, List, Optional, Set, Tuple
 
 from fusionguard.core.tables import NO_LAYER
 from fusionguard.eventlog.kinds import KNOWN_EVENTS
@@ -216,7 +216,8 @@ class Aggregator:
         self.pressure: Dict[Tuple[Any, Any, Any], Dict[str, Any]] = {}  # recompile_pressure, per frame
         self.no_flex: Dict[Tuple[Any, Any], Dict[str, Any]] = {}  # no_flex_calls, per model and implementation
         # every distinct frame / model, by hash: exact totals beyond the MAX_KEYS listed above
-        self.distinct: Dict[str, Any] = {"pressure": set(), "no_flex": set(), "pressure_full": False, "no_flex_full": False}
+        self.distinct: Dict[str, Set[int]] = {"pressure": set(), "no_flex": set()}
+        self.distinct_full: Set[str] = set()  # which of them went past MAX_DISTINCT
         # dense calls the oom mode blocked (blocked_by "oom"): how many, and the one that needed most
         self.oom: Dict[str, Any] = {"blocked": 0, "needed_bytes": None, "free_bytes": None, "layer": None, "phase": None, "call_site": None}
 
@@ -457,7 +458,7 @@ class Aggregator:
         h = hash(key)
         if h not in seen:
             if len(seen) >= MAX_DISTINCT:
-                self.distinct[what + "_full"] = True
+                self.distinct_full.add(what)
             else:
                 seen.add(h)
 

@@ -179,7 +179,7 @@ def build_report(agg: Aggregator) -> Dict[str, Any]:
     if agg.key_overflow:
         warnings.append(f"more than {MAX_KEYS} layer/phase pairs: the rest are counted under {OTHER_LAYERS!r}")
     for what, label in (("pressure", "recompile-pressure frames"), ("no_flex", "watched models without FlexAttention")):
-        if agg.distinct[what + "_full"]:
+        if what in agg.distinct_full:
             warnings.append(f"at least {len(agg.distinct[what]):,} {label}: more than {aggregate.MAX_DISTINCT:,} distinct ones, the rest not counted")
     if agg.kinds.get("partial_names"):  # (layer names without watch(): see docs/compiled.md)
         warnings.append("some layer names are partial (Class[i]...: the model holding them was not known); fusionguard.watch(model) gives full names")
@@ -247,9 +247,9 @@ def build_report(agg: Aggregator) -> Dict[str, Any]:
             "predicted_bytes_max": max((r["predicted_bytes_max"] for r in rows if r["predicted_bytes_max"] is not None), default=None),
             # exact up to MAX_DISTINCT distinct keys (then "at least"); the lists below are capped examples
             "recompile_pressure_frames": len(agg.distinct["pressure"]),
-            "recompile_pressure_frames_at_least": agg.distinct["pressure_full"],
+            "recompile_pressure_frames_at_least": "pressure" in agg.distinct_full,
             "no_flex_models": len(agg.distinct["no_flex"]),
-            "no_flex_models_at_least": agg.distinct["no_flex_full"],
+            "no_flex_models_at_least": "no_flex" in agg.distinct_full,
         },
         "recompile_pressure": sorted(agg.pressure.values(), key=lambda p: (-(p["compiles"] or 0), str(p["file"]), p["line"] or 0)),
         "no_flex_calls": sorted(agg.no_flex.values(), key=lambda m: (str(m["model"]), str(m["attn_implementation"]))),

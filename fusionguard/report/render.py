@@ -246,11 +246,11 @@ def render_text(rep: Dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
-def _total(rep: Dict[str, Any], listed: List[Any], key: str) -> Tuple[int, str]:
+def _total(rep: Dict[str, Any], listed: List[Any], key: str, at_least_key: str) -> Tuple[int, str]:
     """(how many, ``"at least "`` or ``""``): the exact total of ``totals[key]``, not the listed examples."""
     totals = rep.get("totals") or {}
     n = totals.get(key)
-    return (n if isinstance(n, int) and n >= len(listed) else len(listed)), ("at least " if totals.get(key + "_at_least") else "")
+    return (n if isinstance(n, int) and n >= len(listed) else len(listed)), ("at least " if totals.get(at_least_key) else "")
 
 
 def pressure_line(frames: List[Dict[str, Any]], n: Optional[int] = None, at_least: str = "") -> str:
@@ -301,7 +301,7 @@ def early_lines(rep: Dict[str, Any]) -> List[str]:
     out: List[str] = []
     frames = rep.get("recompile_pressure") or []
     if frames:
-        n, at_least = _total(rep, frames, "recompile_pressure_frames")
+        n, at_least = _total(rep, frames, "recompile_pressure_frames", "recompile_pressure_frames_at_least")
         out.append(pressure_line(frames, n, at_least))
         for f in frames[:10]:
             out.append(
@@ -314,7 +314,7 @@ def early_lines(rep: Dict[str, Any]) -> List[str]:
             out.append(f"  ... and {at_least}{n - 10:,} more frame(s)")
     models = rep.get("no_flex_calls") or []
     if models:
-        n, at_least = _total(rep, models, "no_flex_models")
+        n, at_least = _total(rep, models, "no_flex_models", "no_flex_models_at_least")
         out.append(f"no FlexAttention: {at_least}{n:,} watched model{'s' if n != 1 else ''} ran a forward without any FlexAttention call")
         for m in models[:10]:
             impl = f" (config._attn_implementation={m['attn_implementation']!r})" if m.get("attn_implementation") else ""
