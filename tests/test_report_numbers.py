@@ -192,3 +192,63 @@ def test_past_the_distinct_key_bound_the_total_is_a_lower_bound_with_a_warning(t
     assert any("at least 1,000 recompile-pressure frames" in w for w in rep["warnings"]), rep["warnings"]
     text = report(capsys, write(tmp_path / "fg.jsonl", events))[1]
     assert "recompile pressure: at least 1,000 frames" in text and "... and at least 990 more frame(s)" in text
+
+
+# -- 5. rotation: the processes' own final counts, and the lines missing --------------------------------
+
+ROTATING_WORKER = """
+import sys, warnings
+import torch
+import fusionguard
+from torch.nn.attention.flex_attention import flex_attention
+fusionguard.enable(log_path=sys.argv[1], keep_all=True, log_max_bytes=int(sys.argv[3]))
+q = torch.randn(1, 1, 8, 4)
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    for _ in range(int(sys.argv[2])):
+        flex_attention(q, q, q)
+"""
+
+
+def test_after_rotation_each_process_counts_its_own_calls_and_the_missing_lines_are_said(tmp_path, capsys):
+    """The issue's run, smaller: processes sharing one rotating log (default 3 backups) with every
+    dense call logged; rotation prunes the oldest lines. Each process's own summary says how many
+    calls it made; its seq gaps are the pruned parts of the same path, so the report takes them
+    and says how many lines are missing (text, JSON, HTML)."""
+    import subprocess
+    import sys
+
+    from conftest import child_env
+
+    procs, calls = 2, 150
+    log = tmp_path / "logs" / "fg.jsonl"
+    log.parent.mkdir()
+    ps = [subprocess.Popen([sys.executable, "-c", ROTATING_WORKER, str(log), str(calls), "16384"], env=child_env(),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(procs)]
+    for p in ps:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-2000:]
+    assert (tmp_path / "logs" / "fg.jsonl.3").exists()
+    rep = json.loads(report(capsys, log.parent, "--format", "json")[1])
+    assert rep["totals"]["dense_calls"] == procs * calls, rep["totals"]
+    missing = rep["run"]["missing_lines"]
+    assert missing > 0 and sum(e["missing_lines"] for e in rep["endings"]) == missing
+    said = [w for w in rep["warnings"] if "missing" in w]
+    assert said and f"{missing:,} log lines missing" in said[0] and "own final counts" in said[0], rep["warnings"]
+    text = report(capsys, log.parent)[1]
+    assert f"DENSE: {procs * calls:,} dense FlexAttention calls" in text and f"{missing:,} log lines missing" in text
+    page = tmp_path / "r.html"
+    report(capsys, log.parent, "--html", page)
+    assert f"{missing:,} log lines missing" in page.read_text(encoding="utf-8")
+
+
+def test_a_gap_that_rotation_does_not_explain_is_said_and_the_summary_adds_nothing(tmp_path, capsys):
+    """A line lost in the middle (a failed write) of a log that never rotated: the summary rows
+    could count calls of an earlier log of the same process, so they add nothing; the gap is said."""
+    row = {"layer": "a", "phase": "forward", "fused": 0, "dense": 9, "causes": {"eager_call": 9}, "rank": 0}
+    events = [header()] + [dict(ev("flex_call", s, layer="a", phase="forward", path="dense", cause="eager_call", action="warn"),
+                                level="warning") for s in (2, 3, 5, 6)]
+    events += [ev("summary", 7, rows=[row]), ev("shutdown", 8, reason="exit")]
+    rep = json.loads(report(capsys, write(tmp_path / "fg.jsonl", events), "--format", "json")[1])
+    assert rep["totals"]["dense_calls"] == 4 and rep["run"]["missing_lines"] == 1
+    assert any("1 log line missing" in w and "not explained by rotation" in w for w in rep["warnings"]), rep["warnings"]

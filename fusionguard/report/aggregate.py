@@ -12,12 +12,14 @@ from __future__ import annotations
 import collections
 import math
 import random
+import re
 from typing import Any, Deque, Dict, List, Optional, Set, Tuple
 
 from fusionguard.core.tables import NO_LAYER
 from fusionguard.eventlog.kinds import KNOWN_EVENTS
 from fusionguard.report.read import FileStats, read_events
 
+_ROTATED_PART = re.compile(r"^(.+\.jsonl)\.\d+$")
 RESERVOIR = 2048
 MAX_KEYS = 10_000
 #: Distinct recompile-pressure frames / no-FlexAttention models counted exactly (a hash each, about
@@ -139,6 +141,36 @@ class KeyStats:
         self.templates: Dict[str, int] = {}
 
 
+class SeqSpan:
+    """One process's ``seq`` numbers in one log path (its rotated parts together): what was seen
+    tells how many lines are missing. Files are read oldest part first and a process writes its
+    lines in ``seq`` order, so rotation's pruned parts leave a gap before the first line seen
+    (``before``) and nothing else does; a failed write leaves one between lines (``between``)."""
+
+    __slots__ = ("first", "last", "between", "rotated")
+
+    def __init__(self) -> None:
+        self.first: Optional[int] = None
+        self.last: Optional[int] = None
+        self.between = 0
+        self.rotated = False  # a rotated part of the path was read, or a header copy seen
+
+    def add(self, seq: int) -> None:
+        last = self.last
+        if last is None:
+            self.first = self.last = seq
+        elif seq > last:
+            self.between += seq - last - 1
+            self.last = seq
+        elif self.first is not None and seq < self.first:  # (never in order; counted, not trusted)
+            self.between += self.first - seq - 1
+            self.first = seq
+
+    @property
+    def before(self) -> int:
+        return (self.first - 1) if self.first is not None and self.first > 1 else 0
+
+
 class Stream:
     """One process's events (hostname, pid, rank)."""
 
@@ -158,6 +190,13 @@ class Stream:
         self.header: Dict[str, Any] = {}
         self.files: List[str] = []
         self.synthetic = False
+        self.spans: Dict[str, SeqSpan] = {}  # per log path (rotated parts together): its seq numbers
+        self.trusted_summary = False  # its own final counts taken (rotation pruned its early lines)
+
+    @property
+    def missing_lines(self) -> int:
+        """Lines of this process missing from the logs read: gaps in its ``seq`` numbers."""
+        return sum(sp.before + sp.between for sp in self.spans.values())
 
     def count(self, key: Tuple[str, str]) -> Counts:
         c = self.counts.get(key)
@@ -244,6 +283,8 @@ class Aggregator:
     def read(self, path: str) -> None:
         stats = FileStats(path)
         self.files.append(stats)
+        m = _ROTATED_PART.match(path)
+        base, rotated_part = (m.group(1), True) if m else (path, False)
         file_hosts: Dict[Any, Any] = {}
         file_streams: Dict[Any, Stream] = {}  # pid -> its latest stream in this file
         stream: Optional[Stream] = None
@@ -282,6 +323,16 @@ class Aggregator:
                 if not stream.files or stream.files[-1] != path:
                     stream.files.append(path)
             assert stream is not None
+            seq = e.get("seq")
+            if seq is not None:
+                span = stream.spans.get(base)
+                if span is None:
+                    span = stream.spans[base] = SeqSpan()
+                if e.get("rotated") is True:  # a header copied at the top of a rotated part: not a line of its own
+                    span.rotated = True
+                else:
+                    span.add(seq)
+                    span.rotated = span.rotated or rotated_part
             try:
                 self._event(stream, kind, e)
             except Exception:  # a combination of fields no check foresaw: one corrupt line, never a traceback
@@ -507,6 +558,7 @@ class Aggregator:
         real_ranks = {s.rank for s in self.streams.values()}
         synthetic: Dict[Any, Stream] = {}
         for s in list(self.streams.values()):
+            s.trusted_summary = bool(s.summary_rows) and _rotation_explains(s)
             for c in s.counts.values():
                 c.fused = c.event_fused()
             for row in s.summary_rows or ():
@@ -526,7 +578,7 @@ class Aggregator:
                 ks = self.keys[key]
                 fused = row.get("fused") or 0
                 c.summary_fused = max(c.summary_fused or 0, fused)
-                if target.synthetic:  # the row is all there is
+                if target.synthetic or target.trusted_summary:  # the row is all there is, or its own final count
                     c.fused = max(c.fused, fused)
                     c.dense = max(c.dense, row.get("dense") or 0)
                     for k, v in (row.get("causes") or {}).items():
@@ -541,7 +593,7 @@ class Aggregator:
                         res.note_max(mx)
                     if last is not None and not res.sample:
                         res.add(last)
-            if not s.synthetic and s.summary_rows:
+            if not s.synthetic and s.summary_rows and not s.trusted_summary:
                 self._split_by_summary(s)
         for r, st in synthetic.items():
             self.streams[("(summary)", None, r)] = st
@@ -582,6 +634,16 @@ class Aggregator:
         self.first_ts = min(firsts) if firsts else None
         self.last_ts = max(lasts) if lasts else None
         self._settle()
+
+
+def _rotation_explains(s: Stream) -> bool:
+    """True when every line missing from ``s`` (a gap in its seq numbers) was in a rotated part
+    of its one log path that is gone: its summary rows, written at its end, then count exactly
+    the calls of that path (a new log path counts from zero), the pruned ones too."""
+    if len(s.spans) != 1:
+        return False
+    (span,) = s.spans.values()
+    return span.rotated and span.before > 0 and span.between == 0
 
 
 def _crash_fields(e: dict) -> Dict[str, Any]:

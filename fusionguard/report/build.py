@@ -205,6 +205,8 @@ def build_report(agg: Aggregator) -> Dict[str, Any]:
                 "last_ts": s.last_ts,
                 "crashes": s.crash_count,
                 "files": list(s.files),
+                "missing_lines": s.missing_lines,
+                "own_final_counts": s.trusted_summary,
             }
         )
         for cr in s.crashes:
@@ -213,6 +215,9 @@ def build_report(agg: Aggregator) -> Dict[str, Any]:
             crashes.append({"host": s.host, "pid": s.pid, "rank": s.rank, "kind": "stopped", "crash": None, "last_events": [compact(x) for x in s.recent],
                             "forked_from": _int(s.header.get("forked_from"))})
 
+    missing = sum(e["missing_lines"] for e in endings)
+    if missing:
+        warnings.append(_missing_text(endings, missing))
     total_dense = sum(r["dense"] for r in rows)
     return {
         "report_version": REPORT_VERSION,
@@ -232,6 +237,7 @@ def build_report(agg: Aggregator) -> Dict[str, Any]:
             "last_ts": agg.last_ts,
             "duration_s": (agg.last_ts - agg.first_ts) if agg.first_ts is not None and agg.last_ts is not None else None,
             "events": sum(f.events for f in agg.files),
+            "missing_lines": missing,
             "event_kinds": dict(sorted(agg.kinds.items())),
         },
         "totals": {
@@ -265,6 +271,28 @@ def build_report(agg: Aggregator) -> Dict[str, Any]:
         "warnings": warnings,
         "first_events": sorted(agg.firsts.values(), key=lambda e: (e.get("ts") is None, e.get("ts") or 0.0, str(e.get("event")))),
     }
+
+
+def _missing_text(endings: List[Dict[str, Any]], missing: int) -> str:
+    """The lines missing from the logs (gaps in processes' seq numbers), and what the counts
+    rest on: never a silent shortfall."""
+    gapped = [e for e in endings if e["missing_lines"]]
+    own = [e for e in gapped if e["own_final_counts"]]
+    rest = [e for e in gapped if not e["own_final_counts"]]
+    n = len(gapped)
+    parts = [f"{missing:,} log line{'s' if missing != 1 else ''} missing (gaps in the seq numbers of {n} process{'es' if n != 1 else ''})"]
+    if own:
+        parts.append(
+            f"{len(own)} of them lost early lines to rotation (the log's oldest parts were pruned): their own final counts "
+            "(the summary each wrote at its end) are used"
+        )
+    if rest:
+        pids = ", ".join(str(e["pid"]) for e in rest[:5]) + (", ..." if len(rest) > 5 else "")
+        parts.append(
+            f"pid {pids}: not explained by rotation (a failed write, a file missing from the input): "
+            "the counts hold only the lines that are there"
+        )
+    return "; ".join(parts)
 
 
 def _sorted_ranks(ranks: Iterable[Any]) -> List[Any]:
