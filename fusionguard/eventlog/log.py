@@ -331,9 +331,13 @@ def _redact(logger: Any, method: str, event_dict: dict) -> dict:
     """Secrets out of every string of the event (a crash message, a traceback, Dynamo's evidence,
     a path): the file, the memory copy and the structured trace get the redacted text."""
     for k, v in event_dict.items():
-        if v.__class__ is not int and v.__class__ is not float and v is not None:
+        if v.__class__ is not int and v.__class__ is not float and v is not None and k not in _OWN_WORDS:
             event_dict[k] = redact_value(v)
     return event_dict
+
+
+#: Fields whose value is always one of fusionguard's own words, never the program's text.
+_OWN_WORDS = frozenset({"event", "level", "phase", "path", "cause", "action", "of", "source", "blocked_by", "mode", "template"})
 
 
 def _render(logger: Any, method: str, event_dict: dict) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
