@@ -8,8 +8,8 @@ Exit status, the same contract for every command (``docs/cli.md``):
   ``--fail-on-recompile-pressure``: a frame holding FlexAttention near the recompile limit;
   ``--expect-fused`` / ``--expect-calls N``: fewer fused calls than expected); 2 usage or input
   error (a bad option, a missing path, no fusionguard event in the input, an unwritable
-  ``-o`` / ``--plot`` / ``--html`` path, a ``--plot`` format matplotlib cannot write, ``--plot``
-  without matplotlib).
+  ``-o`` / ``--plot`` / ``--html`` path, an empty one, one that is an input (nothing is written
+  then), a ``--plot`` format matplotlib cannot write, ``--plot`` without matplotlib).
 - ``doctor``: 0 every compiled case ran fused; 1 something ran dense or an experiment failed;
   2 usage error (a bad ``--shape``, ``--device``, ``--backend``).
 - ``run``: the command's own status (it is exec-ed); 2 usage error before anything starts (no
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import stat
 import sys
 from typing import Any, Dict, List, Optional
 
@@ -130,7 +131,8 @@ def _gates(args: argparse.Namespace, totals: Dict[str, Any]) -> List[str]:
         failed.append(f"--fail-on-dense: {dense:,} dense FlexAttention call{'s' if dense != 1 else ''}{allowed}")
     frames = totals.get("recompile_pressure_frames") or 0
     if args.fail_on_recompile_pressure and frames:
-        failed.append(f"--fail-on-recompile-pressure: {frames:,} frame{'s' if frames != 1 else ''} holding FlexAttention near Dynamo's recompile limit")
+        at_least = "at least " if totals.get("recompile_pressure_frames_at_least") else ""
+        failed.append(f"--fail-on-recompile-pressure: {at_least}{frames:,} frame{'s' if frames != 1 else ''} holding FlexAttention near Dynamo's recompile limit")
     expected = max(1 if args.expect_fused else 0, args.expect_calls or 0)
     if expected and totals["fused_calls"] < expected:
         flag = f"--expect-calls {args.expect_calls}" if args.expect_calls else "--expect-fused"
@@ -138,17 +140,67 @@ def _gates(args: argparse.Namespace, totals: Dict[str, Any]) -> List[str]:
     return failed
 
 
-def _write_html(rep: Dict[str, Any], path: str) -> Optional[str]:
+def _input_mode(rep: Dict[str, Any]) -> int:
+    """The most restrictive permission bits of the logs read (0o600 when none can be read): a
+    report holds what its logs hold, so it is no more readable than the most private of them."""
+    mode = 0o777
+    for f in rep.get("files") or ():
+        try:
+            mode &= stat.S_IMODE(os.stat(f["path"]).st_mode)
+        except OSError:
+            return 0o600
+    return mode & 0o666 if rep.get("files") else 0o600
+
+
+def _open_output(path: str, mode: int, newline: str) -> Any:
+    """``path`` opened for writing text with ``mode`` (also when it exists already: its old mode
+    may be wider than the logs')."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), mode)
+    try:
+        os.fchmod(fd, mode & ~_umask())
+    except (OSError, AttributeError):  # not our file, or no fchmod (Windows): its mode stays
+        pass
+    return os.fdopen(fd, "w", encoding="utf-8", newline=newline)
+
+
+def _umask() -> int:
+    old = os.umask(0o077)
+    os.umask(old)
+    return old
+
+
+def _write_html(rep: Dict[str, Any], path: str, mode: int) -> Optional[str]:
     """Write ``--html``; the problem when it cannot be written (None: written)."""
     from fusionguard.report.html import render_html  # lazy: each subcommand loads only what it runs
 
     page = render_html(rep)
     try:
-        with open(path, "w", encoding="utf-8", newline="\n") as fh:
+        with _open_output(path, mode, "\n") as fh:
             fh.write(page)
     except OSError as exc:
         return f"cannot write --html {path}: {exc.strerror or exc}"
     sys.stderr.write(f"fusionguard report: HTML report written to {path}\n")
+    return None
+
+
+def _clobbers(args: argparse.Namespace) -> Optional[str]:
+    """Why an output would destroy an input (None: it would not); nothing is written then."""
+    from fusionguard.report.plot import PLOT_NAME  # lazy: each subcommand loads only what it runs
+    from fusionguard.report.read import input_named  # lazy: each subcommand loads only what it runs
+
+    outputs = [("-o", args.output), ("--html", args.html)]
+    if args.plot:  # the file plot() writes: into a directory, or with .png added (plot_target)
+        target = args.plot
+        if target.endswith(("/", os.sep)) or os.path.isdir(target):
+            target = os.path.join(target, PLOT_NAME)
+        elif not os.path.splitext(target)[1]:
+            target += ".png"
+        outputs += [("--plot", args.plot), ("--plot", target)]
+    for flag, out in outputs:
+        if out:
+            hit = input_named(out, args.paths)
+            if hit is not None:
+                return f"{flag} {out} is an input ({hit}): writing it would destroy the log; nothing written"
     return None
 
 
@@ -162,6 +214,11 @@ def _report(args: argparse.Namespace) -> int:
         return _fail("report", "--last must be >= 0")
     if args.expect_calls is not None and args.expect_calls < 0:
         return _fail("report", "--expect-calls must be >= 0")
+    if args.html == "" or args.output == "" or args.plot == "":
+        return _fail("report", "an empty output path (-o, --html, --plot): name a file")
+    problem = _clobbers(args)
+    if problem:
+        return _fail("report", problem)
     plot_file = None
     if args.plot:
         try:
@@ -177,9 +234,10 @@ def _report(args: argparse.Namespace) -> int:
     except ReportError as exc:
         return _fail("report", str(exc))
     text = {"text": render_text, "json": render_json, "csv": render_csv}[args.format](rep)
+    mode = _input_mode(rep)
     if args.output:
         try:
-            with open(args.output, "w", encoding="utf-8", newline="") as fh:
+            with _open_output(args.output, mode, "") as fh:
                 fh.write(text)
         except OSError as exc:
             return _fail("report", f"cannot write -o {args.output}: {exc.strerror or exc}")
@@ -190,11 +248,12 @@ def _report(args: argparse.Namespace) -> int:
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())
     if args.html:
-        problem = _write_html(rep, args.html)
+        problem = _write_html(rep, args.html, mode)
         if problem:
             return _fail("report", problem)
     if plot_file is not None:
         try:
+            _open_output(plot_file, mode, "").close()  # created with the logs' mode before matplotlib writes it
             note = plot(rep, plot_file)
         except OSError as exc:
             return _fail("report", f"cannot write --plot {plot_file}: {exc.strerror or exc}")

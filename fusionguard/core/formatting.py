@@ -6,9 +6,11 @@ from __future__ import annotations
 import re
 from typing import Any, Dict, Iterable, List, Optional
 
-# C0 (except newline, handled by the caller), DEL, C1, and the bidirectional overrides that can
-# make a terminal show text other than what is there.
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+# C0 (except newline, handled by the caller), DEL, C1, the bidirectional overrides and marks
+# (RLM / LRM, ALM) that can make a terminal or a page show text other than what is there, and the
+# invisible ones: zero-width spaces and joiners, the line / paragraph separators, the BOM.
+UNSAFE_ABOVE_C0 = "\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff"  # (JSON escapes C0 itself)
+_CONTROL = re.compile(f"[\x00-\x1f{UNSAFE_ABOVE_C0}]")
 
 
 def escape(text: str) -> str:
@@ -27,7 +29,10 @@ def human_bytes(n: Optional[float], signed: bool = False, unknown: str = "-") ->
     if n is None:
         return unknown
     sign = "-" if n < 0 else ("+" if signed and n > 0 else "")
-    value = abs(float(n))
+    try:
+        value = abs(float(n))
+    except OverflowError:  # an int past float's range (a hostile log): never a traceback
+        return f"{sign}>1e308 B"
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if value < 1000 or unit == "TB":
             body = f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"

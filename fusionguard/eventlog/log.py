@@ -41,6 +41,7 @@ from fusionguard.eventlog.messages import logger as human_logger
 from fusionguard.core.distributed import process_group_ready
 from fusionguard.eventlog.header import rank_info
 from fusionguard.eventlog.kinds import TRACE_EVENTS
+from fusionguard.eventlog.redact import redact_value
 from fusionguard.eventlog.sampler import COUNTER_LEVEL, FLUSH_BEFORE, KEEP, Sampler
 from fusionguard.eventlog.sink import DEFAULT_LOG_MODE, FileSink
 from fusionguard.torch_internals import structured_trace
@@ -109,7 +110,7 @@ class EventLog:
         # included, has no business in this log, and ours none in theirs). Exceptions stay
         # formatted where they are caught (``traceback``, crash's tail): structlog's
         # format_exc_info would write them as ``exception``, without the final newline.
-        processors: List[Any] = [structlog.processors.add_log_level, _TIME, self._stamp, _render]
+        processors: List[Any] = [structlog.processors.add_log_level, _TIME, self._stamp, _redact, _render]
         self._bound: _Bound = structlog.wrap_logger(
             _LineWriter(self),
             processors=processors,
@@ -324,6 +325,19 @@ class _DumpLazily:
 
     def __str__(self) -> str:
         return dumps(self.event)
+
+
+def _redact(logger: Any, method: str, event_dict: dict) -> dict:
+    """Secrets out of every string of the event (a crash message, a traceback, Dynamo's evidence,
+    a path): the file, the memory copy and the structured trace get the redacted text."""
+    for k, v in event_dict.items():
+        if v.__class__ is not int and v.__class__ is not float and v is not None and k not in _OWN_WORDS:
+            event_dict[k] = redact_value(v)
+    return event_dict
+
+
+#: Fields whose value is always one of fusionguard's own words, never the program's text.
+_OWN_WORDS = frozenset({"event", "level", "phase", "path", "cause", "action", "of", "source", "blocked_by", "mode", "template"})
 
 
 def _render(logger: Any, method: str, event_dict: dict) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:

@@ -1,5 +1,6 @@
-"""Secrets out of ``argv`` before the header writes it: option values named like secrets,
-well-known token shapes, passwords in URLs."""
+"""Secrets out of what fusionguard writes: ``argv`` in the header (option values named like
+secrets), and every string of every event (``redact_text``: messages, tracebacks, evidence,
+paths): well-known token shapes, bearer tokens, passwords in URLs, ``--password=...`` options."""
 
 from __future__ import annotations
 
@@ -14,8 +15,18 @@ SECRET_WORDS = ("token", "key", "secret", "password", "passwd", "auth", "credent
 _TOKEN_RE = re.compile(
     r"\b(?:hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_\-]{16,}|gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,}"
     r"|glpat-[A-Za-z0-9_\-]{16,}|xox[abprs]-[A-Za-z0-9\-]{10,}|(?:AKIA|ASIA)[0-9A-Z]{16}"
-    r"|eyJ[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,})"
+    r"|eyJ[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,}|AIza[0-9A-Za-z_\-]{35})"
 )
+#: ``Bearer <token>`` (an HTTP Authorization header in an error message).
+_BEARER_RE = re.compile(r"(?i)\b(bearer)\s+[A-Za-z0-9\-._~+/]{8,}=*")
+#: An option named like a secret inside free text: ``--password=v``, ``--api-key v``.
+_TEXT_OPTION_RE = re.compile(
+    r"(?i)(?<![\w-])(--?[A-Za-z0-9_.\-]*(?:token|key|secret|password|passwd|auth|credential)[A-Za-z0-9_.\-]*)(=|\s+)(?![-\s])[^\s'\",;]+"
+)
+#: Something that may hold a secret, lower-cased: the cheap first look (substring tests: a few
+#: microseconds an event; most strings hold none of these).
+_MARKERS = ("hf_", "sk-", "gh", "glpat-", "xox", "akia", "asia", "eyj", "aiza", "bearer", "://", "token", "key", "secret", "passw",
+            "auth", "credential")
 _URL_PASSWORD_RE = re.compile(r"(?<=://)([^/@:\s]+):[^/@\s]+@")
 _OPTION_RE = re.compile(r"^([-+]{0,2}[A-Za-z0-9_.\-]+)=(.*)$", re.S)  # --x=v, x=v, Hydra +x=v / ++x=v
 
@@ -48,3 +59,28 @@ def redact_argv(argv: List[Any]) -> List[str]:
         arg = _TOKEN_RE.sub(REDACTED, arg)
         out.append(_URL_PASSWORD_RE.sub(lambda mm: f"{mm.group(1)}:{REDACTED}@", arg))
     return out
+
+
+def redact_text(text: str) -> str:
+    """``text`` with secrets replaced by ``<redacted>``: token shapes (Hugging Face, OpenAI,
+    GitHub, GitLab, Slack, AWS and Google keys, JWTs), ``Bearer`` tokens, the password of a URL,
+    the value of an option named like a secret (``--password=v``, ``--api-key v``)."""
+    lowered = text.lower()
+    if not any(m in lowered for m in _MARKERS):
+        return text
+    text = _TOKEN_RE.sub(REDACTED, text)
+    text = _BEARER_RE.sub(lambda m: f"{m.group(1)} {REDACTED}", text)
+    text = _URL_PASSWORD_RE.sub(lambda m: f"{m.group(1)}:{REDACTED}@", text)
+    return _TEXT_OPTION_RE.sub(lambda m: f"{m.group(1)}{'=' if m.group(2) == '=' else ' '}{REDACTED}", text)
+
+
+def redact_value(value: Any) -> Any:
+    """``value`` (an event's field: a string, or lists and dicts of them) with ``redact_text``
+    applied to every string in it; other values as they are."""
+    if isinstance(value, str):
+        return redact_text(value)
+    if isinstance(value, dict):
+        return {k: redact_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [redact_value(v) for v in value]
+    return value

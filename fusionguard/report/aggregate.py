@@ -12,14 +12,19 @@ from __future__ import annotations
 import collections
 import math
 import random
-from typing import Any, Deque, Dict, List, Optional, Tuple
+import re
+from typing import Any, Deque, Dict, List, Optional, Set, Tuple
 
 from fusionguard.core.tables import NO_LAYER
 from fusionguard.eventlog.kinds import KNOWN_EVENTS
 from fusionguard.report.read import FileStats, read_events
 
+_ROTATED_PART = re.compile(r"^(.+\.jsonl)\.\d+$")
 RESERVOIR = 2048
 MAX_KEYS = 10_000
+#: Distinct recompile-pressure frames / no-FlexAttention models counted exactly (a hash each, about
+#: 60 MB at the bound); past it their totals are lower bounds ("at least"), with a warning.
+MAX_DISTINCT = 1_000_000
 OTHER_LAYERS = "(other layers)"
 
 
@@ -136,6 +141,36 @@ class KeyStats:
         self.templates: Dict[str, int] = {}
 
 
+class SeqSpan:
+    """One process's ``seq`` numbers in one log path (its rotated parts together): what was seen
+    tells how many lines are missing. Files are read oldest part first and a process writes its
+    lines in ``seq`` order, so rotation's pruned parts leave a gap before the first line seen
+    (``before``) and nothing else does; a failed write leaves one between lines (``between``)."""
+
+    __slots__ = ("first", "last", "between", "rotated")
+
+    def __init__(self) -> None:
+        self.first: Optional[int] = None
+        self.last: Optional[int] = None
+        self.between = 0
+        self.rotated = False  # a rotated part of the path was read, or a header copy seen
+
+    def add(self, seq: int) -> None:
+        last = self.last
+        if last is None:
+            self.first = self.last = seq
+        elif seq > last:
+            self.between += seq - last - 1
+            self.last = seq
+        elif self.first is not None and seq < self.first:  # (never in order; counted, not trusted)
+            self.between += self.first - seq - 1
+            self.first = seq
+
+    @property
+    def before(self) -> int:
+        return (self.first - 1) if self.first is not None and self.first > 1 else 0
+
+
 class Stream:
     """One process's events (hostname, pid, rank)."""
 
@@ -155,6 +190,13 @@ class Stream:
         self.header: Dict[str, Any] = {}
         self.files: List[str] = []
         self.synthetic = False
+        self.spans: Dict[str, SeqSpan] = {}  # per log path (rotated parts together): its seq numbers
+        self.trusted_summary = False  # its own final counts taken (rotation pruned its early lines)
+
+    @property
+    def missing_lines(self) -> int:
+        """Lines of this process missing from the logs read: gaps in its ``seq`` numbers."""
+        return sum(sp.before + sp.between for sp in self.spans.values())
 
     def count(self, key: Tuple[str, str]) -> Counts:
         c = self.counts.get(key)
@@ -212,6 +254,9 @@ class Aggregator:
         self.firsts: Dict[str, Dict[str, Any]] = {}  # per known event kind, its earliest event (compacted)
         self.pressure: Dict[Tuple[Any, Any, Any], Dict[str, Any]] = {}  # recompile_pressure, per frame
         self.no_flex: Dict[Tuple[Any, Any], Dict[str, Any]] = {}  # no_flex_calls, per model and implementation
+        # every distinct frame / model, by hash: exact totals beyond the MAX_KEYS listed above
+        self.distinct: Dict[str, Set[int]] = {"pressure": set(), "no_flex": set()}
+        self.distinct_full: Set[str] = set()  # which of them went past MAX_DISTINCT
         # dense calls the oom mode blocked (blocked_by "oom"): how many, and the one that needed most
         self.oom: Dict[str, Any] = {"blocked": 0, "needed_bytes": None, "free_bytes": None, "layer": None, "phase": None, "call_site": None}
 
@@ -238,6 +283,8 @@ class Aggregator:
     def read(self, path: str) -> None:
         stats = FileStats(path)
         self.files.append(stats)
+        m = _ROTATED_PART.match(path)
+        base, rotated_part = (m.group(1), True) if m else (path, False)
         file_hosts: Dict[Any, Any] = {}
         file_streams: Dict[Any, Stream] = {}  # pid -> its latest stream in this file
         stream: Optional[Stream] = None
@@ -276,6 +323,16 @@ class Aggregator:
                 if not stream.files or stream.files[-1] != path:
                     stream.files.append(path)
             assert stream is not None
+            seq = e.get("seq")
+            if seq is not None:
+                span = stream.spans.get(base)
+                if span is None:
+                    span = stream.spans[base] = SeqSpan()
+                if e.get("rotated") is True:  # a header copied at the top of a rotated part: not a line of its own
+                    span.rotated = True
+                else:
+                    span.add(seq)
+                    span.rotated = span.rotated or rotated_part
             try:
                 self._event(stream, kind, e)
             except Exception:  # a combination of fields no check foresaw: one corrupt line, never a traceback
@@ -432,6 +489,7 @@ class Aggregator:
         """A frame near Dynamo's recompile limit: one entry per frame (file, line, function),
         its highest compile count across processes."""
         key = (_text(e.get("file")), _count(e.get("line")), _text(e.get("function")))
+        self._distinct("pressure", key)
         old = self.pressure.get(key)
         if old is None and len(self.pressure) >= MAX_KEYS:
             return
@@ -444,6 +502,16 @@ class Aggregator:
             "varies": _text(e.get("varies")), "reason": _text(e.get("reason")), "fix": _text(e.get("fix")),
             "processes": (old["processes"] + 1) if old else 1,
         }
+
+    def _distinct(self, what: str, key: Tuple[Any, ...]) -> None:
+        """Count ``key`` among ``what``'s distinct keys, up to ``MAX_DISTINCT`` (then: full)."""
+        seen = self.distinct[what]
+        h = hash(key)
+        if h not in seen:
+            if len(seen) >= MAX_DISTINCT:
+                self.distinct_full.add(what)
+            else:
+                seen.add(h)
 
     def _oom(self, e: dict, n: int) -> None:
         """A dense call the oom mode blocked: counted; the largest need kept with what the
@@ -459,6 +527,7 @@ class Aggregator:
         """A watched model whose forward made no FlexAttention call: one entry per model class
         and attention implementation."""
         key = (_text(e.get("model")), _text(e.get("attn_implementation")))
+        self._distinct("no_flex", key)
         old = self.no_flex.get(key)
         if old is not None:
             old["processes"] += 1
@@ -489,6 +558,7 @@ class Aggregator:
         real_ranks = {s.rank for s in self.streams.values()}
         synthetic: Dict[Any, Stream] = {}
         for s in list(self.streams.values()):
+            s.trusted_summary = bool(s.summary_rows) and _rotation_explains(s)
             for c in s.counts.values():
                 c.fused = c.event_fused()
             for row in s.summary_rows or ():
@@ -508,7 +578,7 @@ class Aggregator:
                 ks = self.keys[key]
                 fused = row.get("fused") or 0
                 c.summary_fused = max(c.summary_fused or 0, fused)
-                if target.synthetic:  # the row is all there is
+                if target.synthetic or target.trusted_summary:  # the row is all there is, or its own final count
                     c.fused = max(c.fused, fused)
                     c.dense = max(c.dense, row.get("dense") or 0)
                     for k, v in (row.get("causes") or {}).items():
@@ -523,7 +593,7 @@ class Aggregator:
                         res.note_max(mx)
                     if last is not None and not res.sample:
                         res.add(last)
-            if not s.synthetic and s.summary_rows:
+            if not s.synthetic and s.summary_rows and not s.trusted_summary:
                 self._split_by_summary(s)
         for r, st in synthetic.items():
             self.streams[("(summary)", None, r)] = st
@@ -564,6 +634,16 @@ class Aggregator:
         self.first_ts = min(firsts) if firsts else None
         self.last_ts = max(lasts) if lasts else None
         self._settle()
+
+
+def _rotation_explains(s: Stream) -> bool:
+    """True when every line missing from ``s`` (a gap in its seq numbers) was in a rotated part
+    of its one log path that is gone: its summary rows, written at its end, then count exactly
+    the calls of that path (a new log path counts from zero), the pruned ones too."""
+    if len(s.spans) != 1:
+        return False
+    (span,) = s.spans.values()
+    return span.rotated and span.before > 0 and span.between == 0
 
 
 def _crash_fields(e: dict) -> Dict[str, Any]:

@@ -13,6 +13,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from fusionguard.core.formatting import site_text
 from fusionguard.report.crashfile import native_crash
+from fusionguard.report import aggregate
 from fusionguard.report.aggregate import MAX_KEYS, NO_LAYER, OTHER_LAYERS, Aggregator, Counts, Stream, compact
 from fusionguard.report.read import SUPPORTED_SCHEMA, ReportError, find_logs
 
@@ -177,6 +178,9 @@ def build_report(agg: Aggregator) -> Dict[str, Any]:
         warnings.append("unknown event kinds ignored: " + ", ".join(f"{k} ({v})" for k, v in sorted(agg.unknown.items())))
     if agg.key_overflow:
         warnings.append(f"more than {MAX_KEYS} layer/phase pairs: the rest are counted under {OTHER_LAYERS!r}")
+    for what, label in (("pressure", "recompile-pressure frames"), ("no_flex", "watched models without FlexAttention")):
+        if what in agg.distinct_full:
+            warnings.append(f"at least {len(agg.distinct[what]):,} {label}: more than {aggregate.MAX_DISTINCT:,} distinct ones, the rest not counted")
     if agg.kinds.get("partial_names"):  # (layer names without watch(): see docs/compiled.md)
         warnings.append("some layer names are partial (Class[i]...: the model holding them was not known); fusionguard.watch(model) gives full names")
     if agg.kinds.get("internal_error"):
@@ -201,6 +205,8 @@ def build_report(agg: Aggregator) -> Dict[str, Any]:
                 "last_ts": s.last_ts,
                 "crashes": s.crash_count,
                 "files": list(s.files),
+                "missing_lines": s.missing_lines,
+                "own_final_counts": s.trusted_summary,
             }
         )
         for cr in s.crashes:
@@ -209,6 +215,9 @@ def build_report(agg: Aggregator) -> Dict[str, Any]:
             crashes.append({"host": s.host, "pid": s.pid, "rank": s.rank, "kind": "stopped", "crash": None, "last_events": [compact(x) for x in s.recent],
                             "forked_from": _int(s.header.get("forked_from"))})
 
+    missing = sum(e["missing_lines"] for e in endings)
+    if missing:
+        warnings.append(_missing_text(endings, missing))
     total_dense = sum(r["dense"] for r in rows)
     return {
         "report_version": REPORT_VERSION,
@@ -228,6 +237,7 @@ def build_report(agg: Aggregator) -> Dict[str, Any]:
             "last_ts": agg.last_ts,
             "duration_s": (agg.last_ts - agg.first_ts) if agg.first_ts is not None and agg.last_ts is not None else None,
             "events": sum(f.events for f in agg.files),
+            "missing_lines": missing,
             "event_kinds": dict(sorted(agg.kinds.items())),
         },
         "totals": {
@@ -241,8 +251,11 @@ def build_report(agg: Aggregator) -> Dict[str, Any]:
             "causes": _sum_causes(rows),
             "scores_bytes_max": max((r["scores_bytes_max"] for r in rows if r["scores_bytes_max"] is not None), default=None),
             "predicted_bytes_max": max((r["predicted_bytes_max"] for r in rows if r["predicted_bytes_max"] is not None), default=None),
-            "recompile_pressure_frames": len(agg.pressure),
-            "no_flex_models": len(agg.no_flex),
+            # exact up to MAX_DISTINCT distinct keys (then "at least"); the lists below are capped examples
+            "recompile_pressure_frames": len(agg.distinct["pressure"]),
+            "recompile_pressure_frames_at_least": "pressure" in agg.distinct_full,
+            "no_flex_models": len(agg.distinct["no_flex"]),
+            "no_flex_models_at_least": "no_flex" in agg.distinct_full,
         },
         "recompile_pressure": sorted(agg.pressure.values(), key=lambda p: (-(p["compiles"] or 0), str(p["file"]), p["line"] or 0)),
         "no_flex_calls": sorted(agg.no_flex.values(), key=lambda m: (str(m["model"]), str(m["attn_implementation"]))),
@@ -258,6 +271,28 @@ def build_report(agg: Aggregator) -> Dict[str, Any]:
         "warnings": warnings,
         "first_events": sorted(agg.firsts.values(), key=lambda e: (e.get("ts") is None, e.get("ts") or 0.0, str(e.get("event")))),
     }
+
+
+def _missing_text(endings: List[Dict[str, Any]], missing: int) -> str:
+    """The lines missing from the logs (gaps in processes' seq numbers), and what the counts
+    rest on: never a silent shortfall."""
+    gapped = [e for e in endings if e["missing_lines"]]
+    own = [e for e in gapped if e["own_final_counts"]]
+    rest = [e for e in gapped if not e["own_final_counts"]]
+    n = len(gapped)
+    parts = [f"{missing:,} log line{'s' if missing != 1 else ''} missing (gaps in the seq numbers of {n} process{'es' if n != 1 else ''})"]
+    if own:
+        parts.append(
+            f"{len(own)} of them lost early lines to rotation (the log's oldest parts were pruned): their own final counts "
+            "(the summary each wrote at its end) are used"
+        )
+    if rest:
+        pids = ", ".join(str(e["pid"]) for e in rest[:5]) + (", ..." if len(rest) > 5 else "")
+        parts.append(
+            f"pid {pids}: not explained by rotation (a failed write, a file missing from the input): "
+            "the counts hold only the lines that are there"
+        )
+    return "; ".join(parts)
 
 
 def _sorted_ranks(ranks: Iterable[Any]) -> List[Any]:

@@ -11,9 +11,9 @@ control characters, DEL, C1, bidirectional overrides and lone surrogates written
 name is text. The page has no script at all and says so in its Content-Security-Policy
 (``default-src 'none'``): no network, no external script, font or image.
 
-Bounded whatever the log: at most ``MAX_TABLE_ROWS`` table rows, ``MAX_CHART_LAYERS`` layers in
-the chart, ``MAX_RANK_COLUMNS`` ranks side by side, ``MAX_PROCESSES`` processes, ``MAX_CRASHES``
-crash sections, ``MAX_LIST`` causes / ranks / files per cell; what is left out is counted on the
+Bounded whatever the log: at most ``_cap(MAX_TABLE_ROWS)`` table rows, ``MAX_CHART_LAYERS`` layers in
+the chart, ``_cap(MAX_RANK_COLUMNS)`` ranks side by side, ``_cap(MAX_PROCESSES)`` processes, ``_cap(MAX_CRASHES)``
+crash sections, ``_cap(MAX_LIST)`` causes / ranks / files per cell; what is left out is counted on the
 page and is in ``--format json``. The page is therefore at most a few MB (``MAX_PAGE_BYTES``,
 tested with hostile logs).
 """
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import html
 import re
+from contextvars import ContextVar
 from typing import Any, Dict, List, Optional, Tuple
 
 from fusionguard.core.formatting import escape, human_bytes
@@ -80,8 +81,22 @@ dl.kv dt{color:#555}dl.kv dd{margin:0}
 _CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:; base-uri 'none'; form-action 'none'"
 
 
-def _t(x: Any, limit: int = MAX_TEXT) -> str:
-    """Any value from a log as HTML text: cut, control characters made visible, escaped."""
+#: How much of each list and string the page shows (1.0: the MAX_ figures); render_html lowers it
+#: until the written page fits MAX_PAGE_BYTES.
+_SCALE: ContextVar[float] = ContextVar("fusionguard_html_scale", default=1.0)
+_SCALES = (1.0, 0.25, 0.05, 0.01)
+
+
+def _cap(n: int) -> int:
+    """A MAX_ figure at the page's current scale."""
+    return max(1, int(n * _SCALE.get()))
+
+
+def _t(x: Any, limit: int = MAX_TEXT, scaled: bool = True) -> str:
+    """Any value from a log as HTML text: cut (``limit`` at the page's scale, unless not
+    ``scaled``), control characters made visible, escaped."""
+    if scaled:
+        limit = max(20, int(limit * _SCALE.get()))
     s = x if isinstance(x, str) else str(x)
     if len(s) > limit:
         s = s[:limit] + f"… (+{len(s) - limit:,} characters)"
@@ -91,9 +106,10 @@ def _t(x: Any, limit: int = MAX_TEXT) -> str:
 
 def _lines(x: Any, limit: int = MAX_MESSAGE) -> str:
     """A multi-line log string (a crash message): each line as ``_t``, newlines kept."""
+    limit = max(20, int(limit * _SCALE.get()))
     s = x if isinstance(x, str) else str(x)
     cut = len(s) > limit
-    body = "\n".join(_t(line, limit) for line in s[:limit].split("\n"))
+    body = "\n".join(_t(line, limit, scaled=False) for line in s[:limit].split("\n"))
     return body + (f"\n… (+{len(s) - limit:,} characters)" if cut else "")
 
 
@@ -129,7 +145,7 @@ def _more(shown: int, total: int, what: str) -> str:
 
 
 def _rank_text(ranks: List[Any]) -> str:
-    return _t(rank_ranges(ranks[: MAX_LIST * 8]) + (f" (+{len(ranks) - MAX_LIST * 8} more)" if len(ranks) > MAX_LIST * 8 else ""))
+    return _t(rank_ranges(ranks[: _cap(MAX_LIST) * 8]) + (f" (+{len(ranks) - _cap(MAX_LIST) * 8} more)" if len(ranks) > _cap(MAX_LIST) * 8 else ""))
 
 
 # -- how the run ended -----------------------------------------------------------------------------
@@ -138,7 +154,8 @@ def _rank_text(ranks: List[Any]) -> str:
 def ending(rep: Dict[str, Any]) -> Tuple[str, str]:
     """(kind, sentence): ``crash`` (an uncaught exception), ``native`` (a segfault or abort,
     from the faulthandler file), ``stopped`` (no shutdown event: SIGKILL, the OOM killer, a node
-    failure, or still running), ``clean`` (every process shut down), ``unknown``."""
+    failure, or still running), ``terminated`` (a shutdown on SIGTERM), ``clean`` (every process
+    shut down otherwise), ``unknown``."""
     endings = rep["endings"]
     crashed = [c for c in rep["crashes"] if c["kind"] == "crash" and c.get("crash")]
     native = [c for c in crashed if (c["crash"] or {}).get("where") == "faulthandler"]
@@ -155,6 +172,10 @@ def ending(rep: Dict[str, Any]) -> Tuple[str, str]:
         ranks = rank_ranges([e["rank"] for e in stopped])
         return "stopped", f"stopped without shutdown (rank {ranks}): SIGKILL and the OOM killer leave the same log; or a node failure, or still running"
     real = [e for e in endings if e["ending"] != "summary only"]
+    signalled = [e for e in real if str(e["ending"]).startswith("sigterm")]
+    if signalled:  # a shutdown, but not the end of the program: a scheduler's time limit, a preemption, kill
+        ranks = rank_ranges([e["rank"] for e in signalled])
+        return "terminated", f"terminated by SIGTERM (rank {ranks}): the program did not finish on its own (a time limit, a preemption, kill)"
     if real:
         reasons = sorted({str(e["ending"]) for e in real})
         thread = any("thread crash" in r for r in reasons)
@@ -195,22 +216,22 @@ def _banner(rep: Dict[str, Any]) -> str:
         verdict, css = "OK: no dense FlexAttention", "b-ok"
     if kind in ("crash", "native"):
         css = "b-crash"
-    elif kind == "stopped" and css == "b-ok":
+    elif kind in ("stopped", "terminated") and css == "b-ok":
         css = "b-stopped"
     also = f"{_count(totals['fused_calls'], 'fused call')}, {_count(totals['compiles'], 'compiled graph')}"
     if totals["allowed_dense_calls"]:
         also += f", {_count(totals['allowed_dense_calls'], 'allowed dense call')} (allow_dense(): on purpose)"
     if totals["causes"]:
         causes = list(totals["causes"].items())
-        also += "; causes: " + ", ".join(f"{k} ×{v:,}" for k, v in causes[:MAX_LIST]) + (" …" if len(causes) > MAX_LIST else "")
+        also += "; causes: " + ", ".join(f"{k} ×{v:,}" for k, v in causes[:_cap(MAX_LIST)]) + (" …" if len(causes) > _cap(MAX_LIST) else "")
     notices = notice_lines(rep)  # the text report's own lines: one wording, one counting path
-    shown = "".join(f'<p class="notice">{_t(line, MAX_TEXT * 3)}</p>' for line in notices[:MAX_NOTICES])
+    shown = "".join(f'<p class="notice">{_t(line, MAX_TEXT * 3)}</p>' for line in notices[:_cap(MAX_NOTICES)])
     return (
         f'<header class="banner {css}" id="verdict" data-ending="{kind}">'
-        f"<h1>{_t(verdict)}</h1>"
+        f"<h1>{_t(verdict, len(verdict), scaled=False)}</h1>"  # numbers and fixed words: never cut
         f'<p id="ending"><b>Run ended:</b> {_t(sentence, MAX_TEXT * 2)}</p>'
         f"<p>{_t(also, MAX_TEXT * 3)}</p>"
-        + (f'<div id="notices">{shown}{_more(MAX_NOTICES, len(notices), "lines")}</div>' if notices else "")
+        + (f'<div id="notices">{shown}{_more(_cap(MAX_NOTICES), len(notices), "lines")}</div>' if notices else "")
         + "</header>"
     )
 
@@ -240,7 +261,7 @@ def _layer_table(rep: Dict[str, Any]) -> str:
         "inlined: dense implementations Dynamo traced into a graph. Memory: the layer's own peak / allocation rise per call (median / max).</p>",
         f'<div class="scroll"><table id="layers" data-rows="{len(rows)}"><thead>{head}</thead><tbody>',
     ]
-    for r in rows[:MAX_TABLE_ROWS]:
+    for r in rows[:_cap(MAX_TABLE_ROWS)]:
         cls = ' class="row dense"' if r["dense"] else ' class="row"'
         cells = [f'<td class="layer">{_t(r["layer"])}</td><td class="phase">{_t(r["phase"])}</td>']
         for col in _COLUMNS:
@@ -248,11 +269,11 @@ def _layer_table(rep: Dict[str, Any]) -> str:
             cells.append(f'<td class="n{dense}" data-col="{col}" data-value="{_attr(r[col])}">{_n(r[col])}</td>')
         causes = list(r["causes"].items())
         parts = []
-        for k, v in causes[:MAX_LIST]:
+        for k, v in causes[:_cap(MAX_LIST)]:
             meaning, fix = fixes.get(k, ("", ""))
             tip = f' title="{_t(meaning + ". Fix: " + fix, 1000)}"' if fix else ""
             parts.append(f"<span{tip}><b>{_t(k)}</b> ×{_n(v)}</span>")
-        more = f" +{len(causes) - MAX_LIST} more" if len(causes) > MAX_LIST else ""
+        more = f" +{len(causes) - _cap(MAX_LIST)} more" if len(causes) > _cap(MAX_LIST) else ""
         cells.append(f'<td class="causes">{"<br>".join(parts) or "-"}{more}</td>')
         for med, mx in (("peak_delta_median", "peak_delta_max"), ("alloc_delta_median", "alloc_delta_max")):
             cells.append(
@@ -266,8 +287,8 @@ def _layer_table(rep: Dict[str, Any]) -> str:
             cells.append(f"<td>{_rank_text(r['dense_ranks']) if r['dense_ranks'] else '-'}</td>")
         out.append(f'<tr{cls} data-layer="{_t(r["layer"])}" data-phase="{_t(r["phase"])}">' + "".join(cells) + "</tr>")
     out.append("</tbody></table></div>")
-    out.append(_more(MAX_TABLE_ROWS, len(rows), "layer/phase rows"))
-    present = [k for k in rep["totals"]["causes"] if k in fixes][:MAX_LIST * 2]
+    out.append(_more(_cap(MAX_TABLE_ROWS), len(rows), "layer/phase rows"))
+    present = [k for k in rep["totals"]["causes"] if k in fixes][:_cap(MAX_LIST) * 2]
     if present:
         out.append('<h3>Causes and their fixes</h3><dl class="kv" id="fixes">')
         for k in present:
@@ -373,9 +394,9 @@ def _ranks(rep: Dict[str, Any]) -> str:
     endings = rep["endings"]
     out = ["<h2>Ranks and processes</h2>"]
     if rep["ranks"]:
-        ranks = [rr["rank"] for rr in rep["ranks"]][:MAX_RANK_COLUMNS]
+        ranks = [rr["rank"] for rr in rep["ranks"]][:_cap(MAX_RANK_COLUMNS)]
         per: Dict[Any, Dict[Tuple[str, str], int]] = {}
-        for rr in rep["ranks"][:MAX_RANK_COLUMNS]:
+        for rr in rep["ranks"][:_cap(MAX_RANK_COLUMNS)]:
             per[rr["rank"]] = {(d["layer"], d["phase"]): d["dense"] for d in rr["dense"]}
         ended: Dict[Any, List[str]] = {}
         for e in endings:
@@ -387,10 +408,10 @@ def _ranks(rep: Dict[str, Any]) -> str:
             bad = any(w == "crash" or w.startswith("stopped") for w in ended.get(r, []))
             body.append(f'<td{" class=dense" if bad else ""}>{_t(what)}</td>')
         body.append("</tr><tr><td colspan=\"2\"><b>dense calls</b></td>")
-        for rr in rep["ranks"][:MAX_RANK_COLUMNS]:
+        for rr in rep["ranks"][:_cap(MAX_RANK_COLUMNS)]:
             body.append(f'<td class="n{" dense" if rr["dense_calls"] else ""}">{_n(rr["dense_calls"])}</td>')
         body.append("</tr>")
-        for row in rep["rows"][:MAX_TABLE_ROWS]:
+        for row in rep["rows"][:_cap(MAX_TABLE_ROWS)]:
             key = (row["layer"], row["phase"])
             fused = set(map(str, row["fused_ranks"]))
             cells = []
@@ -402,29 +423,29 @@ def _ranks(rep: Dict[str, Any]) -> str:
                     cells.append(f'<td class="n">{"fused" if str(r) in fused else "-"}</td>')
             body.append(f"<tr><td>{_t(row['layer'])}</td><td>{_t(row['phase'])}</td>{''.join(cells)}</tr>")
         out.append(f'<div class="scroll"><table id="ranks">{head}{"".join(body)}</table></div>')
-        out.append(_more(MAX_RANK_COLUMNS, len(rep["ranks"]), "ranks"))
+        out.append(_more(_cap(MAX_RANK_COLUMNS), len(rep["ranks"]), "ranks"))
         if rep["disagreements"]:
             out.append("<p><b>Ranks disagree:</b></p><ul>")
-            for d in rep["disagreements"][:MAX_TABLE_ROWS]:
+            for d in rep["disagreements"][:_cap(MAX_TABLE_ROWS)]:
                 out.append(f"<li>{_t(d['layer'])} {_t(d['phase'])}: dense on rank {_rank_text(d['dense_ranks'])}, fused on rank {_rank_text(d['fused_ranks'])}</li>")
             out.append("</ul>")
         else:
             out.append("<p>Ranks agree on every layer/phase.</p>")
     rows = []
-    for e in endings[:MAX_PROCESSES]:
+    for e in endings[:_cap(MAX_PROCESSES)]:
         bad = e["ending"] == "crash" or str(e["ending"]).startswith("stopped")
         files = e.get("files") or []
         rows.append(
             f"<tr><td>{_t(e['rank'])}</td><td>{_t(e['host'])}</td><td>{_t(e['pid'])}</td>"
             f'<td{" class=dense" if bad else ""}>{_t(e["ending"])}</td><td class="n">{_n(e["events"])}</td>'
             f"<td>{_t(fmt_ts(_num(e['first_ts'])))}</td><td>{_t(fmt_ts(_num(e['last_ts'])))}</td><td class=\"n\">{_n(e['crashes'])}</td>"
-            f"<td>{'<br>'.join(_t(f) for f in files[:MAX_LIST])}{' …' if len(files) > MAX_LIST else ''}</td></tr>"
+            f"<td>{'<br>'.join(_t(f) for f in files[:_cap(MAX_LIST)])}{' …' if len(files) > _cap(MAX_LIST) else ''}</td></tr>"
         )
     out.append(
         '<div class="scroll"><table id="processes"><tr><th>rank</th><th>host</th><th>pid</th><th>ended</th><th>events</th>'
         "<th>first event</th><th>last event</th><th>crashes</th><th>files</th></tr>" + "".join(rows) + "</table></div>"
     )
-    out.append(_more(MAX_PROCESSES, len(endings), "processes"))
+    out.append(_more(_cap(MAX_PROCESSES), len(endings), "processes"))
     return "".join(out)
 
 
@@ -453,7 +474,7 @@ def _crashes(rep: Dict[str, Any]) -> str:
     if not crashes:
         return ""
     out = ["<h2>Crashes and stops</h2>"]
-    for c in crashes[:MAX_CRASHES]:
+    for c in crashes[:_cap(MAX_CRASHES)]:
         if c["kind"] == "crash":
             ev = c.get("crash") or {}
             native = ev.get("where") == "faulthandler"
@@ -492,7 +513,7 @@ def _crashes(rep: Dict[str, Any]) -> str:
                 out.append("<tr>" + _event_cells(e, t0) + "</tr>")
             out.append("</table>")
         out.append("</section>")
-    out.append(_more(MAX_CRASHES, len(crashes), "crash/stop sections"))
+    out.append(_more(_cap(MAX_CRASHES), len(crashes), "crash/stop sections"))
     return "".join(out)
 
 
@@ -534,21 +555,21 @@ def _run(rep: Dict[str, Any]) -> str:
     out = ["<h2>Run and versions</h2>", '<dl class="kv" id="run">']
     out.append(f"<dt>files</dt><dd>{_n(run['files'])}</dd><dt>processes</dt><dd>{_n(run['processes'])}</dd>")
     out.append(f"<dt>ranks</dt><dd>{_rank_text(run['ranks'])}" + (f" of world size {_n(run['world_size'])}" if run.get("world_size") else "") + "</dd>")
-    out.append(f"<dt>hosts</dt><dd>{', '.join(_t(h) for h in run['hosts'][:MAX_LIST])}{' …' if len(run['hosts']) > MAX_LIST else ''}</dd>")
+    out.append(f"<dt>hosts</dt><dd>{', '.join(_t(h) for h in run['hosts'][:_cap(MAX_LIST)])}{' …' if len(run['hosts']) > _cap(MAX_LIST) else ''}</dd>")
     out.append(f"<dt>time</dt><dd>{_t(fmt_ts(_num(run['first_ts'])))} → {_t(fmt_ts(_num(run['last_ts'])))} ({_t(fmt_duration(_num(run['duration_s'])))})</dd>")
     out.append(f"<dt>events</dt><dd>{_n(run['events'])}: " + ", ".join(f"{_t(k)} {_n(v)}" for k, v in list(run["event_kinds"].items())[:40]) + "</dd>")
-    for v in run["versions"][:MAX_LIST]:
+    for v in run["versions"][:_cap(MAX_LIST)]:
         out.append(
             f"<dt>versions</dt><dd>fusionguard {_t(v['fusionguard'])}, torch {_t(v['torch'])}, triton {_t(v['triton'] or '-')}, "
             f"python {_t(v['python'])}" + (f" ({_n(v['processes'])} processes)" if len(run["versions"]) > 1 else "") + "</dd>"
         )
-    for host, names in list(run["devices"].items())[:MAX_LIST]:
+    for host, names in list(run["devices"].items())[:_cap(MAX_LIST)]:
         counts: Dict[str, int] = {}
         for n in names:
             counts[str(n)] = counts.get(str(n), 0) + 1
-        out.append(f"<dt>devices</dt><dd>{_t(host)}: " + ", ".join(f"{v}× {_t(k)}" if v > 1 else _t(k) for k, v in list(counts.items())[:MAX_LIST]) + "</dd>")
+        out.append(f"<dt>devices</dt><dd>{_t(host)}: " + ", ".join(f"{v}× {_t(k)}" if v > 1 else _t(k) for k, v in list(counts.items())[:_cap(MAX_LIST)]) + "</dd>")
     if run["schemas"]:
-        out.append("<dt>schema</dt><dd>" + ", ".join(_t(k) for k in list(run["schemas"])[:MAX_LIST]) + "</dd>")
+        out.append("<dt>schema</dt><dd>" + ", ".join(_t(k) for k in list(run["schemas"])[:_cap(MAX_LIST)]) + "</dd>")
     out.append("</dl>")
     if rep["warnings"]:
         out.append('<h3>Warnings about the input</h3><ul id="warnings">')
@@ -558,18 +579,48 @@ def _run(rep: Dict[str, Any]) -> str:
 
 
 def render_html(rep: Dict[str, Any]) -> str:
-    """The report dict as one self-contained HTML page (no script, no network)."""
+    """The report dict as one self-contained HTML page (no script, no network), at most
+    ``MAX_PAGE_BYTES`` bytes of UTF-8 as written: measured, and rendered again showing less (fewer
+    rows, shorter strings, said on the page) until it fits; the verdict is never cut."""
+    for scale in _SCALES:
+        token = _SCALE.set(scale)
+        try:
+            page = _page(rep, scale)
+        finally:
+            _SCALE.reset(token)
+        if len(page.encode("utf-8")) <= MAX_PAGE_BYTES:
+            return page
+    token = _SCALE.set(_SCALES[-1])
+    try:
+        return _page(rep, 0.0)  # only the verdict and what was cut
+    finally:
+        _SCALE.reset(token)
+
+
+def _cut_note(scale: float) -> str:
+    if scale >= 1.0:
+        return ""
+    what = (
+        f"at most {_cap(MAX_TABLE_ROWS):,} layer/phase rows, {_cap(MAX_PROCESSES):,} processes, {_cap(MAX_RANK_COLUMNS):,} ranks side by side, "
+        f"{_cap(MAX_CRASHES):,} crash sections and strings of {max(20, int(MAX_TEXT * scale)):,} characters"
+        if scale else "only the verdict: every section was left out"
+    )
+    return (
+        f'<p class="note" id="cut"><b>This page was cut to stay within {MAX_PAGE_BYTES:,} bytes</b> (the log holds more than a page can): '
+        f"{what}. Everything is in <code>fusionguard report --format json</code>.</p>"
+    )
+
+
+def _page(rep: Dict[str, Any], scale: float) -> str:
+    """The page at the current ``_SCALE``; ``scale`` 0: the verdict and the cut note only."""
     run = rep["run"]
     title = f"fusionguard report: {run['files']} file(s), {run['processes']} process(es)"
+    sections = [_layer_table(rep), _chart(rep), _ranks(rep), _crashes(rep), _timeline(rep), _run(rep)] if scale else []
     body = [
         _banner(rep),
         "<main>",
-        _layer_table(rep),
-        _chart(rep),
-        _ranks(rep),
-        _crashes(rep),
-        _timeline(rep),
-        _run(rep),
+        _cut_note(scale),
+        *sections,
         f'<p class="note">Written by fusionguard {_t(__version__)} <code>report --html</code>; the same numbers as '
         "<code>fusionguard report --format json</code>. Every string from the logs is shown as text.</p>",
         "</main>",

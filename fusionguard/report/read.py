@@ -89,6 +89,42 @@ def find_logs(paths: Iterable[str], notes: Optional[List[str]] = None, ignored: 
     return out
 
 
+def input_named(out: str, paths: Iterable[str]) -> Optional[str]:
+    """The input that writing ``out`` would destroy (None: none): an input file by any name (a
+    symlink, a hard link: the same device and inode), a log read from an input directory, or a
+    log's name (``*.jsonl``, ``*.jsonl.N``) inside an input directory, whether it exists yet or
+    not. Checked before ``report`` writes anything: ``--html x.jsonl`` over ``x.jsonl`` used to
+    replace the log."""
+    out = os.fspath(out)
+    try:
+        st = os.stat(out)
+        ident: Optional[Tuple[int, int]] = (st.st_dev, st.st_ino)
+    except OSError:
+        ident = None
+    real_out = os.path.realpath(out)
+    log_name = _ROTATED.match(os.path.basename(real_out)) is not None
+    for raw in paths:
+        path = os.fspath(raw)
+        if log_name and os.path.isdir(path):
+            real_dir = os.path.realpath(path)
+            if os.path.commonpath([real_dir, real_out]) == real_dir:
+                return path
+        if ident is None:
+            continue
+        try:
+            files = find_logs([path], [], [])
+        except ReportError:  # a missing input: build() says so
+            continue
+        for f in files:
+            try:
+                st = os.stat(f)
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) == ident:
+                return f
+    return None
+
+
 class FileStats:
     """What reading one file found: its size and events, and each kind of bad line (the
     report's warnings say how many, and where the first ones are)."""
@@ -176,7 +212,8 @@ _STR_FIELDS = (
 _INT_FIELDS = ("seq", "pid", "rank", "line", "world_size", "local_rank")
 _COUNT_FIELDS = (  # never negative: a count of -5 would take calls away
     "scores_bytes", "scores_bytes_max", "scores_bytes_last", "count", "total", "flex_calls", "calls", "dense",
-    "fused", "dense_recompute", "measured",
+    "fused", "dense_recompute", "measured", "predicted_bytes", "predicted_bytes_max", "free_bytes", "estimated_bytes",
+    "estimated_bytes_max",
 )
 _NUM_FIELDS = (
     "alloc_delta", "peak_delta", "alloc_delta_max", "alloc_delta_last", "peak_delta_max", "peak_delta_last",

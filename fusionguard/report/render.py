@@ -13,9 +13,9 @@ import io
 import json
 import re
 import time
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-from fusionguard.core.formatting import causes_text, escape, human_bytes, mem_text, site_text, table
+from fusionguard.core.formatting import UNSAFE_ABOVE_C0, causes_text, escape, human_bytes, mem_text, site_text, table
 from fusionguard.report.aggregate import NO_LAYER
 
 MAX_CRASHES_SHOWN = 4  # crash/stop sections in the text report (all in --format json)
@@ -246,16 +246,24 @@ def render_text(rep: Dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
-def pressure_line(frames: List[Dict[str, Any]]) -> str:
-    """``recompile pressure: 1 frame at 4 of 8 compiles (q dim 2 varies)``."""
-    n = len(frames)
+def _total(rep: Dict[str, Any], listed: List[Any], key: str, at_least_key: str) -> Tuple[int, str]:
+    """(how many, ``"at least "`` or ``""``): the exact total of ``totals[key]``, not the listed examples."""
+    totals = rep.get("totals") or {}
+    n = totals.get(key)
+    return (n if isinstance(n, int) and n >= len(listed) else len(listed)), ("at least " if totals.get(at_least_key) else "")
+
+
+def pressure_line(frames: List[Dict[str, Any]], n: Optional[int] = None, at_least: str = "") -> str:
+    """``recompile pressure: 1 frame at 4 of 8 compiles (q dim 2 varies)``; ``n``: the total
+    (the listed ``frames`` may be capped)."""
+    n = len(frames) if n is None else n
     counts = {(f.get("compiles"), f.get("limit")) for f in frames}
     top = frames[0]
     at = f"at {top.get('compiles') or '?'} of {top.get('limit') or '?'} compiles"
     if len(counts) > 1:
         at = "up to " + at[3:]
     varies = "; ".join(dict.fromkeys(str(f["varies"]) for f in frames if f.get("varies")))
-    return f"recompile pressure: {n} frame{'s' if n != 1 else ''} {at}" + (f" ({varies})" if varies else "")
+    return f"recompile pressure: {at_least}{n:,} frame{'s' if n != 1 else ''} {at}" + (f" ({varies})" if varies else "")
 
 
 def oom_line(rep: Dict[str, Any]) -> str:
@@ -293,7 +301,8 @@ def early_lines(rep: Dict[str, Any]) -> List[str]:
     out: List[str] = []
     frames = rep.get("recompile_pressure") or []
     if frames:
-        out.append(pressure_line(frames))
+        n, at_least = _total(rep, frames, "recompile_pressure_frames", "recompile_pressure_frames_at_least")
+        out.append(pressure_line(frames, n, at_least))
         for f in frames[:10]:
             out.append(
                 f"  {f.get('function')} ({f.get('file')}:{f.get('line')}): {f.get('compiles') or '?'} of "
@@ -301,14 +310,17 @@ def early_lines(rep: Dict[str, Any]) -> List[str]:
             )
             if f.get("fix"):
                 out.append(f"    fix: {f['fix']}")
-        if len(frames) > 10:
-            out.append(f"  ... and {len(frames) - 10} more frame(s)")
+        if n > 10:
+            out.append(f"  ... and {at_least}{n - 10:,} more frame(s)")
     models = rep.get("no_flex_calls") or []
     if models:
-        out.append(f"no FlexAttention: {len(models)} watched model{'s' if len(models) != 1 else ''} ran a forward without any FlexAttention call")
+        n, at_least = _total(rep, models, "no_flex_models", "no_flex_models_at_least")
+        out.append(f"no FlexAttention: {at_least}{n:,} watched model{'s' if n != 1 else ''} ran a forward without any FlexAttention call")
         for m in models[:10]:
             impl = f" (config._attn_implementation={m['attn_implementation']!r})" if m.get("attn_implementation") else ""
             out.append(f"  {m.get('model')}{impl}")
+        if n > 10:
+            out.append(f"  ... and {at_least}{n - 10:,} more model(s)")
     return out
 
 
@@ -377,11 +389,11 @@ def render_csv(rep: Dict[str, Any]) -> str:
     return buf.getvalue()
 
 
-_JSON_UNSAFE = re.compile("[\x7f-\x9f\u202a-\u202e\u2066-\u2069]")  # json.dumps escapes C0 itself
+_JSON_UNSAFE = re.compile(f"[{UNSAFE_ABOVE_C0}]")  # json.dumps escapes C0 itself (and its indent is newlines)
 
 
 def render_json(rep: Dict[str, Any]) -> str:
-    """JSON; C1 controls, DEL and bidirectional overrides written as ``\\uXXXX`` escapes (the
+    """JSON; C1 controls, DEL, direction and invisible characters written as ``\\uXXXX`` escapes (the
     decoded data is the same; a terminal showing it is never driven by a log's strings)."""
     text = json.dumps(rep, indent=1, ensure_ascii=False, default=str)
     return _JSON_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", text) + "\n"
