@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import sys
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Union
 
 from fusionguard import _lifecycle
@@ -148,9 +149,12 @@ def allow_dense() -> Iterator[None]:
     Allowed: the dense calls made inside the block, in this thread or asyncio task (and in
     contexts copied from it while it is open, e.g. ``asyncio.to_thread``); and the backward of a
     forward made inside it, wherever autograd runs that backward. Never another thread's calls.
-    Leaving the block in another asyncio context than the one that entered it is fine.
+    Leaving the block in another asyncio context than the one that entered it is fine. Opened
+    inside a generator that is iterated (``for``, ``next()``, ``async for``): only that
+    generator's own code, never the consumer's between its yields; a generator driven as a
+    context manager (``contextlib``, a pytest fixture) covers the code inside its ``with``.
     """
-    block = open_allowance()
+    block = open_allowance(sys._getframe(1))
     try:
         yield
     finally:
