@@ -7,8 +7,12 @@ Work happens only when Dynamo compiles, never when a graph runs:
   compiled in Dynamo's own cache entries and reads Dynamo's guard-failure reasons
   (``torch._dynamo.utils.guard_failures``), which Dynamo records whatever its logging is set to
   (``set_logs(dynamo=logging.ERROR)`` silences the log records, not these).
-At ``recompile_warn_at`` compiles: one ``recompile_pressure`` event per frame and one warning at
-the user's line, with what varies and its fix.
+From ``recompile_warn_at`` compiles on, once the frame churns: one ``recompile_pressure`` event
+per frame and one warning at the user's line, with what varies and its fix. Churn is what goes on
+to the limit: one guard failing again and again with new values (a length, a closed-over value,
+a scalar; ``dynamo_signals.churning``). A few distinct modes are not (grad mode, dispatch keys,
+the training flag, one partial batch: the standard train / eval / inference loop compiles 4
+times and then never again, #32).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from fusionguard.core.config import Runtime, RuntimeRef
 from fusionguard.core.state import STATE, internal_error
 from fusionguard.eventlog.kinds import FIXES
 from fusionguard.core.frames import first_user_frame, frame_site, warn_at_user_line
-from fusionguard.dense.dynamo_signals import latest_reasons, reason_fix, reason_varies
+from fusionguard.dense.dynamo_signals import churning, latest_reasons, reason_fix, reason_varies
 from fusionguard.errors import DenseFallbackWarning
 
 
@@ -94,6 +98,8 @@ def check(rt: Runtime, code: Any, f_locals: Any = None) -> None:
     warn_at = threshold(limit, rt.recompile_warn_at)
     if warn_at is None or compiles < warn_at or record["warned"]:
         return
+    if churning(ti.guard_failures(code), ti.id_matched_names(ti.cache_entries(code))) is None:
+        return  # a few modes (grad mode, eval, one partial batch), not churn: a later compile may tell
     record["warned"] = True
     reasons = latest_reasons(code, entries_before)
     reason = reasons[0] if reasons else None
