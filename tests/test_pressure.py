@@ -303,3 +303,33 @@ def test_a_length_that_varies_on_every_call_warns_at_half_the_limit(guard, dynam
     assert [len(w) for w in issued] == [0, 0, 0, 1, 0, 0]
     (event,) = flex_events("recompile_pressure")
     assert event["compiles"] == 4 and event["warn_at"] == 4
+
+
+# -- an error filter: the warning arrives as the exception, at the user's call (#32 point 9) -------
+
+
+def test_under_an_error_filter_the_warning_is_raised_at_the_first_run_and_the_graph_stays(guard, dynamo_reset, dynamo_config):
+    """``filterwarnings("error", category=DenseFallbackWarning)`` (pytest's ``filterwarnings =
+    error``): the warning is noted while Dynamo traces and issued at the first run of that
+    compile's graph (Inductor), so the user gets ``DenseFallbackWarning`` itself at their line;
+    Dynamo never sees it, so the cache entry stays and the next call of that length runs it."""
+    from fusionguard import torch_internals as ti
+
+    dynamo_config(recompile_limit=4)
+    guard()
+    compiled = torch.compile(attend, dynamic=False)  # Inductor
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        warnings.filterwarnings("error", category=fusionguard.DenseFallbackWarning)
+        compiled(*qkv(L=16))
+        compiled(*qkv(L=24))
+        with pytest.raises(fusionguard.DenseFallbackWarning, match="recompile pressure") as info:
+            compiled(*qkv(L=32))  # the third compile churns: the warning, as the filter asks
+        assert compiled(*qkv(L=32)).shape[-2] == 32  # its graph was kept: no new compile
+    assert len(ti.cache_entries(attend.__code__)) == 3
+    assert "attend" in str(info.value) and "3 of 4" in str(info.value)
+    assert info.traceback[-1].path.name != "pressure.py"
+    assert len(flex_events("recompile_pressure")) == 1
+    assert not flex_events("internal_error")
+    assert {e["path"] for e in flex_events("flex_compile")} == {"fused"}
+    assert flex_events() == [], "nothing ran dense"

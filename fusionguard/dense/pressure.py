@@ -29,7 +29,7 @@ from fusionguard import torch_internals as ti
 from fusionguard.core.config import Runtime, RuntimeRef
 from fusionguard.core.state import STATE, internal_error
 from fusionguard.eventlog.kinds import FIXES
-from fusionguard.core.frames import first_user_frame, frame_site, warn_at_user_line
+from fusionguard.core.frames import defer_warning, first_user_frame, frame_site, warn_at_user_line, warning_at
 from fusionguard.dense.dynamo_signals import churning, latest_reasons, reason_fix, reason_varies
 from fusionguard.errors import DenseFallbackWarning
 
@@ -58,7 +58,7 @@ def make_trace_wrapper(runtime: RuntimeRef, original: Callable[..., Any]) -> wra
                 found = ti.compiling_frame()
                 if found is not None:
                     check(runtime.now, found[1], found[0])
-            except Warning:  # the user's filters made our warning an error: never into Dynamo (the event is logged)
+            except Warning:  # (a backstop: check() defers its own warning) never into Dynamo's trace
                 pass
             except Exception as exc:
                 internal_error("recompile pressure", exc)
@@ -119,7 +119,13 @@ def check(rt: Runtime, code: Any, f_locals: Any = None) -> None:
         "call_site": frame_site(target) if target is not None else None,
     }
     STATE.log.emit("warning", "recompile_pressure", **fields)
-    warn_at_user_line(message(fields), target, DenseFallbackWarning)
+    try:
+        warn_at_user_line(message(fields), target, DenseFallbackWarning)
+    except Warning:
+        # The user's filters made it an error (pytest's ``filterwarnings = error``): raised here it
+        # would reach Dynamo, which gives up the frame (eager: dense). Issued again at the first run
+        # of this compile's graph instead (fused/runs.py), where the filter raises it at their call.
+        defer_warning(ti.current_compile_id(), warning_at(message(fields), target, DenseFallbackWarning))
 
 
 _STDLIB = sysconfig.get_paths().get("stdlib", "\0") + os.sep
