@@ -67,14 +67,15 @@ _enabling = 0
 
 
 def enable(
-    strict: bool = False,
+    strict: Optional[bool] = None,
     log_path: Union[str, os.PathLike, None, bool] = None,
     **options: Any,
 ) -> None:
     """Install the guard (idempotent: a second call reconfigures, never double-wraps).
 
     strict:   raise ``DenseFallbackError`` before a dense FlexAttention kernel allocates;
-              otherwise warn (``DenseFallbackWarning``) and log.
+              otherwise warn (``DenseFallbackWarning``) and log. Default (None): not strict,
+              unless ``mode="strict"``; named with ``mode``, the two must agree.
     log_path: JSON-lines file (or a directory: one file per rank and process). Default: env
               ``FUSIONGUARD_LOG``, else ``./fusionguard.jsonl`` (``fusionguard.rank{N}.jsonl`` under
               torchrun). ``False``: no file, events only in memory (``fusionguard.events()``).
