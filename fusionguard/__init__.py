@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import sys
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Union
 
 from fusionguard import _lifecycle
@@ -66,14 +67,15 @@ _enabling = 0
 
 
 def enable(
-    strict: bool = False,
+    strict: Optional[bool] = None,
     log_path: Union[str, os.PathLike, None, bool] = None,
     **options: Any,
 ) -> None:
     """Install the guard (idempotent: a second call reconfigures, never double-wraps).
 
     strict:   raise ``DenseFallbackError`` before a dense FlexAttention kernel allocates;
-              otherwise warn (``DenseFallbackWarning``) and log.
+              otherwise warn (``DenseFallbackWarning``) and log. Default (None): not strict,
+              unless ``mode="strict"``; named with ``mode``, the two must agree.
     log_path: JSON-lines file (or a directory: one file per rank and process). Default: env
               ``FUSIONGUARD_LOG``, else ``./fusionguard.jsonl`` (``fusionguard.rank{N}.jsonl`` under
               torchrun). ``False``: no file, events only in memory (``fusionguard.events()``).
@@ -148,9 +150,12 @@ def allow_dense() -> Iterator[None]:
     Allowed: the dense calls made inside the block, in this thread or asyncio task (and in
     contexts copied from it while it is open, e.g. ``asyncio.to_thread``); and the backward of a
     forward made inside it, wherever autograd runs that backward. Never another thread's calls.
-    Leaving the block in another asyncio context than the one that entered it is fine.
+    Leaving the block in another asyncio context than the one that entered it is fine. Opened
+    inside a generator that is iterated (``for``, ``next()``, ``async for``): only that
+    generator's own code, never the consumer's between its yields; a generator driven as a
+    context manager (``contextlib``, a pytest fixture) covers the code inside its ``with``.
     """
-    block = open_allowance()
+    block = open_allowance(sys._getframe(1))
     try:
         yield
     finally:

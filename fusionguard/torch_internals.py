@@ -507,6 +507,17 @@ def same_object_entries(entries: list, f_locals: Any) -> Optional[int]:
     return n
 
 
+def id_matched_names(entries: list) -> set:
+    """The local names a frame's cache entries match by identity (``id_matched_objs``): Dynamo's
+    recompile limit does not count an entry made for another object under these names."""
+    names: set = set()
+    for entry in entries:
+        objs = getattr(getattr(entry, "guard_manager", None), "id_matched_objs", None)
+        if isinstance(objs, dict):
+            names.update(str(n) for n in objs)
+    return names
+
+
 def compile_callbacks() -> Any:
     """Dynamo's compile start/end callback registry (``register_end_callback``), or None."""
     return _dynamo_attr("torch._dynamo.callback", "callback_handler")

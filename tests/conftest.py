@@ -95,9 +95,11 @@ def guard(tmp_path, monkeypatch):
     """``guard(strict=...)`` enables fusionguard with a log in tmp_path; always cleaned up."""
     log = tmp_path / "fg.jsonl"
 
-    def _enable(strict=False, **kw):
+    def _enable(strict=None, **kw):
         kw.setdefault("log_path", str(log))
-        fusionguard.enable(strict=strict, **kw)
+        if strict is not None:  # (named only when given: strict and mode named together must agree)
+            kw["strict"] = strict
+        fusionguard.enable(**kw)
         return log
 
     _enable.log = log

@@ -182,3 +182,30 @@ def test_summary_names_a_bad_all_ranks(guard):
         with pytest.raises(TypeError, match="all_ranks must be True or False"):
             fusionguard.summary(all_ranks=bad)
     assert isinstance(fusionguard.summary(all_ranks=False), fusionguard.Summary)
+
+
+@pytest.mark.parametrize("strict, mode", [(False, "strict"), (True, "warn"), (True, "oom")])
+def test_strict_and_mode_that_disagree_are_refused_both_ways(strict, mode):
+    """#32: one rule for ``strict`` and ``mode`` named together: they must agree; a pair that
+    does not is refused, naming both, and nothing is installed."""
+    try:
+        with pytest.raises(ValueError, match=rf"strict={strict}.*mode={mode!r}"):
+            fusionguard.enable(strict=strict, mode=mode, log_path=False)
+        assert not fusionguard.is_enabled()
+    finally:
+        fusionguard.disable()
+        _state.reset_for_tests()
+
+
+@pytest.mark.parametrize("kwargs, strict, mode", [
+    ({"mode": "strict"}, True, "strict"), ({"strict": True}, True, "strict"), ({"strict": True, "mode": "strict"}, True, "strict"),
+    ({"strict": False, "mode": "warn"}, False, "warn"), ({"strict": False, "mode": "oom"}, False, "oom"), ({"mode": "oom"}, False, "oom"),
+    ({}, False, "warn"),
+])
+def test_strict_and_mode_that_agree_or_stand_alone_are_accepted(kwargs, strict, mode):
+    try:
+        fusionguard.enable(log_path=False, **kwargs)
+        assert (_state.STATE.config.strict, _state.STATE.config.mode) == (strict, mode)
+    finally:
+        fusionguard.disable()
+        _state.reset_for_tests()

@@ -253,6 +253,27 @@ def test_oom_mode_on_cpu_runs_dense_calls_and_warns(guard):
     assert e["action"] == "warn" and caught, "no free_bytes on CPU: nothing is known not to fit"
 
 
+def test_oom_mode_on_cpu_says_once_that_it_cannot_act_there(guard, fg_records):
+    """#32: the oom mode reads the device's free memory, which only CUDA gives: on CPU it warns as
+    warn mode does, and says so once (dense calls and mask builds together)."""
+    guard(mode="oom", mask_limit=1)
+    q, k, v = qkv()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(2):
+            torch.ops.higher_order.flex_attention(*op_args(q, k, v))
+        PUBLIC.create_block_mask(causal, 1, 1, 128, 128, device="cpu")
+    said = [line for line in fg_records.lines if "oom mode" in line and "cannot" in line]
+    assert len(said) == 1, fg_records.lines
+    assert "cpu" in said[0] and "warn mode" in said[0]
+    fusionguard.disable()
+    guard(mode="warn")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.ops.higher_order.flex_attention(*op_args(q, k, v))
+    assert len([line for line in fg_records.lines if "oom mode" in line]) == 1  # (warn mode: nothing to say)
+
+
 def _env(**extra):
     env = {k: v for k, v in os.environ.items() if not k.startswith("FUSIONGUARD")}
     env["PYTHONPATH"] = str(ROOT)

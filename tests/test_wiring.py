@@ -45,6 +45,7 @@ NOT_TORCH = {
     "_process_event": "structlog: BoundLoggerBase's processor chain",
     "_attn_implementation": "transformers: a model config's attention backend",
     "_compiler_ctx": "lightning: a LightningModule's torch.compile context",
+    "_pytest": "pytest: its package, whose fixtures drive yield fixtures (allow_dense() in a generator)",
 }
 
 

@@ -19,7 +19,7 @@ DEFAULT_LOG_NAME = "fusionguard.jsonl"
 
 @dataclass
 class Config:
-    strict: bool = False
+    strict: Optional[bool] = None  # None: not named (mode decides); a bool once built
     log_path: Optional[str] = None  # resolved absolute path, or None for memory only
     # True: the first dense event of each (call site, layer, phase, action) and every error are
     # fsync-ed before the dense kernel runs; "always": every dense event; False: none.
@@ -54,7 +54,7 @@ class Config:
             raise TypeError(f"fusionguard.enable(): strict must be True or False, not {self.strict!r}; "
                             f"a mode by name is mode={self.strict.strip().lower()!r}")
         for name in ("strict", "rescue", "keep_all"):
-            if not isinstance(getattr(self, name), bool):
+            if not isinstance(getattr(self, name), bool) and not (name == "strict" and self.strict is None):
                 raise TypeError(f"fusionguard.enable(): {name} must be True or False, not {getattr(self, name)!r}")
         for name, low in (("max_events", 1), ("fused_first", 0), ("fused_every", 0), ("dense_first", 1), ("dense_every", 0), ("log_backups", 0)):
             value = getattr(self, name)
@@ -79,9 +79,11 @@ class Config:
             self.mode = self.mode.strip().lower()
         if self.mode is not None and self.mode not in MODES:
             raise ValueError(f"fusionguard.enable(): mode must be one of {', '.join(MODES)}, not {self.mode!r}")
-        if self.strict and self.mode not in (None, "strict"):
-            raise ValueError(f"fusionguard.enable(): strict=True contradicts mode={self.mode!r}")
-        self.strict = self.strict or self.mode == "strict"
+        # One rule for both (#32): strict and mode named together must agree, either way round.
+        if self.strict is not None and self.mode is not None and self.strict != (self.mode == "strict"):
+            raise ValueError(f"fusionguard.enable(): strict={self.strict!r} contradicts mode={self.mode!r}; "
+                             "name one of them (mode='strict' is strict=True)")
+        self.strict = bool(self.strict) or self.mode == "strict"
         self.mode = "strict" if self.strict else (self.mode or "warn")
 
     def public(self) -> Dict[str, Any]:

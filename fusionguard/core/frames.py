@@ -7,9 +7,10 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import threading
 import types
 import warnings
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from fusionguard.errors import DenseFallbackWarning
 
@@ -79,3 +80,34 @@ def warn_at_user_line(message: str, target: Optional[types.FrameType] = None, ca
     g = target.f_globals
     registry = g.setdefault("__warningregistry__", {})
     warnings.warn_explicit(message, category, target.f_code.co_filename, target.f_lineno, g.get("__name__", "<string>"), registry)
+
+
+# -- a warning issued later: raised into a trace it would break, so issued where the user runs ----
+
+_DEFERRED = threading.local()  # per thread: [(key, warn_explicit's arguments)], the newest last
+
+
+def warning_at(message: str, target: Optional[types.FrameType], category: type = DenseFallbackWarning) -> Tuple[Any, ...]:
+    """``warnings.warn_explicit``'s arguments for ``message`` at ``target``'s line."""
+    if target is None:
+        return (message, category, "<fusionguard>", 0, "fusionguard", None)
+    g = target.f_globals
+    return (message, category, target.f_code.co_filename, target.f_lineno, g.get("__name__", "<string>"), g.setdefault("__warningregistry__", {}))
+
+
+def defer_warning(key: Any, args: Tuple[Any, ...]) -> None:
+    """Keep a warning that the user's filters turned into an error while Dynamo traced (raised
+    there, it would become Dynamo's ``InternalTorchDynamoError``, or make Dynamo run the frame
+    eagerly): issued by ``take_deferred(key)``'s taker, at the first run of that compile's graph."""
+    pending: List[Tuple[Any, Tuple[Any, ...]]] = getattr(_DEFERRED, "items", [])
+    _DEFERRED.items = [*pending[-15:], (key, args)]
+
+
+def take_deferred(key: Any) -> List[Tuple[Any, ...]]:
+    """The warnings deferred under ``key`` (a compile id) on this thread; every other one is
+    dropped (its compile ended without a graph run by us: a backend that is not Inductor)."""
+    pending = getattr(_DEFERRED, "items", None)
+    if not pending:
+        return []
+    _DEFERRED.items = []
+    return [args for k, args in pending if k == key]

@@ -9,6 +9,7 @@ import os
 import sys
 import threading
 import traceback
+import types
 from typing import Any, Dict, Optional, Set, Tuple
 
 from fusionguard.eventlog import crash
@@ -169,17 +170,22 @@ class Allowance:
     Closed by flipping ``open`` at the block's exit, never by resetting a context-variable token:
     an asyncio block may end in another context (an async yield fixture's teardown), where a
     token cannot be reset; a closed block then allows nothing in any context that still holds it.
+    ``frame``: the generator frame the block belongs to when a generator that user code iterates
+    opened it (issue #32): it allows only while that frame is on the calling stack, never the
+    consumer's code between the generator's yields; None for every other block.
     """
 
-    __slots__ = ("open", "outer")
+    __slots__ = ("open", "outer", "frame")
     open: bool
     outer: Optional["Allowance"]
+    frame: Optional[types.FrameType]
 
-    def __init__(self, outer: Optional["Allowance"]) -> None:
+    def __init__(self, outer: Optional["Allowance"], frame: Optional[types.FrameType] = None) -> None:
         while outer is not None and not outer.open:  # (a closed block's place is its outer's)
             outer = outer.outer
         self.open = True
         self.outer = outer
+        self.frame = frame
 
 
 # The innermost allow_dense() block of this thread / task (contextvars: a thread, or an asyncio
@@ -189,20 +195,63 @@ class Allowance:
 # ``open_allowance`` / ``close_allowance`` (tests/test_wiring.py checks that no other module does).
 _ALLOW_DENSE: contextvars.ContextVar[Optional[Allowance]] = contextvars.ContextVar("fusionguard_allow_dense", default=None)
 
+_GENERATOR_FLAGS = 0x20 | 0x200  # inspect.CO_GENERATOR | inspect.CO_ASYNC_GENERATOR (not importing inspect)
+# What drives a generator as a context manager (a fixture, a hookwrapper), not as an iterator:
+# a block opened in such a generator covers the code inside its ``with``, as a plain block does.
+# contextlib (contextmanager, asynccontextmanager, ExitStack), pytest's fixtures, pluggy's
+# hookwrappers, and the runners of async yield fixtures (asyncio's tasks and loop stepping an
+# ``anext()`` directly, pytest-asyncio, anyio's pytest plugin). Anything else resuming a
+# generator is iteration: the block is the generator's own (the strict side, when in doubt).
+_DRIVERS = ("contextlib", "_pytest", "pluggy", "asyncio", "pytest_asyncio", "anyio")
+
+
+def _drives_as_context_manager(frame: Optional[types.FrameType]) -> bool:
+    name = frame.f_globals.get("__name__", "") if frame is not None else ""
+    return isinstance(name, str) and name.split(".", 1)[0] in _DRIVERS
+
+
+def _owning_generator(frame: Optional[types.FrameType]) -> Optional[types.FrameType]:
+    """The generator frame that a block entered from ``frame`` (the frame that resumed
+    ``allow_dense()``'s own generator) belongs to, or None: walk out through contextlib's frames
+    and generators driven as context managers; the first other frame owns the block, and it
+    counts when it is a (sync or async) generator that something else than a driver resumed."""
+    while frame is not None:
+        if frame.f_globals.get("__name__") == "contextlib":
+            frame = frame.f_back
+            continue
+        if not frame.f_code.co_flags & _GENERATOR_FLAGS:
+            return None
+        if not _drives_as_context_manager(frame.f_back):
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def _on_stack(frame: types.FrameType) -> bool:
+    f: Optional[types.FrameType] = sys._getframe(2)
+    while f is not None:
+        if f is frame:
+            return True
+        f = f.f_back
+    return False
+
 
 def dense_allowed_here() -> bool:
-    """True inside an open ``allow_dense()`` block of this context: the one test of an allowance."""
+    """True inside an open ``allow_dense()`` block of this context: the one test of an allowance.
+    (A generator's block: only while that generator's own code runs; the stack walk is paid only
+    by a dense call while such a block is open, never on the fused path.)"""
     block = _ALLOW_DENSE.get()
     while block is not None:
-        if block.open:
+        if block.open and (block.frame is None or _on_stack(block.frame)):
             return True
         block = block.outer
     return False
 
 
-def open_allowance() -> Allowance:
-    """``allow_dense()``'s entry: a new innermost block in this context."""
-    block = Allowance(_ALLOW_DENSE.get())
+def open_allowance(entered_from: Optional[types.FrameType] = None) -> Allowance:
+    """``allow_dense()``'s entry: a new innermost block in this context. ``entered_from``: the
+    frame that resumed ``allow_dense()``'s generator (``contextlib``'s ``__enter__``)."""
+    block = Allowance(_ALLOW_DENSE.get(), _owning_generator(entered_from))
     _ALLOW_DENSE.set(block)
     return block
 
@@ -212,6 +261,7 @@ def close_allowance(block: Allowance) -> None:
     context that holds it; this context goes back to what was outside it when the block (or a
     block inside it, closed elsewhere) is its innermost."""
     block.open = False
+    block.frame = None  # (a frame holds its locals: not kept past the block)
     inner = _ALLOW_DENSE.get()
     while inner is not None and not inner.open:
         if inner is block:

@@ -102,6 +102,56 @@ def reason_varies(reason: Optional[str]) -> Optional[str]:
     return reason[:80]
 
 
+_ACTUAL = re.compile(r"actual (?P<value>[^,\s]+)")
+_OBJ_ID = re.compile(r"___check_obj_id\((?P<source>[^,]+),\s*(?P<value>\d+)\)")
+_NUMBER = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?(?:e-?\d+)?")
+_LOCAL = re.compile(r"^L\[['\"](?P<name>[^'\"]+)['\"]\]$")
+
+
+def guard_value(reason: str, id_matched: Any = ()) -> Tuple[Optional[str], Optional[str]]:
+    """(which guard, the value it saw) of one guard-failure reason, or (None, None) for a guard
+    that carries no value: a mode (grad mode, dispatch keys), a flag (``== True``), or an identity
+    Dynamo's limit does not count (``id_matched``: the frame's own module of another layer)."""
+    m = _SIZE.search(reason)
+    if m:
+        actual = _ACTUAL.search(reason, m.end())
+        return f"{m.group('name')} {m.group('what')} {m.group('index')}", actual.group("value") if actual else _NUMBER.sub("#", reason)
+    m = _OBJ_ID.search(reason)
+    if m:
+        local = _LOCAL.match(m.group("source").strip())
+        if local is not None and local.group("name") in id_matched:
+            return None, None
+        return "id " + m.group("source"), m.group("value")
+    m = _EQUALS.match(reason)
+    if m:
+        rhs = m.group("rhs").strip()
+        return (None, None) if rhs in ("True", "False", "None") else (m.group("lhs"), rhs)
+    values = _NUMBER.findall(reason)
+    if not values or set(values) <= {"0", "1"}:  # (no value, or a flag spelled 0 / 1: requires_grad=1)
+        return None, None
+    return _NUMBER.sub("#", reason), " ".join(values)
+
+
+def churning(failures: list, id_matched: Any = ()) -> Optional[str]:
+    """The reason of a guard that failed again and again with new values (two or more distinct
+    values among a frame's guard failures, ``ti.guard_failures``): churn that goes on until the
+    recompile limit. A few distinct modes are not churn: grad mode, dispatch keys, the training
+    flag, one partial batch (one value). None when nothing churns."""
+    seen: Dict[str, set] = {}
+    for text in failures[-512:]:
+        reason = clean_reason(text)
+        if not reason:
+            continue
+        key, value = guard_value(reason, id_matched)
+        if key is None:
+            continue
+        values = seen.setdefault(key, set())
+        values.add(value)
+        if len(values) >= 2:
+            return reason
+    return None
+
+
 def reason_fix(reason: Optional[str], fallback: str) -> str:
     """The fix for what Dynamo says changes (``fallback`` when the reason is not recognised)."""
     if not reason:

@@ -33,7 +33,7 @@ from fusionguard.core.formatting import human_bytes, site_text
 from fusionguard.eventlog.kinds import CAUSES
 from fusionguard.eventlog.messages import dense_text
 from fusionguard.core.tensors import tensor_fields
-from fusionguard.core.state import STATE, count, dense_allowed_here, internal_error
+from fusionguard.core.state import STATE, count, dense_allowed_here, internal_error, write_stderr
 from fusionguard.dense.dynamo_signals import SIGNALS, reason_summary
 from fusionguard.core.frames import is_torch_file
 from fusionguard.errors import DenseFallbackError
@@ -297,6 +297,23 @@ def _wont_fit(rt: Runtime, predicted: Optional[int], free: Optional[int]) -> boo
     return rt.mode == "oom" and predicted is not None and free is not None and predicted > free
 
 
+def oom_cannot_act(rt: Runtime, free: Optional[int], device: Any) -> None:
+    """The oom mode reads what the device can still give, which only CUDA tells: where it cannot
+    (CPU, MPS), it blocks nothing and warns as warn mode does; said once per process (#32)."""
+    if rt.mode != "oom" or free is not None:
+        return
+    kind = str(getattr(device, "type", device))
+    key = ("oom mode cannot act", kind)
+    if key in STATE.reported:
+        return
+    STATE.reported.add(key)
+    write_stderr(
+        f"fusionguard: oom mode cannot act on {kind}: it blocks a dense call or mask build predicted not to fit in "
+        f"the device's free memory, which only CUDA reports; on {kind} every one runs and is warned about as in "
+        "warn mode (use strict mode to block them)\n"
+    )
+
+
 def _check_dense(rt: Runtime, phase: str, args: tuple, kwargs: dict, frame: Any) -> Tuple[Optional[Dict[str, Any]], Any]:
     """(the dense call's event, the user's frame that made the call when the walk found it).
     ``rt``: the settings the wrapper read once for this call (every decision here is by them)."""
@@ -333,6 +350,8 @@ def _check_dense(rt: Runtime, phase: str, args: tuple, kwargs: dict, frame: Any)
         or (phase == "backward" and origin is None and _of_allowed_forward(args, kwargs))
     )
     predicted, free = _memory(rt, phase, args, kwargs, q, k)
+    if not allowed:
+        oom_cannot_act(rt, free, getattr(q, "device", None))
     action = "allow" if allowed else ("raise" if rt.strict or _wont_fit(rt, predicted, free) else "warn")
     fields: Dict[str, Any] = {
         "phase": phase,

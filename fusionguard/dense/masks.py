@@ -25,6 +25,7 @@ from fusionguard.core.formatting import human_bytes, site_text
 from fusionguard.eventlog.messages import dense_text
 from fusionguard.core.state import STATE, count, dense_allowed_here, internal_error
 from fusionguard.dense.memory import default_mask_limit, free_bytes, mask_build_bytes
+from fusionguard.dense.guard import oom_cannot_act
 from fusionguard.errors import DenseFallbackError
 from fusionguard.torch_internals import MASK_COMPILE_FLAG, block_sizes, create_block_mask_code, mask_home
 from fusionguard.watching import naming
@@ -169,7 +170,10 @@ def _check(rt: Runtime, frame: Any, args: tuple, kwargs: dict) -> Tuple[Optional
     free = free_bytes(device)
     over = limit is not None and estimate > limit
     wont_fit = free is not None and estimate > free
-    if dense_allowed_here():
+    allowed = dense_allowed_here()
+    if not allowed:
+        oom_cannot_act(rt, free, device)
+    if allowed:
         action = "allow"
     elif (over and rt.strict) or (wont_fit and rt.mode == "oom"):
         action = "raise"

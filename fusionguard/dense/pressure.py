@@ -7,8 +7,12 @@ Work happens only when Dynamo compiles, never when a graph runs:
   compiled in Dynamo's own cache entries and reads Dynamo's guard-failure reasons
   (``torch._dynamo.utils.guard_failures``), which Dynamo records whatever its logging is set to
   (``set_logs(dynamo=logging.ERROR)`` silences the log records, not these).
-At ``recompile_warn_at`` compiles: one ``recompile_pressure`` event per frame and one warning at
-the user's line, with what varies and its fix.
+From ``recompile_warn_at`` compiles on, once the frame churns: one ``recompile_pressure`` event
+per frame and one warning at the user's line, with what varies and its fix. Churn is what goes on
+to the limit: one guard failing again and again with new values (a length, a closed-over value,
+a scalar; ``dynamo_signals.churning``). A few distinct modes are not (grad mode, dispatch keys,
+the training flag, one partial batch: the standard train / eval / inference loop compiles 4
+times and then never again, #32).
 """
 
 from __future__ import annotations
@@ -25,8 +29,8 @@ from fusionguard import torch_internals as ti
 from fusionguard.core.config import Runtime, RuntimeRef
 from fusionguard.core.state import STATE, internal_error
 from fusionguard.eventlog.kinds import FIXES
-from fusionguard.core.frames import first_user_frame, frame_site, warn_at_user_line
-from fusionguard.dense.dynamo_signals import latest_reasons, reason_fix, reason_varies
+from fusionguard.core.frames import defer_warning, first_user_frame, frame_site, warn_at_user_line, warning_at
+from fusionguard.dense.dynamo_signals import churning, latest_reasons, reason_fix, reason_varies
 from fusionguard.errors import DenseFallbackWarning
 
 
@@ -54,7 +58,7 @@ def make_trace_wrapper(runtime: RuntimeRef, original: Callable[..., Any]) -> wra
                 found = ti.compiling_frame()
                 if found is not None:
                     check(runtime.now, found[1], found[0])
-            except Warning:  # the user's filters made our warning an error: never into Dynamo (the event is logged)
+            except Warning:  # (a backstop: check() defers its own warning) never into Dynamo's trace
                 pass
             except Exception as exc:
                 internal_error("recompile pressure", exc)
@@ -94,6 +98,8 @@ def check(rt: Runtime, code: Any, f_locals: Any = None) -> None:
     warn_at = threshold(limit, rt.recompile_warn_at)
     if warn_at is None or compiles < warn_at or record["warned"]:
         return
+    if churning(ti.guard_failures(code), ti.id_matched_names(ti.cache_entries(code))) is None:
+        return  # a few modes (grad mode, eval, one partial batch), not churn: a later compile may tell
     record["warned"] = True
     reasons = latest_reasons(code, entries_before)
     reason = reasons[0] if reasons else None
@@ -113,7 +119,13 @@ def check(rt: Runtime, code: Any, f_locals: Any = None) -> None:
         "call_site": frame_site(target) if target is not None else None,
     }
     STATE.log.emit("warning", "recompile_pressure", **fields)
-    warn_at_user_line(message(fields), target, DenseFallbackWarning)
+    try:
+        warn_at_user_line(message(fields), target, DenseFallbackWarning)
+    except Warning:
+        # The user's filters made it an error (pytest's ``filterwarnings = error``): raised here it
+        # would reach Dynamo, which gives up the frame (eager: dense). Issued again at the first run
+        # of this compile's graph instead (fused/runs.py), where the filter raises it at their call.
+        defer_warning(ti.current_compile_id(), warning_at(message(fields), target, DenseFallbackWarning))
 
 
 _STDLIB = sysconfig.get_paths().get("stdlib", "\0") + os.sep

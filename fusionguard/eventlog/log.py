@@ -37,7 +37,7 @@ from typing import Any, Callable, ContextManager, Deque, Dict, List, Optional, T
 
 import structlog
 
-from fusionguard.eventlog.messages import logger as human_logger
+from fusionguard.eventlog.messages import logger as human_logger, say
 from fusionguard.core.distributed import process_group_ready
 from fusionguard.eventlog.header import rank_info
 from fusionguard.eventlog.kinds import TRACE_EVENTS
@@ -183,6 +183,9 @@ class EventLog:
                 if self.on_sink_error is not None and self._sink_reports <= 6:
                     self.on_sink_error(exc)
             return
+        if sink.lock_note is not None:  # once: the lock file was busy past the bounded wait
+            note, sink.lock_note = sink.lock_note, None
+            say(note + "\n")
         if self._sink_failed:
             self._sink_failed = False
             self._sink_reports += 1

@@ -18,6 +18,11 @@ releases it. Its first line in a file another process started follows its own he
 held (an ``rm`` of the log's files) is noticed after ``flock`` (the path names another file, or
 none) and the lock taken again on the file now there, so every process locks one file again.
 A sink of one process (a file per process in a log directory: ``shared=False``) needs no lock.
+
+The lock never hangs the program (issue #32): the lock file is opened read-only, so any reader of
+the log can ``flock`` it, and a sibling stopped with Ctrl-Z or in a debugger holds it for good. A
+write waits for it at most ``LOCK_WAIT_S``, once per process: past that, this write and every
+later one of the process try ``LOCK_NB`` only and go on unlocked when it is busy (said once).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import errno
 import os
 import stat
 import threading
+import time
 from typing import Callable, List, Optional, Union
 
 try:
@@ -38,6 +44,12 @@ DEFAULT_LOG_MODE = 0o600
 
 #: Lock files locked and found replaced (removed, recreated) before a write goes on unlocked.
 _LOCK_TRIES = 8
+
+#: The longest a write waits for another process's lock on ``<log>.lock``, once per process.
+LOCK_WAIT_S = 2.0
+
+# This process waited LOCK_WAIT_S once and gave up: its writes never wait again (LOCK_NB only).
+_waited_out = False
 
 
 def open_regular(path: str, mode: int = DEFAULT_LOG_MODE, flags: int = os.O_WRONLY | os.O_APPEND) -> int:
@@ -60,16 +72,47 @@ def open_regular(path: str, mode: int = DEFAULT_LOG_MODE, flags: int = os.O_WRON
 
 
 def _flock(fd: int, lock: bool) -> bool:
-    """``flock`` ``fd`` exclusively (blocking: the holder is inside a few system calls) or
-    release it; False where there is no ``flock`` (Windows) or the filesystem refuses it
-    (some network filesystems): the write then goes on unlocked, still following rotations."""
+    """Release ``fd``'s ``flock`` (``lock=False``), or take it within the bounded wait (see
+    ``_lock_bounded``); False where there is no ``flock`` (Windows), the filesystem refuses it
+    (some network filesystems) or it stayed busy: the write then goes on unlocked, still
+    following rotations."""
     if fcntl is None:
         return False  # pragma: no cover - Windows
+    if lock:
+        return _lock_bounded(fd) is True
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX if lock else fcntl.LOCK_UN)
+        fcntl.flock(fd, fcntl.LOCK_UN)
     except OSError:
         return False
     return True
+
+
+def _lock_bounded(fd: int) -> Optional[bool]:
+    """``flock`` ``fd`` exclusively, never blocking for long: True when locked; False where
+    ``flock`` fails outright; None when another process held it past ``LOCK_WAIT_S`` (waited
+    once per process: afterwards one ``LOCK_NB`` try, None when busy). A healthy holder is inside
+    a few system calls, so the wait is a poll with short sleeps."""
+    global _waited_out
+    deadline = None
+    delay = 0.0005
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except (BlockingIOError, PermissionError):  # busy (EWOULDBLOCK; EACCES on some systems)
+            pass
+        except OSError:
+            return False
+        if _waited_out:
+            return None
+        now = time.monotonic()
+        if deadline is None:
+            deadline = now + LOCK_WAIT_S
+        if now >= deadline:
+            _waited_out = True
+            return None
+        time.sleep(min(delay, deadline - now))
+        delay = min(delay * 2, 0.02)
 
 
 def _read_at(fd: int, offset: int) -> bytes:
@@ -112,6 +155,8 @@ class FileSink:
         self._lock_fd: Optional[int] = None  # <path>.lock, opened on the first rotating write
         self._lock_ident: tuple = ()  # (inode, device) of _lock_fd's file
         self._lock_failed = False  # for good: the lock path is a symlink or not a regular file
+        self._told_unlocked = False
+        self.lock_note: Optional[str] = None  # said once by the log (eventlog.log): writing without the busy lock
         self._lock = threading.Lock()
         parent = os.path.dirname(os.path.abspath(path))
         os.makedirs(parent, exist_ok=True)
@@ -230,7 +275,17 @@ class FileSink:
         lockpath = self.path + ".lock"
         for _ in range(_LOCK_TRIES):
             fd = self._lock_file()
-            if fd is None or not _flock(fd, True):
+            if fd is None:
+                return None
+            got = _lock_bounded(fd) if fcntl is not None else False
+            if got is None and not self._told_unlocked:
+                self._told_unlocked = True
+                self.lock_note = (
+                    f"fusionguard: the log's lock file {lockpath!r} was held by another process for {LOCK_WAIT_S:g} s (a reader "
+                    "of the log, or a writer that is stopped); this process writes the log without it from now on, never "
+                    "waiting again (each line is still appended whole; rotation may race with the holder)"
+                )
+            if not got:
                 return None
             try:
                 now = os.stat(lockpath, follow_symlinks=False)
@@ -326,7 +381,12 @@ class FileSink:
     def after_fork_in_child(self) -> None:
         """A forked child lets go of the parent's file and lock file: their descriptors closed
         (no fsync: the file is the parent's; a lock file shared with the parent would lock
-        nothing between them), a free lock; the settings stay, for the child's own file."""
+        nothing between them), a free lock; the settings stay, for the child's own file. The
+        child is a process of its own: it may wait for the lock once, too."""
+        global _waited_out
+        _waited_out = False
+        self._told_unlocked = False
+        self.lock_note = None
         self._lock = threading.Lock()
         if self._fd is not None:
             try:

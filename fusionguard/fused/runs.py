@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import sys
+import warnings
 import weakref
 from collections.abc import MutableMapping
 from typing import Any, Dict, Iterator, List, Optional, Tuple
@@ -13,6 +14,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 from fusionguard.eventlog import profiler as profiling
 from fusionguard import torch_internals as ti
 from fusionguard.core.state import STATE, count, internal_error
+from fusionguard.core.frames import take_deferred
 from fusionguard.watching.naming import clean_name, flex_layer, in_backward, resolve_watched_name, watched_name, is_watching
 from fusionguard.watching.paths import caller_name, is_module_forward, module_path
 
@@ -375,7 +377,13 @@ def count_runs(compiled: Any, records: List[Dict[str, Any]], namer: Optional[Nam
     def range_name() -> str:  # (named before the run, as the bookkeeping below names it after)
         return profiling.fused_name((fields["phase"], run_names(n, names)) for _, n, fields, names, _ in runs)
 
+    # Warnings an error filter raised while Dynamo traced this compile (recompile pressure): issued
+    # at the graph's first run, where the filter raises them at the user's call; the graph stays.
+    deferred = take_deferred(ti.current_compile_id())
+
     def counted(*args: Any, **kwargs: Any) -> Any:
+        while deferred:
+            warnings.warn_explicit(*deferred.pop(0))  # (popped first: issued once, whatever the filter does)
         if profiling.recording() and STATE.enabled:  # a range in the profiler's timeline, every run
             out = profiling.in_range(range_name, fn, *args, **kwargs)
         else:

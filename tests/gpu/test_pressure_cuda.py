@@ -53,7 +53,7 @@ def test_pressure_comes_while_fused_and_the_limit_after(guard, dynamo_reset, sil
     events = read_jsonl(log)
     kinds = [e["event"] for e in events]
     (pressure,) = [e for e in events if e["event"] == "recompile_pressure"]
-    assert pressure["function"] == "train_step" and pressure["compiles"] == 2 and pressure["limit"] == 4
+    assert pressure["function"] == "train_step" and pressure["compiles"] == 3 and pressure["limit"] == 4  # (#32: the 3rd compile shows the churn)
     assert pressure["varies"] in ("q dim 2 varies", "k dim 2 varies", "v dim 2 varies")
     told = [w for w in caught if "recompile pressure" in str(w.message)]
     assert len(told) == 1 and told[0].filename == __file__
