@@ -134,8 +134,24 @@ def enable(
             except BaseException as exc:  # never half-enabled: patches in while is_enabled() is False
                 _lifecycle.undo_start(exc)
                 raise
+            STATE.enabled_by = _by
         finally:
             _enabling -= 1
+
+
+def _enable_as(by: str, **kwargs: Any) -> None:
+    """``enable()`` made by the launcher (``activate.py``) or a session (``session.py``), not by
+    the program's own code: a session's explicit settings beat the former (docs/integrations.md)."""
+    global _by
+    with STATE.lock:
+        _by = by
+        try:
+            enable(**kwargs)
+        finally:
+            _by = "program"
+
+
+_by = "program"  # (who the enable() in progress is for: _enable_as)
 
 
 def disable() -> None:
