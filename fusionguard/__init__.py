@@ -25,13 +25,16 @@ from fusionguard.errors import DenseFallbackError, DenseFallbackWarning
 
 if TYPE_CHECKING:  # imported lazily: `import fusionguard` must not import torch (pytest plugin)
     from fusionguard._summary import Summary, export, summary
+    from fusionguard.session import Session, track
     from fusionguard.watching import peak_memory_allocated, watch
 
 _LAZY = {
+    "Session": ".session",
     "Summary": "._summary",
     "export": "._summary",
     "summary": "._summary",
     "peak_memory_allocated": ".watching",
+    "track": ".session",
     "watch": ".watching",
 }
 
@@ -48,6 +51,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "DenseFallbackError",
     "DenseFallbackWarning",
+    "Session",
     "Summary",
     "__version__",
     "allow_dense",
@@ -58,6 +62,7 @@ __all__ = [
     "is_enabled",
     "peak_memory_allocated",
     "summary",
+    "track",
     "watch",
 ]
 

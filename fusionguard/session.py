@@ -205,7 +205,8 @@ class Session:
             self._seen = (STATE.log, STATE.log.seq)
             with _LOCK:
                 _LIVE.add(self)
-            STATE.patches.add_hook(self._key(), self._ended_by_disable, lambda: self._h.watch is None)
+            me, held = weakref.ref(self), self._h  # (the registry must not keep a dropped session alive)
+            STATE.patches.add_hook(self._key(), lambda: _if_alive(me, Session._ended_by_disable), lambda: held.watch is None)
             if self._model is not None:
                 self._follow(self._model)
         return self
@@ -463,7 +464,11 @@ class Session:
         self._bound = []
 
     def _ended_by_disable(self) -> None:
-        """``disable()`` (the registry's undo): hooks off, counts stop, the session says so."""
+        """``disable()`` (the registry's undo; also run by ``stop()``, then a no-op): hooks off,
+        counts stop, the session says so."""
+        if not self._started:
+            return
+        self._started = False
         self._end(DISABLED)
         with _LOCK:
             _LIVE.discard(self)
@@ -491,6 +496,12 @@ class Session:
                 fusionguard._enable_as("launcher", **back)
         except Exception as exc:
             internal_error("session stop", exc)
+
+
+def _if_alive(ref: Any, method: Any) -> None:
+    obj = ref()
+    if obj is not None:
+        method(obj)
 
 
 def _finalize(held: _Held) -> None:
