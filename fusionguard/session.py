@@ -22,6 +22,7 @@ when fusionguard is off (``FUSIONGUARD=off``, ``disable()``) and says so instead
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import threading
@@ -173,7 +174,8 @@ class Session:
         self._named = named
         self._log_path = log_path
         self._memory = bool(memory)
-        self._hooks = bool(hooks)
+        #: False: names only, no hooks (set before ``start()``; a framework that compiles the model later)
+        self.hooks = bool(hooks)
         self._model = model
         self._id = next(_IDS)
         self._lock = threading.RLock()
@@ -364,6 +366,49 @@ class Session:
                 self._mine = STATE.config
             self.start()
 
+    @contextlib.contextmanager
+    def guarded(self, where: str) -> Iterator[None]:
+        """For an integration's own bookkeeping: an unexpected error inside is logged once
+        (``internal_error``) and the host program goes on; ``DenseFallbackError`` passes."""
+        try:
+            yield
+        except fusionguard.DenseFallbackError:
+            raise
+        except Exception as exc:
+            internal_error(f"{self.name} {where}", exc)
+
+    def crashed(self, exc: BaseException, where: str) -> None:
+        """The run ends on ``exc``: the ``crash`` record (with ``where``) and the pending counts,
+        written now (a framework that tears down before the excepthook would run)."""
+        if not self.active:
+            return
+        with self.guarded("crash record"):
+            from fusionguard.eventlog import crash  # lazy: only on a crash
+
+            crash.record(exc, where=where)
+            STATE.log.flush_sampler()
+
+    def ranks_with_dense(self, dense: bool) -> List[int]:
+        """The ranks whose ``dense`` is true, the same list on every rank: under several processes a
+        collective every rank must call (one small all-reduce); one process: ``[0]`` or ``[]``."""
+        from fusionguard.core.distributed import process_group_ready  # lazy: only for stop_on_dense
+
+        if not process_group_ready():
+            return [0] if dense else []
+        try:
+            import torch  # lazy: as above
+            import torch.distributed as dist  # lazy: as above
+
+            nccl = "nccl" in str(dist.get_backend()) and torch.cuda.is_available()
+            flags = torch.zeros(dist.get_world_size(), dtype=torch.int32,
+                                device=torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu")
+            flags[dist.get_rank()] = int(dense)
+            dist.all_reduce(flags)
+            return [r for r, flag in enumerate(flags.tolist()) if flag]
+        except Exception as exc:
+            internal_error("session ranks_with_dense", exc)
+            return [0] if dense else []
+
     # -- inside ---------------------------------------------------------------------------------------
     def _key(self) -> str:
         return f"session {self._id} ({self.name})"
@@ -433,7 +478,7 @@ class Session:
                 other = owner() if owner is not None and ref is not None and ref() is inner else None
                 if other is not None and other is not self:
                     other._unwatch()
-                self._h.watch = Watch(inner, memory=self._memory, hooks=self._hooks).__enter__()
+                self._h.watch = Watch(inner, memory=self._memory, hooks=self.hooks).__enter__()
                 self._watched = inner
                 try:
                     _OWNERS[id(inner)] = (weakref.ref(inner), weakref.ref(self))
