@@ -187,7 +187,7 @@ class Session:
         self._watched: Any = None  # the model the watch is on
         self._seen: Tuple[Any, int] = (None, 0)  # (log, seq) for new_events()
         self._bound: List[Any] = []
-        weakref.finalize(self, _finalize, self._h)
+        weakref.finalize(self, _finalize, self._h).atexit = False  # (the process's exit has its own end: at_exit)
 
     # -- life ---------------------------------------------------------------------------------------
     def start(self) -> "Session":
@@ -236,7 +236,9 @@ class Session:
     def bind(self, owner: Any) -> "Session":
         """End the session when ``owner`` (a Trainer, say) is garbage-collected."""
         try:
-            self._bound.append(weakref.finalize(owner, Session.stop, self))
+            end = weakref.finalize(owner, Session.stop, self)
+            end.atexit = False  # (at the process's exit fusionguard's own end runs, as without a session)
+            self._bound.append(end)
         except TypeError:  # (no weak references to it: the session ends with itself or the process)
             pass
         return self
