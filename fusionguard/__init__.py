@@ -18,7 +18,7 @@ import sys
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Union
 
 from fusionguard import _lifecycle
-from fusionguard.core.config import Config, check_log_path, check_options, resolve_log_path
+from fusionguard.core.config import UNSET, Config, check_log_path, check_options, merged, resolve_log_path
 from fusionguard.core.state import STATE, close_allowance, open_allowance
 from fusionguard._version import __version__
 from fusionguard.activate import switched_off
@@ -26,13 +26,16 @@ from fusionguard.errors import DenseFallbackError, DenseFallbackWarning
 
 if TYPE_CHECKING:  # imported lazily: `import fusionguard` must not import torch (pytest plugin)
     from fusionguard._summary import Summary, export, summary
+    from fusionguard.session import Session, track
     from fusionguard.watching import peak_memory_allocated, watch
 
 _LAZY = {
+    "Session": ".session",
     "Summary": "._summary",
     "export": "._summary",
     "summary": "._summary",
     "peak_memory_allocated": ".watching",
+    "track": ".session",
     "watch": ".watching",
 }
 
@@ -49,6 +52,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "DenseFallbackError",
     "DenseFallbackWarning",
+    "Session",
     "Summary",
     "__version__",
     "allow_dense",
@@ -59,6 +63,7 @@ __all__ = [
     "is_enabled",
     "peak_memory_allocated",
     "summary",
+    "track",
     "watch",
 ]
 
@@ -67,16 +72,21 @@ _enabling = 0
 
 
 def enable(
-    strict: Optional[bool] = None,
-    log_path: Union[str, os.PathLike, None, bool] = None,
+    strict: Optional[bool] = UNSET,
+    log_path: Union[str, os.PathLike, None, bool] = UNSET,
     **options: Any,
 ) -> None:
     """Install the guard (idempotent: a second call reconfigures, never double-wraps).
 
+    A second call while enabled changes only what it names and keeps the rest (the log file
+    too); ``strict`` and ``mode`` are one setting (naming either replaces both). After
+    ``disable()``, ``enable()`` starts from the defaults. docs/integrations.md says how this
+    fits ``FUSIONGUARD=`` and ``fusionguard.track()``.
+
     strict:   raise ``DenseFallbackError`` before a dense FlexAttention kernel allocates;
-              otherwise warn (``DenseFallbackWarning``) and log. Default (None): not strict,
+              otherwise warn (``DenseFallbackWarning``) and log. Not named (or None): not strict,
               unless ``mode="strict"``; named with ``mode``, the two must agree.
-    log_path: JSON-lines file (or a directory: one file per rank and process). Default: env
+    log_path: JSON-lines file (or a directory: one file per rank and process). Default (or None): env
               ``FUSIONGUARD_LOG``, else ``./fusionguard.jsonl`` (``fusionguard.rank{N}.jsonl`` under
               torchrun). ``False``: no file, events only in memory (``fusionguard.events()``).
               A ``str`` or ``os.PathLike`` of ``str``; bytes, ``""`` and NUL are refused.
@@ -111,22 +121,44 @@ def enable(
     # Every argument is checked before anything is installed: a bad one raises, naming it, and
     # leaves the process as it was (also under the kill switch: the call is wrong either way).
     check_options(options)
-    config = Config(strict=strict, **options)
-    check_log_path(log_path)
+    named = dict(options) if strict is UNSET else {**options, "strict": strict}
+    Config(**named)  # (checked alone: a bad argument is named, whatever is running)
+    if log_path is not UNSET:
+        check_log_path(log_path)
     if switched_off():  # FUSIONGUARD=off: the kill switch wins over code
         return
     global _enabling
     with STATE.lock:
         _enabling += 1  # (its first call imports torch: the start-up hook leaves this call's settings be)
         try:
-            config.log_path, log_dir = resolve_log_path(log_path)
+            config = merged(STATE.config, named) if STATE.enabled else Config(**named)
+            if log_path is UNSET and STATE.enabled:  # (not named: the same file stays open)
+                config.log_path, log_dir = STATE.config.log_path, STATE.log_dir
+            else:
+                config.log_path, log_dir = resolve_log_path(None if log_path is UNSET else log_path)
             try:
                 _lifecycle.start(config, log_dir)
             except BaseException as exc:  # never half-enabled: patches in while is_enabled() is False
                 _lifecycle.undo_start(exc)
                 raise
+            STATE.enabled_by = _by
         finally:
             _enabling -= 1
+
+
+def _enable_as(by: str, **kwargs: Any) -> None:
+    """``enable()`` made by the launcher (``activate.py``) or a session (``session.py``), not by
+    the program's own code: a session's explicit settings beat the former (docs/integrations.md)."""
+    global _by
+    with STATE.lock:
+        _by = by
+        try:
+            enable(**kwargs)
+        finally:
+            _by = "program"
+
+
+_by = "program"  # (who the enable() in progress is for: _enable_as)
 
 
 def disable() -> None:

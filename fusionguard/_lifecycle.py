@@ -168,7 +168,8 @@ def stop() -> None:
         crash.tidy()  # a SIGTERM handler left by a disable() from another thread
         return
     STATE.enabled = False
-    STATE.patches.remove_all()  # every patch, hook, handler, callback and the crash file, newest first
+    STATE.enabled_by = None
+    STATE.patches.remove_all()  # every patch, hook, handler, callback, session and the crash file, newest first
     STATE.runtime.now = Runtime()  # (nothing of this enable()'s options stays behind)
     STATE.log.mirror = None
     STATE.flusher.stop()

@@ -112,7 +112,7 @@ def _enable(mode: str) -> None:
         # the program enabled it itself, or is doing so right now (its enable() imported torch):
         # its settings stand
         if not fusionguard.is_enabled() and not fusionguard._enabling:
-            fusionguard.enable(mode=mode)
+            fusionguard._enable_as("launcher", mode=mode)
     except Exception as exc:
         _say_once("enable", f"fusionguard: {ENV}={mode}: enable() failed ({type(exc).__name__}: {exc}); the program runs without fusionguard\n")
 

@@ -40,7 +40,7 @@ import collections
 import contextlib
 import json
 import os
-from typing import Any, Dict, Generator, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Generator, Iterator, List, Optional
 
 import pytest
 import tempfile
@@ -78,11 +78,23 @@ def pytest_addoption(parser: Any) -> None:
     parser.addini("fusionguard_log", "fusionguard log path when --fusionguard-log is not given", default="")
 
 
+def _ini(config: Any, name: str) -> str:
+    """An ini value without a trailing `` ; comment`` (pytest keeps an inline comment as part of
+    the value: ``fusionguard_log = logs/fg.jsonl   ; optional`` would name a file ``fg.jsonl   ;
+    optional``); a value that is only a comment is empty."""
+    value = str(config.getini(name) or "")
+    for i, ch in enumerate(value):
+        if ch in ";#" and (i == 0 or value[i - 1] in " \t"):
+            value = value[:i]
+            break
+    return value.strip()
+
+
 def _mode(config: Any) -> Optional[str]:
     """``--fusionguard`` first, then the ini option; a bad ini value is a usage error."""
     mode = config.getoption("fusionguard", None)
     if mode is None:
-        mode = str(config.getini("fusionguard") or "").strip().lower() or None
+        mode = _ini(config, "fusionguard").lower() or None
         if mode is not None and mode not in MODES:
             raise pytest.UsageError(f"ini option fusionguard = {mode!r}: use one of {', '.join(MODES)}")
     return mode
@@ -97,11 +109,9 @@ def pytest_configure(config: Any) -> None:
     mode = _mode(config)
     if mode in (None, "off"):
         return
-    from fusionguard import activate  # lazy: the plugin loads in every pytest run; fusionguard's runtime only when used
-
     # FUSIONGUARD=off in the environment is the kill switch: it wins over the option, as over
     # enable() in code; the session says so rather than reporting "no dense calls".
-    killed = activate.env_mode() == "off"
+    killed = os.environ.get("FUSIONGUARD", "").strip().lower() == "off"
     config.pluginmanager.register(FusionGuardSession(config, mode, killed=killed), "fusionguard-session")
 
 
@@ -132,9 +142,9 @@ class FusionGuardSession:
         self.strict = mode == "strict"
         self.killed = killed  # FUSIONGUARD=off: nothing is enabled, the session says so
         self.log_path: Optional[str] = None
+        self.fg: Any = None  # the fusionguard.Session of the test session
         self.active = not killed and not _is_xdist_controller(config)
         self.worker_logs: List[str] = []  # (xdist controller) each worker's log, sent back as it ends
-        self._mark: Tuple[Any, int] = (None, 0)  # (EventLog object, last seq seen)
         # filled from reports, so that it also works under xdist (reports come from workers)
         self.dense: Dict[str, List[dict]] = collections.OrderedDict()
         self.tests = 0
@@ -149,28 +159,19 @@ class FusionGuardSession:
 
         return os.path.join(tempfile.mkdtemp(prefix="fusionguard-"), "fusionguard.jsonl")
 
-    def _ensure_enabled(self) -> None:
-        import fusionguard  # lazy: the plugin loads in every pytest run; fusionguard's runtime only when used
-        from fusionguard.core.state import STATE  # lazy: the plugin loads in every pytest run; fusionguard's runtime only when used
-
-        if fusionguard.is_enabled() and STATE.config.mode == self.mode and STATE.config.log_path == self.log_path:
-            return
-        # a resolved file path (or False: the session's log could not be opened, memory only)
-        fusionguard.enable(mode=self.mode, log_path=self.log_path if self.log_path is not None else False, keep_all=True)
-
     @pytest.hookimpl(tryfirst=True)
     def pytest_sessionstart(self, session: Any) -> None:
         if not self.active:
             return
-        path = self.config.getoption("fusionguard_log") or self.config.getini("fusionguard_log") or self._default_log()
+        path = self.config.getoption("fusionguard_log") or _ini(self.config, "fusionguard_log") or self._default_log()
         import fusionguard  # lazy: the plugin loads in every pytest run; fusionguard's runtime only when used
 
         # keep_all: every dense call of every test is reported, none folded into counters
-        fusionguard.enable(mode=self.mode, log_path=path, keep_all=True)
-        from fusionguard.core.state import STATE  # lazy: the plugin loads in every pytest run; fusionguard's runtime only when used
-
-        self.log_path = STATE.config.log_path  # resolved (a directory becomes rank/pid file)
-        self._mark = (STATE.log, STATE.log.seq)
+        self.fg = fusionguard.Session(None, mode=self.mode, log_path=path, keep_all=True, name=f"pytest --fusionguard={self.mode}")
+        self.fg.start()
+        self.fg.restore()  # (a conftest's own enable() before the session: the session's settings)
+        self.log_path = self.fg.log_path  # resolved (a directory becomes rank/pid file)
+        self.fg.new_events()
 
     def _killed_text(self) -> str:
         given = f"--fusionguard={self.mode}" if self.config.getoption("fusionguard", None) else f"ini fusionguard = {self.mode}"
@@ -178,7 +179,7 @@ class FusionGuardSession:
 
     def _configured_log(self) -> Optional[str]:
         """``--fusionguard-log`` / ``fusionguard_log`` as the workers resolve it (None: the default)."""
-        path = self.config.getoption("fusionguard_log") or self.config.getini("fusionguard_log")
+        path = self.config.getoption("fusionguard_log") or _ini(self.config, "fusionguard_log")
         if not path:
             return None
         full = os.path.abspath(os.path.expanduser(str(path)))
@@ -212,7 +213,8 @@ class FusionGuardSession:
         import fusionguard  # lazy: the plugin loads in every pytest run; fusionguard's runtime only when used
 
         self._take_new()  # events after the last test: fused/internal totals only
-        fusionguard.disable()
+        self.fg.stop()
+        fusionguard.disable()  # (also what a test's own enable() left)
         output = getattr(self.config, "workeroutput", None)  # an xdist worker: tell the controller
         if isinstance(output, dict) and self.log_path:
             output["fusionguard_log"] = self.log_path
@@ -226,22 +228,8 @@ class FusionGuardSession:
 
     # -- per test -----------------------------------------------------------------------
     def _take_new(self) -> List[dict]:
-        """Events logged since the last call (in memory, newest last)."""
-        from fusionguard.core.state import STATE  # lazy: the plugin loads in every pytest run; fusionguard's runtime only when used
-
-        log = STATE.log
-        last_log, last_seq = self._mark
-        if log is not last_log:  # a test reset fusionguard's state: a new log, seq from 0
-            last_seq = 0
-        if log is last_log and log.seq == last_seq:
-            return []
-        self._mark = (log, log.seq)
-        fresh: List[dict] = []
-        for event in reversed(list(log.memory)):  # list(): a snapshot, threads may append
-            if event.get("seq", 0) <= last_seq:
-                break
-            fresh.append(event)
-        fresh.reverse()
+        """Events logged since the last call (in memory, oldest first)."""
+        fresh: List[dict] = self.fg.new_events()
         for event in fresh:
             if event.get("event") == "flex_compile":
                 self.fused += 1
@@ -254,7 +242,7 @@ class FusionGuardSession:
         if not self.active:
             yield
             return
-        self._ensure_enabled()
+        self.fg.restore()  # a test that called enable() / disable() itself: the session's settings back
         self._take_new()  # whatever ran between tests is not this test's
         allow: Any = contextlib.nullcontext()
         if item.get_closest_marker(MARKER) is not None:
@@ -273,9 +261,9 @@ class FusionGuardSession:
         dense = [e for e in self._take_new() if e.get("event") == "flex_call"]
         if not dense:
             return
-        from fusionguard.dense.guard import format_message  # lazy: it imports torch; the plugin loads in every pytest run
+        from fusionguard.session import describe  # lazy: the plugin loads in every pytest run
 
-        messages = [format_message(e) for e in dense]
+        messages = [describe(e) for e in dense]
         # on the item: the teardown report (junitxml, xdist, our summary) then carries every phase
         entry = (PROPERTY, json.dumps([_compact(e) for e in dense]))  # JSON in junitxml, not a repr
         item.user_properties.append(entry)

@@ -26,11 +26,25 @@ def run(script, *args, cwd, expect_rc=0):
 
 def test_every_example_has_a_smoke_test():
     assert sorted(p.name for p in EXAMPLES.glob("*.py")) == [
-        "dense_mask.py", "drafter.py", "early_warnings.py", "hf_trainer.py", "lightning_fit.py", "quickstart.py"
+        "dense_mask.py", "drafter.py", "early_warnings.py", "hf_trainer.py", "lightning_fit.py", "plain_loop.py", "quickstart.py"
     ]
     readme = (ROOT / "README.md").read_text()
     for p in EXAMPLES.glob("*.py"):
         assert f"examples/{p.name}" in readme, p.name  # README's list of examples names each
+
+
+def test_plain_loop_logs_each_steps_counts_to_tensorboard(tmp_path):
+    """#33: the public session object in a plain loop, its counts in a real SummaryWriter's file."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = run("plain_loop.py", str(tmp_path / "tb"), cwd=tmp_path)
+    assert "step 0: dense 0, fused 0, allowed 2" in out and "step 2: dense 2, fused 0, allowed 0" in out
+    assert "step 5: dense 0, fused 2, allowed 0" in out
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert [e.value for e in acc.Scalars("fusionguard/dense_calls")] == [0, 0, 2, 2, 0, 0]
+    assert [e.value for e in acc.Scalars("fusionguard/fused_calls")] == [0, 0, 0, 0, 2, 2]
 
 
 def test_early_warnings(tmp_path):

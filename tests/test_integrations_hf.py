@@ -92,15 +92,16 @@ def test_evaluate_strict_raises_naming_the_layer_and_the_trainer_goes_on(tmp_pat
         assert err.value.event["layer"] == LAYERS[0]
         with fusionguard.allow_dense():  # the Trainer is intact: it evaluates again
             metrics = trainer.evaluate()
-    assert trainer.state.log_history[-1]["fusionguard/dense_calls"] == 1 + 2 * BATCHES  # the blocked one counts
+    last = trainer.state.log_history[-1]
+    assert (last["fusionguard/dense_calls"], last["fusionguard/allowed_calls"]) == (1, 2 * BATCHES)  # the blocked one counts
     assert metrics["eval_loss"] > 0
 
 
 def test_an_earlier_enable_keeps_its_settings(tmp_path, cleanup):
     fusionguard.enable(strict=True, log_path=str(tmp_path / "mine.jsonl"))
     cb = FusionGuardCallback(strict=False)
-    trainer_for(tiny_llama(), tmp_path, [cb])
-    assert not cb.session.enabled_here
+    kept = trainer_for(tiny_llama(), tmp_path, [cb])
+    assert cb.session.active and kept
     assert _state.STATE.config.strict
 
 
@@ -221,8 +222,8 @@ def test_import_fusionguard_imports_no_framework():
 def test_the_oom_mode_reaches_the_config_and_a_bad_option_names_the_callback(tmp_path, cleanup):
     """#25 part 4 through the integration: ``FusionGuardCallback(mode="oom")`` enables the oom
     mode at the Trainer's creation (never strict); a bad option fails when the callback is made."""
-    trainer_for(tiny_llama(), tmp_path, callbacks=[FusionGuardCallback(mode="oom", log_path=str(tmp_path / "fg.jsonl"))])
-    assert fusionguard.is_enabled()
+    kept = trainer_for(tiny_llama(), tmp_path, callbacks=[FusionGuardCallback(mode="oom", log_path=str(tmp_path / "fg.jsonl"))])
+    assert fusionguard.is_enabled() and kept  # (the session ends with its Trainer)
     assert (_state.STATE.config.mode, _state.STATE.config.strict) == ("oom", False)
     assert read_jsonl(tmp_path / "fg.jsonl")[0]["config"]["mode"] == "oom"
     for bad, word in (({"mode": "stirct"}, "mode"), ({"strict": True, "mode": "oom"}, "strict=True"), ({"nope": 1}, "nope"),
@@ -230,3 +231,95 @@ def test_the_oom_mode_reaches_the_config_and_a_bad_option_names_the_callback(tmp
         with pytest.raises((TypeError, ValueError)) as info:
             FusionGuardCallback(**bad)
         assert str(info.value).startswith("FusionGuardCallback()") and word in str(info.value), info.value
+
+
+# -- #33: each failure of the issue, on the public session under the callback --------------------
+
+
+def hooks(model):
+    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+
+
+def test_strict_beats_the_launchers_default(tmp_path, cleanup):
+    fusionguard._enable_as("launcher", mode="warn", log_path=False)  # what `fusionguard run` does at torch import
+    trainer = trainer_for(tiny_llama(), tmp_path, [FusionGuardCallback(strict=True)])
+    with torch.compiler.set_stance("force_eager"), pytest.raises(fusionguard.DenseFallbackError):
+        trainer.evaluate()
+
+
+def test_attach_with_arguments_replaces_the_callback_and_keeps_them(tmp_path, cleanup):
+    trainer = trainer_for(tiny_llama(), tmp_path, [FusionGuardCallback(log_path=False)])
+    cb = FusionGuardCallback.attach(trainer, strict=True)
+    assert [c for c in trainer.callback_handler.callbacks if isinstance(c, FusionGuardCallback)] == [cb]
+    with torch.compiler.set_stance("force_eager"), pytest.raises(fusionguard.DenseFallbackError):
+        trainer.evaluate()
+
+
+def test_the_programs_enable_wins_and_the_conflict_is_said_once(tmp_path, cleanup, fg_records):
+    fusionguard.enable(strict=False, log_path=False)
+    for _ in range(2):
+        trainer = trainer_for(tiny_llama(), tmp_path, [FusionGuardCallback(strict=True)])
+    told = [m for m in fg_records.lines if "asked for" in m]
+    assert told == ["fusionguard: FusionGuardCallback() asked for mode='strict', but the program's own fusionguard.enable() set "
+                    "mode='warn': the program's settings stand (pass them to that enable(), or leave them out of FusionGuardCallback())"]
+    with torch.compiler.set_stance("force_eager"), pytest.warns(fusionguard.DenseFallbackWarning):
+        trainer.evaluate()
+
+
+def test_no_hook_outlives_its_trainer_and_the_model_pickles(tmp_path, cleanup):
+    import gc
+    import io
+
+    model = tiny_llama()
+    trainers = [trainer_for(model, tmp_path, [FusionGuardCallback(log_path=False)]) for _ in range(5)]
+    one = hooks(model)
+    assert one > 0
+    with torch.no_grad():
+        model(torch.randint(0, 256, (1, 16)))
+    torch.save(model, io.BytesIO())  # during the session
+    assert hooks(model) == one  # 5 Trainers on one model: one session's hooks
+    del trainers
+    gc.collect()
+    assert hooks(model) == 0  # the Trainers went away: so did the hooks
+    trainer_for(model, tmp_path, [FusionGuardCallback(log_path=False)])
+    fusionguard.disable()
+    assert hooks(model) == 0
+    torch.save(model, io.BytesIO())
+
+
+def test_fusionguard_off_says_so_and_logs_no_false_zero(tmp_path, cleanup, fg_records, monkeypatch):
+    monkeypatch.setenv("FUSIONGUARD", "off")
+    trainer = trainer_for(tiny_llama(), tmp_path, [FusionGuardCallback()])
+    with torch.compiler.set_stance("force_eager"):
+        trainer.evaluate()
+    assert verdicts(fg_records) == ["fusionguard: evaluation batch 1: no verdict: FUSIONGUARD=off in the environment (the kill switch); "
+                                    "FlexAttention calls are not checked"]
+    assert "fusionguard/dense_calls" not in trainer.state.log_history[-1]
+
+
+def test_predict_is_labelled_prediction(tmp_path, cleanup, fg_records):
+    trainer = trainer_for(tiny_llama(), tmp_path, [FusionGuardCallback(log_path=False)])
+    with torch.compiler.set_stance("force_eager"), pytest.warns(fusionguard.DenseFallbackWarning):
+        trainer.predict(data())
+    assert [m.split(":")[1] for m in verdicts(fg_records)] == [" prediction batch 1"]
+
+
+def head_only(model):
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.startswith("lm_head"))  # no backward through flex (none on CPU)
+    return model
+
+
+def test_model_init_is_followed_and_stop_on_dense_says_the_verdict_once(tmp_path, cleanup, fg_records):
+    targs = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=1, max_steps=3, report_to=[],
+                              use_cpu=True, disable_tqdm=True, save_strategy="no", logging_steps=1)
+    trainer = Trainer(model_init=lambda: head_only(tiny_llama()), args=targs, train_dataset=data(),
+                      callbacks=[FusionGuardCallback(stop_on_dense=True, log_path=False)])
+    with torch.compiler.set_stance("force_eager"), pytest.warns(fusionguard.DenseFallbackWarning):
+        trainer.train()
+    assert trainer.state.global_step == 1
+    step1 = [m for m in fg_records.lines if m.startswith("fusionguard: step 1")]
+    assert step1 == ["fusionguard: step 1: 2 FlexAttention layers, forward fused 0/2; dense: "
+                     "model.layers.0.self_attn forward x1 (compiler_disabled); model.layers.1.self_attn forward x1 (compiler_disabled)"]
+    assert [m for m in fg_records.lines if "stop_on_dense" in m] == [
+        "fusionguard: stop_on_dense: dense FlexAttention at step 1: training stops"]

@@ -194,3 +194,41 @@ def test_the_oom_mode_reaches_the_config_and_a_bad_option_names_the_callback(tmp
         with pytest.raises((TypeError, ValueError)) as info:
             FusionGuardCallback(**bad)
         assert str(info.value).startswith("FusionGuardCallback()") and word in str(info.value), info.value
+
+
+# -- #33: failures of the issue, on the public session under the callback -------------------------
+
+
+def test_a_second_validate_counts_its_own_causes(tmp_path, said):
+    cb = FusionGuardCallback(log_path=False)
+    summary = Lines()
+    logging.getLogger("lightning.pytorch.callbacks.fusionguard").addHandler(summary)
+    try:
+        t = trainer(L, tmp_path, cb)
+        net = make_module(L.LightningModule)
+        with pytest.warns(fusionguard.DenseFallbackWarning):
+            t.validate(net, verbose=False)
+            [metrics] = t.validate(net, verbose=False)
+    finally:
+        logging.getLogger("lightning.pytorch.callbacks.fusionguard").removeHandler(summary)
+    assert metrics["fusionguard/dense_calls"] == 2 * BATCHES
+    assert "eager_call×3" in summary.lines[-1] and "eager_call×6" not in summary.lines[-1], summary.lines[-1]
+
+
+def test_keyboard_interrupt_is_named_in_the_summary(tmp_path, said):
+    class Stop(L.Callback):
+        def on_validation_start(self, trainer, pl_module):
+            raise KeyboardInterrupt
+
+    summary = Lines()
+    logging.getLogger("lightning.pytorch.callbacks.fusionguard").addHandler(summary)
+    try:
+        cb = FusionGuardCallback(log_path=False)
+        t = L.Trainer(accelerator="cpu", devices=1, callbacks=[cb, Stop()], logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, enable_checkpointing=False)
+        with pytest.raises(SystemExit):  # (Lightning 2.6 turns the interrupt into exit status 1)
+            t.validate(make_module(L.LightningModule), verbose=False)
+    finally:
+        logging.getLogger("lightning.pytorch.callbacks.fusionguard").removeHandler(summary)
+    assert summary.lines == ["fusionguard summary:\nfusionguard: the run ended on KeyboardInterrupt no FlexAttention call was counted before it"]
+    assert "no FlexAttention layer seen" not in "\n".join(said.lines)

@@ -6,6 +6,7 @@ Inner tests are tiny: eager flex_attention on 1x2x16x8 CPU tensors, inference on
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from conftest import read_jsonl
 
@@ -315,3 +316,18 @@ def test_the_kill_switch_wins_over_the_option_and_the_summary_says_so(pytester, 
     result.stdout.fnmatch_lines([f"fusionguard: {message}"])
     assert f"{message} (1 test(s) ran unguarded)" in section(result.outlines, "fusionguard")
     assert not list(pytester.path.rglob("fusionguard*.jsonl"))
+
+
+def test_the_documented_ini_block_copied_verbatim_writes_logs_fusionguard_jsonl(pytester):
+    """#37 point 1: docs/pytest.md's block, and the old block with an inline ``; optional``
+    comment (which pytest keeps in the value): both write logs/fusionguard.jsonl."""
+    docs = (Path(__file__).parent.parent / "docs" / "pytest.md").read_text()
+    block = re.search(r"```ini\n(.*?)```", docs, re.S).group(1)
+    pytester.makepyfile(test_inner=HELPERS + "\n\ndef test_ok():\n    assert True\n")
+    for ini in (block, "[pytest]\nfusionguard = warn   ; a comment\nfusionguard_log = logs/fusionguard.jsonl   ; optional\n"):
+        pytester.makeini(ini)
+        result = pytester.runpytest_subprocess(*PLUGIN, "-p", "no:cacheprovider")
+        result.assert_outcomes(passed=1)
+        assert (pytester.path / "logs" / "fusionguard.jsonl").is_file(), result.stdout.lines
+        assert [p.name for p in (pytester.path / "logs").iterdir()] == ["fusionguard.jsonl"]
+        (pytester.path / "logs" / "fusionguard.jsonl").unlink()

@@ -49,7 +49,8 @@ def test_enable_builds_one_frozen_runtime_that_the_wrappers_close_over(guard):
 
     guard(mode="warn")  # a second enable(): new settings, the same wrappers (nothing reinstalled)
     assert _dense_wrapper() is wrapper and _state.STATE.runtime is holder
-    assert holder.now is not first and (holder.now.strict, holder.now.mode, holder.now.mask_limit) == (False, "warn", None)
+    # (what it does not name stays: #32 point 10)
+    assert holder.now is not first and (holder.now.strict, holder.now.mode, holder.now.mask_limit) == (False, "warn", 123)
     assert first.strict and first.mask_limit == 123  # the old object is never changed
     with torch.no_grad(), pytest.warns(DenseFallbackWarning):
         flex_attention(q, k, v)

@@ -124,6 +124,40 @@ class RuntimeRef:
 OPTIONS = tuple(f.name for f in fields(Config) if f.name not in ("strict", "log_path"))
 
 
+class Unset:
+    """The default of ``enable()``'s ``strict`` and ``log_path`` (and of a ``mode`` not given):
+    "not said", so that a second ``enable()`` keeps what it does not name (#32)."""
+
+    _one: Optional["Unset"] = None
+
+    def __new__(cls) -> "Unset":
+        if cls._one is None:
+            cls._one = super().__new__(cls)
+        return cls._one
+
+    def __repr__(self) -> str:
+        return "<unset>"
+
+    def __reduce__(self) -> str:
+        return "UNSET"
+
+
+UNSET: Any = Unset()
+
+
+def merged(current: Config, named: Dict[str, Any]) -> Config:
+    """A second ``enable()`` while enabled: ``current``'s options, with what this call names
+    (``named``: its options, ``strict`` when given) replacing them. ``strict`` and ``mode`` are
+    one setting: naming either replaces both (``enable(strict=False)`` after ``mode="oom"`` is
+    warn mode, ``enable(mode="oom")`` after ``strict=True`` is oom). ``log_path`` is handled by
+    the caller (not named: the same file stays open)."""
+    base = {k: v for k, v in current.public().items() if k != "log_path"}
+    if "strict" in named or "mode" in named:
+        base.pop("strict")
+        base.pop("mode")
+    return Config(**{**base, **named})
+
+
 def check_options(options: Dict[str, Any]) -> None:
     """A misspelt option is a ``TypeError``, as for any keyword argument."""
     unknown = set(options) - set(OPTIONS)

@@ -136,6 +136,9 @@ class State:
         # dense-event keys already fsync-ed to the current log file (see guard._check_dense)
         self.durable_keys: Set[tuple] = set()
         self.log_dir: Optional[str] = None  # log_path was a directory: one file per process in it
+        # who made the running settings: "program" (its own enable()), "launcher" (FUSIONGUARD=,
+        # fusionguard run) or "session" (fusionguard.track()): the sessions' rule (session.py)
+        self.enabled_by: Optional[str] = None
         self.crash_fields: Dict[str, Any] = {}  # crash_capture / crash_file, for the header
         self.flusher = Flusher()
 

@@ -88,6 +88,9 @@ class Stats:
         self.pressure: Dict[int, Dict[str, Any]] = {}
         # no_flex_calls: watched models already told about (once per model), by id: a weakref
         self.no_flex_told: Dict[int, Any] = {}
+        # the counters of running sessions (``fusionguard.track()``): each gets every call counted
+        # here, under this lock, from its start (a tuple, replaced whole: read without the lock)
+        self.taps: Tuple[Any, ...] = ()
 
     def new_log(self) -> None:
         """A new log file starts: its rows count from zero. Why: a log's ``summary`` event (and
@@ -105,9 +108,12 @@ class Stats:
         return row
 
     def on_dense(
-        self, layer: Optional[str], phase: str, cause: Optional[str], scores: Optional[int], recompute: bool = False
+        self, layer: Optional[str], phase: str, cause: Optional[str], scores: Optional[int], recompute: bool = False,
+        allowed: bool = False,
     ) -> None:
         with self.lock:
+            for tap in self.taps:
+                tap.on_dense(NO_LAYER if layer is None else layer, phase, cause, allowed)
             row = self.row(NO_LAYER if layer is None else layer, phase)
             if recompute:  # checkpointing re-ran the dense forward: counted apart from calls
                 row.dense_recompute += 1
@@ -131,6 +137,8 @@ class Stats:
                 elif watched and layer not in watched:
                     continue
                 self.row(layer, phase).fused += n
+                for tap in self.taps:
+                    tap.on_fused(layer, phase, n)
 
     def summary(self) -> List[Dict[str, Any]]:
         with self.lock:

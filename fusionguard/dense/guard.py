@@ -385,7 +385,7 @@ def _check_dense(rt: Runtime, phase: str, args: tuple, kwargs: dict, frame: Any)
         if action == "raise" and _foreign_thread():  # (looked at only when it is blocked)
             fields["native_thread"] = True  # autograd's own thread (CUDA's device threads)
     count(f"dense_{phase}")
-    STATE.stats.on_dense(layer, phase, diagnosis.cause, fields.get("scores_bytes"), bool(fields.get("recompute")))
+    STATE.stats.on_dense(layer, phase, diagnosis.cause, fields.get("scores_bytes"), bool(fields.get("recompute")), allowed)
     site = call_site or {}
     key = (phase, site.get("file"), site.get("line"), layer, action, diagnosis.cause)
     durable = rt.fsync == "always" or key not in STATE.durable_keys

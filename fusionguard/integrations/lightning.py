@@ -1,31 +1,29 @@
 """Lightning callback: ``Trainer(callbacks=[FusionGuardCallback(strict=...)])``.
 
+A thin adapter over the public session object (``fusionguard.Session``, docs/integrations.md).
 ``FusionGuardCallback`` subclasses ``lightning.pytorch.Callback``; for the older
 ``pytorch_lightning`` package use ``PLFusionGuardCallback`` (one class cannot subclass both
 packages' ``Callback``; ``callback_class("pytorch_lightning")`` builds either). Each is built on
 first use, so this module imports with either package alone.
 
-- ``setup``: enable fusionguard (unless the program did: its settings stand) and watch the module;
+- ``setup``: the session starts (enables fusionguard or joins the one running: the session's
+  rule); each loop's start (fit, validate, test, predict) watches the module and counts afresh;
 - after the first training batch (or validation / test / predict batch): one verdict line on
   rank 0; ``stop_on_dense=True`` (warn mode) sets ``trainer.should_stop``;
-- ``fusionguard/dense_calls``, ``fusionguard/fused_calls`` (``fusionguard/peak_layer_bytes`` when
-  measured) go through ``pl_module.log``, so every Lightning logger gets them;
-- ``on_exception``: the crash record, with the exception, before Lightning tears down (then
-  summary and disable, as ``teardown``: Lightning calls no callback teardown after an exception);
-- ``teardown``: the summary on rank 0, then disable (if this callback enabled).
+- ``fusionguard/dense_calls``, ``fusionguard/fused_calls``, ``fusionguard/allowed_calls``
+  (``fusionguard/peak_layer_bytes`` when measured) go through ``pl_module.log``, so every
+  Lightning logger gets them;
+- ``on_exception``: the crash record, with the exception, before Lightning tears down, then
+  the summary and the session's end (Lightning calls no callback teardown after an exception);
+- ``teardown``: the summary on rank 0, then the session ends (disabling what it enabled).
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
-from typing import TYPE_CHECKING, Any, Dict
+from typing import TYPE_CHECKING, Any, Dict, Optional
 
-from fusionguard.integrations._common import DENSE, FUSED, PEAK, Session, dense_ranks, log_at, missing, stop_text
-from fusionguard.eventlog.messages import say
-from fusionguard.core.state import internal_error
-from fusionguard.core.state import STATE
-from fusionguard.eventlog import crash
 import fusionguard
 
 __all__ = ["FusionGuardCallback", "PLFusionGuardCallback", "callback_class"]
@@ -36,6 +34,7 @@ if TYPE_CHECKING:  # built on first use (module __getattr__ below)
 
 _PACKAGES = {"lightning": "lightning.pytorch", "pytorch_lightning": "pytorch_lightning"}
 _BUILT: Dict[str, type] = {}
+said = logging.getLogger("fusionguard")  # the verdict lines: fusionguard's own logger
 
 
 class _Mixin:
@@ -43,69 +42,68 @@ class _Mixin:
 
     _logger: logging.Logger
 
-    def __init__(self, strict: bool = False, stop_on_dense: bool = False, **options: Any) -> None:
-        """strict: raise before a dense kernel allocates; stop_on_dense: warn mode, stop the fit
-        (``trainer.should_stop``) after the first batch that ran dense; options: ``enable()``'s,
-        e.g. ``mode="oom"``: dense calls run, except one predicted not to fit on its CUDA device,
-        which raises before it allocates (the same as ``FUSIONGUARD=oom``)."""
+    def __init__(self, strict: Optional[bool] = None, stop_on_dense: bool = False, **options: Any) -> None:
+        """strict: True raise before a dense kernel allocates, False warn, None (default) say
+        nothing (what is running stands; the session's rule); stop_on_dense: warn mode, stop the
+        fit (``trainer.should_stop``) after the first batch that ran dense; options: ``enable()``'s,
+        e.g. ``mode="oom"``: dense calls run, except one predicted not to fit on its CUDA device."""
         super().__init__()
         self.stop_on_dense = bool(stop_on_dense)
-        self.session = Session(strict, options, type(self).__name__)
+        said_strict = {} if strict is None else {"strict": strict}
+        self.session = fusionguard.Session(None, name=f"{type(self).__name__}()", **said_strict, **options)
         self._verdict_done = False
         self._stopped = False
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        # enable here; watch at the loop's start: Lightning builds layers in ``configure_model``
+        # start here; watch at the loop's start: Lightning builds layers in ``configure_model``
         # after ``setup`` (2.6: setup, configure_model, strategy.setup, on_fit_start)
-        self._start(None)
+        with self.session.guarded("setup"):
+            self.session.start()
+            self.session.bind(trainer)
         self._verdict_done = False
 
-    def _start(self, pl_module: Any) -> None:
-        try:
+    def _loop_start(self, pl_module: Any) -> None:
+        """A loop starts: watch the module as it is now, and count this loop's calls afresh."""
+        with self.session.guarded("loop start"):
             # ``trainer.fit(torch.compile(module))`` compiles the module's steps around its
             # hooks: names only then (no hooks for Dynamo to trace, as for the HF Trainer)
-            compiled = getattr(pl_module, "_compiler_ctx", None) is not None
-            self.session.start(pl_module, hooks=not compiled)
-        except Exception as exc:
-            if type(exc).__name__ == "DenseFallbackError":
-                raise
-            internal_error("lightning callback setup", exc)
+            self.session.hooks = getattr(pl_module, "_compiler_ctx", None) is None
+            self.session.start()
+            self.session.follow(pl_module)
+            self.session.step()
+        self._verdict_done = False
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        self._start(pl_module)
+        self._loop_start(pl_module)
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
-        self._start(pl_module)
+        if getattr(trainer.state.fn, "value", trainer.state.fn) != "fit":  # (inside fit: the training step's window)
+            self._loop_start(pl_module)
 
     def on_test_start(self, trainer: Any, pl_module: Any) -> None:
-        self._start(pl_module)
+        self._loop_start(pl_module)
 
     def on_predict_start(self, trainer: Any, pl_module: Any) -> None:
-        self._start(pl_module)
+        self._loop_start(pl_module)
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self._loop_start(pl_module)
+        self._stopped = False
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._finish(trainer)
 
-    def _finish(self, trainer: Any) -> None:
-        try:
-            if trainer.is_global_zero and self.session.watch is not None:
-                ok = not self.session.dense_seen(since_start=True)
-                self._logger.log(log_at(ok), "fusionguard summary:\n%s", self.session.summary_text())
-        except Exception as exc:
-            internal_error("lightning summary", exc)
+    def _finish(self, trainer: Any, exc: Optional[BaseException] = None) -> None:
+        if trainer.is_global_zero and (self.session.active or self.session.off is not None):
+            with self.session.guarded("summary"):
+                ok = self.session.off is not None or (exc is None and self.session.counts().dense == 0)
+                self._logger.log(logging.INFO if ok else logging.WARNING, "fusionguard summary:\n%s", self.session.summary_text(exc))
         self.session.stop()
-        if self.session.enabled_here:
-            self.session.enabled_here = False
-            fusionguard.disable()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        crash.record(exception, where="lightning")
-        try:
-            STATE.log.flush_sampler()
-        except Exception as exc:
-            internal_error("lightning flush", exc)
+        self.session.crashed(exception, "lightning")
         # Lightning calls no callback teardown after an exception: ours runs here
-        self._finish(trainer)
+        self._finish(trainer, exception)
 
     # batches
     def _batch(self, trainer: Any, pl_module: Any, label: str, on_step: bool, log: bool = True) -> None:
@@ -113,26 +111,21 @@ class _Mixin:
             self._verdict_done = True
             text, ok = self.session.verdict(label)
             if trainer.is_global_zero:
-                say(text + "\n", log_at(ok))
-        if self.stop_on_dense and label.startswith("step") and not self._stopped:
-            ranks = dense_ranks(self.session.dense_seen())  # every rank stops, or none
-            if ranks:
-                self._stopped = True
-                if trainer.is_global_zero:
-                    say(stop_text(ranks, f"step {trainer.global_step}") + "\n")
-                trainer.should_stop = True
+                said.log(logging.INFO if ok else logging.WARNING, text)
+        if on_step:
+            step = self.session.step()  # this training step's calls
+            if self.stop_on_dense and not self._stopped and self.session.active:
+                ranks = self.session.ranks_with_dense(step.dense > 0)  # every rank stops, or none
+                if ranks:
+                    self._stopped = True
+                    if trainer.is_global_zero:
+                        on = f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" if trainer.world_size > 1 else ""
+                        said.warning(f"fusionguard: stop_on_dense: dense FlexAttention{on} at step {trainer.global_step}: training stops")
+                    trainer.should_stop = True
         if log:
-            try:
-                for key, value in self.session.metrics().items():
-                    if key in (DENSE, FUSED, PEAK):
-                        pl_module.log(key, value, on_step=on_step, on_epoch=not on_step, reduce_fx="max", batch_size=1)
-            except Exception as exc:
-                internal_error("lightning log", exc)
-
-    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        self._verdict_done = False
-        self._stopped = False
-        self.session.mark()
+            with self.session.guarded("log"):
+                for key, value in self.session.metrics().items():  # (empty when fusionguard is off)
+                    pl_module.log(key, value, on_step=on_step, on_epoch=not on_step, reduce_fx="max", batch_size=1)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._batch(trainer, pl_module, f"step {max(trainer.global_step, 1)}", on_step=True)
@@ -157,7 +150,7 @@ def callback_class(package: str = "lightning") -> type:
         try:
             base = importlib.import_module(_PACKAGES[package]).Callback
         except ImportError:
-            raise missing(package, "lightning") from None
+            raise ImportError(f"fusionguard.integrations.lightning needs {package}: pip install 'fusionguard[lightning]'") from None
         name = "FusionGuardCallback" if package == "lightning" else "PLFusionGuardCallback"
         cls = _BUILT[package] = type(name, (_Mixin, base), {
             "__module__": __name__,

@@ -1,99 +1,122 @@
 """Hugging Face ``Trainer`` callback: ``Trainer(..., callbacks=[FusionGuardCallback(strict=...)])``.
 
-From the Trainer's creation (``on_init_end``) it enables fusionguard (unless the program did: its
-settings stand) and watches the model the Trainer runs, so ``train()``, ``evaluate()`` and
-``predict()`` are all covered. After the first optimizer step (or the first evaluation /
-prediction batch) rank 0 prints one verdict line; every ``on_log`` adds cumulative
-``fusionguard/dense_calls``, ``fusionguard/fused_calls`` (and, measured on CUDA,
-``fusionguard/peak_layer_bytes``). ``FusionGuardCallback.attach(trainer)`` puts the callback
-first, so that the ``report_to`` loggers (TensorBoard, W&B, MLflow...) get those keys too.
-docs/integrations.md.
+A thin adapter over the public session object (``fusionguard.Session``, docs/integrations.md):
+from the Trainer's creation (``on_init_end``) the session enables fusionguard or joins the one
+running (the session's rule) and watches the model the Trainer runs, found from the Trainer
+itself (``model_init`` replaces it at ``train()``: followed), so ``train()``, ``evaluate()`` and
+``predict()`` are all covered; the session ends when the Trainer is garbage-collected. After the
+first optimizer step (or the first evaluation / prediction batch) rank 0 prints one verdict
+line; every ``on_log`` adds cumulative ``fusionguard/dense_calls``, ``fusionguard/fused_calls``,
+``fusionguard/allowed_calls`` (and, measured on CUDA, ``fusionguard/peak_layer_bytes``).
+``FusionGuardCallback.attach(trainer)`` puts the callback first, so that the ``report_to``
+loggers (TensorBoard, W&B, MLflow...) get those keys too.
 """
 
 from __future__ import annotations
 
+import inspect
+import logging
+import weakref
 from typing import Any, Optional
 
-from fusionguard.integrations._common import Session, dense_ranks, log_at, missing, stop_text
+import fusionguard
 
 try:
-    from transformers import TrainerCallback
+    from transformers import Trainer, TrainerCallback
     from transformers.utils import logging as hf_logging
 except ImportError:
-    raise missing("transformers", "transformers") from None
-
-from fusionguard.eventlog.messages import say
-from fusionguard.core.state import internal_error
+    raise ImportError("fusionguard.integrations.transformers needs transformers: pip install 'fusionguard[transformers]'") from None
 
 __all__ = ["FusionGuardCallback"]
 
 # transformers' logging tree: follows its verbosity (TrainingArguments(log_level=...))
 logger = hf_logging.get_logger("transformers.integrations.fusionguard")
+said = logging.getLogger("fusionguard")  # the verdict lines: fusionguard's own logger
+
+
+def _on_stack(method: Optional[str] = None) -> Any:
+    """The Trainer whose method called this callback (``method``: only that method's frame)."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, Trainer) and (method is None or frame.f_code.co_name == method):
+            return owner
+        frame = frame.f_back
+    return None
 
 
 class FusionGuardCallback(TrainerCallback):
     """fusionguard inside the Hugging Face ``Trainer``.
 
-    strict:       raise ``DenseFallbackError`` before a dense FlexAttention kernel allocates (when this
-                  callback enables fusionguard; an earlier ``fusionguard.enable()`` keeps its settings).
-                  ``mode="oom"`` instead (an option): dense calls run, except one predicted not to fit
-                  on its CUDA device, which raises before it allocates (the same as ``FUSIONGUARD=oom``).
+    strict:       True: raise ``DenseFallbackError`` before a dense FlexAttention kernel allocates;
+                  False: warn; None (default): say nothing, what is running stands. The
+                  session's rule: this beats the launcher's ``FUSIONGUARD=``; the program's own
+                  ``fusionguard.enable()`` beats this (said once). ``mode="oom"`` instead (an
+                  option): dense calls run, except one predicted not to fit on its CUDA device.
     stop_on_dense: warn mode: stop training (``control.should_training_stop``) at the first step
                   that ran dense, instead of training on at dense memory.
-    options:      passed to ``fusionguard.enable()`` (``log_path=...``, ``rescue=...``).
+    options:      ``enable()``'s (``log_path=...``, ``rescue=...``), checked now.
     """
 
-    def __init__(self, strict: bool = False, stop_on_dense: bool = False, **options: Any) -> None:
+    def __init__(self, strict: Optional[bool] = None, stop_on_dense: bool = False, **options: Any) -> None:
         self.stop_on_dense = bool(stop_on_dense)
-        self.session = Session(strict, options, type(self).__name__)
+        said_strict = {} if strict is None else {"strict": strict}
+        self.session = fusionguard.Session(None, name=f"{type(self).__name__}()", **said_strict, **options)
+        self._trainer: Any = None  # weak reference to the Trainer, once found
         self._verdict_done = False
         self._stopped = False
         self._training = False
 
     @classmethod
     def attach(cls, trainer: Any, *args: Any, **kwargs: Any) -> "FusionGuardCallback":
-        """Add (or move) the callback to the *front* of ``trainer``'s callbacks and start it.
+        """Add the callback to the *front* of ``trainer``'s callbacks and start it.
 
         Why: ``Trainer.log`` appends a copy of ``logs`` to ``state.log_history`` before the
         callbacks run, and the ``report_to`` loggers sit before user callbacks; first in line, the
-        keys this callback adds reach every logger (and ``log_history``, which ``on_log`` updates).
-        A ``FusionGuardCallback`` already in ``trainer``'s callbacks is the one moved; otherwise
-        ``cls(*args, **kwargs)`` is made. Returns the callback.
+        keys this callback adds reach every logger. A ``FusionGuardCallback`` already in the
+        Trainer is moved when no arguments are given; with arguments it is replaced by
+        ``cls(*args, **kwargs)`` (its session ended), never silently kept. Returns the callback.
         """
         handler: Any = getattr(trainer, "callback_handler", None)
         if not isinstance(getattr(handler, "callbacks", None), list):
             raise TypeError(f"FusionGuardCallback.attach(trainer): expected a transformers Trainer, got {type(trainer).__name__}")
         found = [cb for cb in handler.callbacks if isinstance(cb, FusionGuardCallback)]
-        cb = found[0] if found else cls(*args, **kwargs)
+        cb = found[0] if found and not (args or kwargs) else cls(*args, **kwargs)
         for other in found:
             handler.callbacks.remove(other)
+            if other is not cb:
+                other.session.stop()
         handler.callbacks.insert(0, cb)
-        if cb.session.watch is None:  # (created after the Trainer: its on_init_end has passed)
-            cb._start(trainer.args, trainer.model)
+        cb._start(trainer)
         return cb
 
     # lifecycle
-    def _start(self, args: Any, model: Any) -> None:
-        try:
-            hooks = not bool(getattr(args, "torch_compile", False))
+    def _start(self, trainer: Any = None, args: Any = None, model: Any = None) -> None:
+        with self.session.guarded("start"):
+            if trainer is None:
+                trainer = self._trainer() if self._trainer is not None else _on_stack()
+            if trainer is not None:
+                if self._trainer is None or self._trainer() is not trainer:
+                    self._trainer = weakref.ref(trainer)
+                    self.session.bind(trainer)  # the session ends with the Trainer
+                args, model = trainer.args, trainer.model
             # The Trainer compiles the model itself later (accelerate's prepare): hooks put on it
-            # now would be traced by Dynamo (a longer compile, x1.3-1.5): names only, no hooks.
-            self.session.start(model, hooks=hooks)
-        except Exception as exc:
-            if type(exc).__name__ == "DenseFallbackError":
-                raise
-            internal_error("transformers callback start", exc)
+            # now would be traced by Dynamo (a longer compile): names only, no hooks.
+            self.session.hooks = not bool(getattr(args, "torch_compile", False))
+            if model is not None:
+                self.session.follow(model)
+            self.session.start()
 
     def on_init_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
-        self._start(args, model)
+        self._start(None, args, model)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
-        if self.session.watch is None:
-            self._start(args, model)
+        # (model_init: the Trainer made a new model; the handler's ``model`` is the old one)
+        self._start(None, args, model)
         self._verdict_done = False
         self._stopped = False
         self._training = True
-        self.session.mark()
+        self.session.step()  # what ran before train() is not its first step's
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if not self._verdict_done:
@@ -101,13 +124,14 @@ class FusionGuardCallback(TrainerCallback):
             self._say_verdict(state, f"step {state.global_step + 1}")
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        if self.stop_on_dense and not self._stopped:
-            ranks = dense_ranks(self.session.dense_seen())  # every rank stops, or none
+        step = self.session.step()  # this step's calls
+        if self.stop_on_dense and not self._stopped and self.session.active:
+            ranks = self.session.ranks_with_dense(step.dense > 0)  # every rank stops, or none
             if ranks:
                 self._stopped = True
-                text, _ = self.session.verdict(f"step {state.global_step}")
                 if state.is_world_process_zero:
-                    say(f"{text}\n{stop_text(ranks, f'step {state.global_step}')}\n")
+                    on = f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" if args.world_size > 1 else ""
+                    said.warning(f"fusionguard: stop_on_dense: dense FlexAttention{on} at step {state.global_step}: training stops")
                 control.should_training_stop = True
         return control
 
@@ -116,7 +140,8 @@ class FusionGuardCallback(TrainerCallback):
         # step gives the verdict, with the backward in it
         if not self._verdict_done and not self._training:
             self._verdict_done = True
-            self._say_verdict(state, "evaluation batch 1" if state.global_step == 0 else f"step {state.global_step}, evaluation batch 1")
+            what = "prediction" if _on_stack("predict") is not None else "evaluation"
+            self._say_verdict(state, f"{what} batch 1" if state.global_step == 0 else f"step {state.global_step}, {what} batch 1")
 
     def on_evaluate(self, args: Any, state: Any, control: Any, metrics: Any = None, **kwargs: Any) -> None:
         self._next_run()
@@ -128,13 +153,13 @@ class FusionGuardCallback(TrainerCallback):
         """Outside train(): the next evaluate() / predict() gets its own verdict, from its own counts."""
         if not self._training:
             self._verdict_done = False
-            self.session.mark()
+            self.session.step()
 
     def on_log(self, args: Any, state: Any, control: Any, logs: Optional[dict] = None, **kwargs: Any) -> None:
-        try:
+        with self.session.guarded("on_log"):
             if logs is None:
                 return
-            values = self.session.metrics()
+            values = self.session.metrics()  # (empty when fusionguard is off: never a false 0)
             history = state.log_history
             # Trainer.log appended {**logs, "step": ...} before calling us: the same entry gets the keys
             last = history[-1] if history else None
@@ -143,21 +168,17 @@ class FusionGuardCallback(TrainerCallback):
             # (Trainer.log's copy holds the same value objects: `is` also matches a NaN loss)
             if isinstance(last, dict) and all(k in last and (last[k] is v or last[k] == v) for k, v in logs_before.items()):
                 last.update(values)
-        except Exception as exc:
-            internal_error("transformers on_log", exc)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        # disable() waits for the process's exit: an evaluate() after train() stays guarded
+        # the session stays: an evaluate() after train() is guarded; it ends with the Trainer
         if state.is_world_process_zero:
-            try:
-                ok = not self.session.dense_seen(since_start=True)
-                logger.log(log_at(ok), "fusionguard summary:\n%s", self.session.summary_text())
-            except Exception as exc:
-                internal_error("transformers summary", exc)
+            with self.session.guarded("summary"):
+                ok = self.session.off is not None or self.session.counts().dense == 0
+                logger.log(logging.INFO if ok else logging.WARNING, "fusionguard summary:\n%s", self.session.summary_text())
         self._training = False
         self._next_run()
 
     def _say_verdict(self, state: Any, label: str) -> None:
         text, ok = self.session.verdict(label)
         if state.is_world_process_zero:
-            say(text + "\n", log_at(ok))
+            said.log(logging.INFO if ok else logging.WARNING, text)

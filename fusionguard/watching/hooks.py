@@ -4,6 +4,7 @@ sight while it compiles; the trace-time note."""
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
@@ -50,63 +51,75 @@ class Frame:
     root: Any  # that watched model
 
 
+def _nothing() -> Any:
+    return None
+
+
+def pre_hook(slot: "Hooks", mod: torch.nn.Module, args: Any, kwargs: Any) -> None:
+    """watch()'s forward pre-hook (with kwargs), bound to its slot by a ``functools.partial``."""
+    if _is_dynamo_compiling():
+        slot.traced()
+        return
+    slot.calls.append(None)
+    owner = slot.owner
+    # (a deepcopy of the model made during watch() carries these hooks in dicts of its own, with
+    # a slot of its own: not the watched module, never counted as it)
+    if owner is not None and mod.__dict__.get(_PRE_HOOKS) is slot.home():
+        owner._pre(slot, mod, args, kwargs)
+
+
+def post_hook(slot: "Hooks", mod: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+    """watch()'s forward hook (with kwargs, always called)."""
+    if _is_dynamo_compiling():
+        return
+    try:
+        slot.calls.pop()
+    except IndexError:  # (its pre-hook ran before this watch() began)
+        pass
+    stack = frames_of(mod)
+    if stack:
+        frame = stack.pop()
+        frame.owner._post(frame, mod, args, kwargs, output)
+
+
 class Hooks:
     """watch()'s pre/post hook pair on one module: two function objects made once per module
     (and per nesting level), registered when a watch() of the module starts and removed when it
-    ends; they forward to ``owner``, the Watch now entered.
+    ends; they forward to ``owner``, the Watch now entered. The hooks are ``functools.partial``
+    objects of ``pre_hook`` / ``post_hook`` over the slot, so a model that holds them pickles.
 
     Why the same objects every time: Dynamo guards on the hooks of a module it compiles (when
     fusionguard cannot know the module runs inside a graph). New hook functions at every entry
     recompiled the model at every step, until the recompile limit sent it to eager, dense
     FlexAttention; the same functions re-registered pass the guards: at most one graph with
     the hooks and one without. Nothing stays on the module after watch() exits (pickling and
-    ``torch.jit.script`` after it are unaffected; a copy made *during* watch() carries the hooks,
-    which never count it as the watched module).
+    ``torch.jit.script`` after it are unaffected). A copy made *during* watch() (``copy.deepcopy``,
+    ``torch.save`` then ``torch.load``) carries a pair of its own that no watch() owns: inert
+    hooks, which never count it as the watched module (unpickling it imports fusionguard).
 
     Dynamo never sees them where it can be helped: ``out_of_sight`` takes them out of their
     module's hook dicts while Dynamo compiles a frame. The guards and the reuse above matter
     where it cannot (a module with forward hooks of its own).
     """
 
-    __slots__ = ("owner", "name", "compiled", "handles", "home", "pre", "post", "calls", "__weakref__")
+    __slots__ = ("owner", "name", "compiled", "handles", "home", "pre", "post", "calls", "traced", "__weakref__")
 
     def __init__(self) -> None:
         self.owner: Optional["Watch"] = None
         self.name = ""
         self.compiled = False
         self.handles: List[Tuple[Any, Tuple[Any, ...]]] = []  # (pre, post): (handle, ti.hook_marks)
-        self.home: Callable[[], Any] = lambda: None  # the module's pre-hook dict, weakly
+        self.home: Callable[[], Any] = _nothing  # the module's pre-hook dict, weakly
         # one entry per eager forward of the module between this pair's pre- and post-hook, on
         # any thread (list append and pop are atomic): such a module keeps its hooks in sight
         self.calls: List[None] = []
-        slot = self  # the hooks hold the slot, never the module (the module holds the hooks)
-        traced = ti.at_trace_time(lambda: _hooks_traced(slot))
-
-        def pre_hook(mod: torch.nn.Module, args: Any, kwargs: Any) -> None:
-            if _is_dynamo_compiling():
-                traced()
-                return
-            slot.calls.append(None)
-            owner = slot.owner
-            # (a deepcopy of the model made during watch() carries these hooks in dicts of its
-            # own: not the watched module, never counted as it)
-            if owner is not None and mod.__dict__.get(_PRE_HOOKS) is slot.home():
-                owner._pre(slot, mod, args, kwargs)
-
-        def post_hook(mod: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-            if _is_dynamo_compiling():
-                return
-            try:
-                slot.calls.pop()
-            except IndexError:  # (its pre-hook ran before this watch() began)
-                pass
-            stack = frames_of(mod)
-            if stack:
-                frame = stack.pop()
-                frame.owner._post(frame, mod, args, kwargs, output)
-
-        self.pre: Callable[..., Any] = pre_hook
-        self.post: Callable[..., Any] = post_hook
+        # The hooks hold the slot, never the module (the module holds the hooks). Partials of
+        # module-level functions, not closures: a model holding them pickles (torch.save,
+        # copy.deepcopy); the slot pickles as a fresh one that no watch() owns (__reduce__).
+        slot = self  # (a function, not a partial: Dynamo runs a marked function, it inlines a partial)
+        self.traced: Callable[[], int] = ti.at_trace_time(lambda: _hooks_traced(slot))
+        self.pre: Callable[..., Any] = functools.partial(pre_hook, self)
+        self.post: Callable[..., Any] = functools.partial(post_hook, self)
         if not _SIGHT.codes_skipped:
             # The hooks of a module Dynamo does not trace run as frames of their own under its
             # frame callback (the compiled module's own, the module of a graph break): each
@@ -114,6 +127,10 @@ class Hooks:
             # what they call (fusionguard's code only); a traced frame still inlines them.
             _SIGHT.codes = (pre_hook.__code__, post_hook.__code__)
             _SIGHT.codes_skipped = ti.skip_frames(_SIGHT.codes, _SIGHT.on)
+
+    def __reduce__(self) -> Tuple[Any, Tuple[()]]:
+        """A copied or unpickled model gets a pair that no watch() owns: its hooks do nothing."""
+        return (Hooks, ())
 
     @classmethod
     def attach(cls, module: torch.nn.Module, owner: "Watch", name: str, compiled: bool) -> "Hooks":

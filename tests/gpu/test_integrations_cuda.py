@@ -173,3 +173,47 @@ def test_lightning_stop_on_dense(tmp_path, said):
     assert trainer.global_step == 1
     assert any("stop_on_dense" in m for m in said.lines)
     assert csv_column(tmp_path, "fusionguard/dense_calls") == [2 * 2]
+
+
+# -- the public session object in a plain training loop (#33) ----------------------------------------
+
+
+def test_session_in_a_plain_training_loop_counts_each_step(tmp_path, said):
+    """``fusionguard.track`` around a compiled model that trains: each ``step()`` is that step's
+    fused forward and backward calls; the verdict says both phases fused; no hook stays."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    D = 256
+
+    class Attn(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Linear(D, 3 * D)
+
+        def forward(self, x):
+            B, S, _ = x.shape
+            q, k, v = self.qkv(x).view(B, S, 3, 4, D // 4).permute(2, 0, 3, 1, 4)
+            return flex_attention(q, k, v).transpose(1, 2).reshape(B, S, D)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Attn(), Attn()).cuda()
+    for block in model:
+        block.compile()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    writer = SummaryWriter(str(tmp_path / "tb"))
+    steps = []
+    with fusionguard.track(model, strict=True, log_path=str(tmp_path / "fg.jsonl")) as fg:
+        for i in range(STEPS):
+            x = torch.randn(1, SEQ, D, device="cuda")
+            model(x).float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            step = fg.step()
+            steps.append((step.dense, step.fused))
+            for key, value in step.metrics().items():
+                writer.add_scalar(key, value, i)
+            if i == 0:
+                assert fg.verdict("step 1", step).text == FUSED_VERDICT
+    writer.close()
+    assert steps == [(0, 2 * 2)] * STEPS
+    assert sum(len(m._forward_pre_hooks) for m in model.modules()) == 0

@@ -1,0 +1,642 @@
+"""``fusionguard.track(model)``: one session of fusionguard around a model, for a plain loop and
+under every framework callback (docs/integrations.md, "The session object").
+
+    with fusionguard.track(model, strict=True) as fg:
+        for batch in loader:
+            ...
+            step = fg.step()            # this step's counts: dense, fused, allowed, per layer
+            writer.add_scalar("fusionguard/dense_calls", step.dense, i)
+    print(fg.verdict("run").text)
+
+A session starts ``enable()`` or joins the one running, by one rule: what the session names
+(``strict``, ``mode``, ``log_path``, options) replaces what the launcher (``FUSIONGUARD=``,
+``fusionguard run``) or an earlier session set, and never what the program's own ``enable()``
+set: that conflict is said once (the program's settings stand). It owns the ``watch()`` of its
+model (one session per model: a newer session on the same model takes the hooks over), follows
+the model when the framework swaps it (``follow()``), and ends on ``stop()``, at the end of its
+``with`` block (an exception too), when the object it is bound to (``bind(trainer)``) or the
+session itself is garbage-collected, and on ``fusionguard.disable()``, which ends every session.
+Its counts are its own: every call counted from its start, by layer, phase and cause. It knows
+when fusionguard is off (``FUSIONGUARD=off``, ``disable()``) and says so instead of a verdict.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Tuple
+
+import fusionguard
+from fusionguard import torch_internals as ti
+from fusionguard._summary import Summary
+from fusionguard.activate import switched_off
+from fusionguard.core.config import UNSET, Config, check_log_path, check_options
+from fusionguard.core.state import STATE, internal_error
+from fusionguard.core.tables import NO_LAYER
+from fusionguard.eventlog.messages import say
+
+__all__ = ["Counts", "Session", "Verdict", "describe", "track"]
+
+#: The metric names of ``Counts.metrics()`` (and of every framework callback).
+DENSE, FUSED, ALLOWED, PEAK = ("fusionguard/dense_calls", "fusionguard/fused_calls", "fusionguard/allowed_calls",
+                               "fusionguard/peak_layer_bytes")
+KILL_SWITCH = "FUSIONGUARD=off in the environment (the kill switch)"
+DISABLED = "fusionguard.disable() was called"
+
+
+@dataclass(frozen=True)
+class Counts:
+    """FlexAttention calls counted over a span of a session: ``dense`` (kernels that ran or were
+    blocked dense, not allowed), ``fused`` (calls in compiled graphs), ``allowed`` (dense on
+    purpose: ``allow_dense()``), and ``rows``: per (layer, phase) dicts with those three and
+    ``causes`` ({cause: dense calls})."""
+
+    dense: int = 0
+    fused: int = 0
+    allowed: int = 0
+    rows: Tuple[Dict[str, Any], ...] = field(default_factory=tuple)
+
+    def metrics(self) -> Dict[str, float]:
+        """``{"fusionguard/dense_calls": ..., "fusionguard/fused_calls": ..., "fusionguard/allowed_calls": ...}``."""
+        return {DENSE: float(self.dense), FUSED: float(self.fused), ALLOWED: float(self.allowed)}
+
+
+class Verdict(NamedTuple):
+    """One line on a span of calls (``text``) and whether it is all fused (``ok``)."""
+
+    text: str
+    ok: bool
+
+
+class _Tally:
+    """The calls counted since a point: fed by ``Stats`` (``STATE.stats.taps``) under its lock."""
+
+    def __init__(self) -> None:
+        self.rows: Dict[Tuple[str, str], List[Any]] = {}  # (layer, phase) -> [dense, fused, allowed, {cause: n}]
+
+    def _row(self, layer: str, phase: str) -> List[Any]:
+        row = self.rows.get((layer, phase))
+        if row is None:
+            row = self.rows[(layer, phase)] = [0, 0, 0, {}]
+        return row
+
+    def on_dense(self, layer: str, phase: str, cause: Optional[str], allowed: bool) -> None:
+        row = self._row(layer, phase)
+        if allowed:
+            row[2] += 1
+            return
+        row[0] += 1
+        if cause:
+            row[3][cause] = row[3].get(cause, 0) + 1
+
+    def on_fused(self, layer: str, phase: str, n: int) -> None:
+        self._row(layer, phase)[1] += n
+
+    def counts(self) -> Counts:
+        with STATE.stats.lock:
+            items = [(k, list(v[:3]) + [dict(v[3])]) for k, v in self.rows.items()]
+        rows = tuple(
+            {"layer": layer, "phase": phase, "dense": d, "fused": f, "allowed": a, "calls": d + f + a, "causes": c}
+            for (layer, phase), (d, f, a, c) in sorted(items, key=lambda kv: (kv[0][0] == NO_LAYER, kv[0]))
+        )
+        return Counts(sum(r["dense"] for r in rows), sum(r["fused"] for r in rows), sum(r["allowed"] for r in rows), rows)
+
+
+def _tap(tally: _Tally, on: bool, instead_of: Optional[_Tally] = None) -> None:
+    stats = STATE.stats
+    with stats.lock:
+        taps = tuple(t for t in stats.taps if t is not tally and t is not instead_of)
+        stats.taps = taps + (tally,) if on else taps
+
+
+class _Held:
+    """A session's counters and watch, apart from it: what its finalizer undoes."""
+
+    def __init__(self) -> None:
+        self.total = _Tally()
+        self.step = _Tally()
+        self.watch: Any = None
+
+
+_IDS = itertools.count(1)
+_LIVE: "weakref.WeakSet[Session]" = weakref.WeakSet()  # started, not ended
+_OWNERS: Dict[int, Tuple[Any, Any]] = {}  # id(model) -> (weak model, weak session watching it)
+_TOLD: set = set()  # conflicts said (once per process)
+_LOCK = threading.RLock()
+
+
+def unwrap(model: Any) -> Any:
+    """The model under DataParallel / DistributedDataParallel / FSDP1 wrappers (their ``module``);
+    a ``torch.compile`` wrapper is kept: ``watch()`` names through it and hooks nothing inside."""
+    import torch  # lazy: torch loads with the first watched model, never when this module is imported
+
+    wrappers: Tuple[type, ...] = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel  # lazy: an optional part of torch
+
+        wrappers += (FullyShardedDataParallel,)
+    except Exception:
+        pass
+    for _ in range(8):
+        inner = getattr(model, "module", None)
+        if not (isinstance(model, wrappers) and isinstance(inner, torch.nn.Module)):
+            break
+        model = inner
+    return model
+
+
+def _end_watch(watch: Any) -> None:
+    try:
+        watch.__exit__(None, None, None)
+    except Exception as exc:
+        internal_error("session watch exit", exc)
+
+
+class Session:
+    """One hold on fusionguard around a model: ``fusionguard.track(...)`` makes one (module
+    docstring); ``start()`` / ``stop()`` for callbacks, or ``with``."""
+
+    def __init__(self, model: Any = None, *, strict: Any = UNSET, log_path: Any = UNSET, memory: bool = True,
+                 hooks: bool = True, name: str = "fusionguard.track()", **options: Any) -> None:
+        named = dict(options) if strict is UNSET else {**options, "strict": strict}
+        try:  # enable()'s own checks, now, naming the session's maker
+            check_options(options)
+            Config(**named)
+            if log_path is not UNSET:
+                check_log_path(log_path)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(str(exc).replace("fusionguard.enable()", name)) from None
+        self.name = name
+        self._named = named
+        self._log_path = log_path
+        self._memory = bool(memory)
+        #: False: names only, no hooks (set before ``start()``; a framework that compiles the model later)
+        self.hooks = bool(hooks)
+        self._model = model
+        self._id = next(_IDS)
+        self._lock = threading.RLock()
+        self._started = False
+        self._off: Optional[str] = None
+        self._mine: Any = None  # the Config of the enable() this session made
+        self._over: Any = None  # (the launcher's Config, the one this session put in its place)
+        self._h = _Held()  # what the finalizer needs: counters and the watch
+        self._watched: Any = None  # the model the watch is on
+        self._seen: Tuple[Any, int] = (None, 0)  # (log, seq) for new_events()
+        self._bound: List[Any] = []
+        weakref.finalize(self, _finalize, self._h).atexit = False  # (the process's exit has its own end: at_exit)
+
+    # -- life ---------------------------------------------------------------------------------------
+    def start(self) -> "Session":
+        """Enable or join (the rule in the module docstring), watch the model, count from here.
+        A second call does nothing."""
+        with self._lock:
+            if self._started:
+                return self
+            self._started = True
+            self._off = None
+            self._join()
+            if self._off is not None:
+                return self
+            self._h.total, self._h.step = _Tally(), _Tally()
+            _tap(self._h.total, True)
+            _tap(self._h.step, True)
+            self._seen = (STATE.log, STATE.log.seq)
+            with _LOCK:
+                _LIVE.add(self)
+            me, held = weakref.ref(self), self._h  # (the registry must not keep a dropped session alive)
+            STATE.patches.add_hook(self._key(), lambda: _if_alive(me, Session._ended_by_disable), lambda: held.watch is None)
+            if self._model is not None:
+                self._follow(self._model)
+        return self
+
+    def stop(self) -> None:
+        """End the session: its hooks come off, its counts stop; if it enabled fusionguard and no
+        other session is running, disable (the launcher's settings come back if it replaced them)."""
+        with self._lock:
+            if not self._started:
+                return
+            self._started = False
+            STATE.patches.remove(self._key())  # (the entry's undo ends the watch and the counts)
+            self._end(None)
+            with _LOCK:
+                _LIVE.discard(self)
+                others = [s for s in _LIVE if s._started]
+            self._hand_over(others)
+
+    def __enter__(self) -> "Session":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def bind(self, owner: Any) -> "Session":
+        """End the session when ``owner`` (a Trainer, say) is garbage-collected."""
+        try:
+            end = weakref.finalize(owner, Session.stop, self)
+            end.atexit = False  # (at the process's exit fusionguard's own end runs, as without a session)
+            self._bound.append(end)
+        except TypeError:  # (no weak references to it: the session ends with itself or the process)
+            pass
+        return self
+
+    def follow(self, model: Any) -> None:
+        """Watch ``model`` from now on (the framework swapped it: ``model_init``, a wrapper, a
+        compiled or unwrapped model); the same module again does nothing."""
+        with self._lock:
+            self._model = model
+            if self._started and self._off is None:
+                self._follow(model)
+
+    # -- what it knows --------------------------------------------------------------------------------
+    @property
+    def model(self) -> Any:
+        """The model watched (unwrapped), or the one given."""
+        return self._watched if self._watched is not None else self._model
+
+    @property
+    def active(self) -> bool:
+        """Started, not ended, and fusionguard is on."""
+        return self._started and self.off is None
+
+    @property
+    def off(self) -> Optional[str]:
+        """Why fusionguard checks nothing for this session (``FUSIONGUARD=off``, ``disable()``), or None."""
+        if self._off is None and self._started and not fusionguard.is_enabled():
+            self._off = DISABLED
+        return self._off
+
+    @property
+    def mode(self) -> Optional[str]:
+        """The running mode (``strict``, ``warn``, ``oom``), None when off."""
+        return STATE.config.mode if self.active else None
+
+    @property
+    def log_path(self) -> Optional[str]:
+        """The log file being written (resolved), None when there is none or fusionguard is off."""
+        return STATE.config.log_path if self.active else None
+
+    def counts(self) -> Counts:
+        """Every call counted since the session started."""
+        return self._h.total.counts()
+
+    def step(self) -> Counts:
+        """The calls since the last ``step()`` (or the start), and a new step from here."""
+        with self._lock:
+            old, self._h.step = self._h.step, _Tally()
+            if self._started and self._off is None:
+                _tap(self._h.step, True, instead_of=old)  # (one swap: no call falls between the two)
+        return old.counts()
+
+    def pending(self) -> Counts:
+        """The calls since the last ``step()``, without starting a new one."""
+        return self._h.step.counts()
+
+    def metrics(self, counts: Optional[Counts] = None) -> Dict[str, float]:
+        """``counts`` (default: since the start) as metric keys, with ``fusionguard/peak_layer_bytes``
+        where a watched layer's peak was measured (CUDA); empty when fusionguard is off (never a
+        false 0)."""
+        if self.off is not None:
+            return {}
+        out = (counts or self.counts()).metrics()
+        try:
+            peaks = [r["peak_delta_max"] for r in STATE.stats.summary() if r.get("peak_delta_max") is not None]
+            if self._h.watch is not None and peaks:
+                out[PEAK] = float(max(peaks))
+        except Exception as exc:
+            internal_error("session metrics", exc)
+        return out
+
+    def verdict(self, label: str, counts: Optional[Counts] = None) -> Verdict:
+        """One line on ``counts`` (default: since the last ``step()``), e.g. ``fusionguard: step 1:
+        2 FlexAttention layers, forward fused 2/2, backward fused 2/2``; what ran dense and why,
+        what never ran flex; or why fusionguard is off."""
+        if self.off is not None:
+            return Verdict(f"fusionguard: {label}: no verdict: {self.off}; FlexAttention calls are not checked", True)
+        try:
+            return _verdict(label, counts or self.pending(), self.model)
+        except Exception as exc:
+            internal_error("session verdict", exc)
+            return Verdict(f"fusionguard: {label}: no verdict (internal error, see the log)", True)
+
+    def summary(self) -> Summary:
+        """The session's rows since it started, as a table (``fusionguard.summary()`` counts the process)."""
+        return Summary(self.counts().rows)
+
+    def summary_text(self, ended_by: Optional[BaseException] = None) -> str:
+        """The summary table, or one line when there is nothing to show (fusionguard off, no call,
+        a run that ended on ``ended_by`` before any call)."""
+        if self.off is not None:
+            return f"fusionguard: {self.off}; FlexAttention calls were not checked"
+        counts = self.counts()
+        ended = f"the run ended on {type(ended_by).__name__}" if ended_by is not None else ""
+        if not counts.rows:
+            return f"fusionguard: {ended + ' ' if ended else ''}no FlexAttention call was counted" + (" before it" if ended else "")
+        return (f"fusionguard: {ended}\n" if ended else "") + str(Summary(counts.rows))
+
+    def new_events(self) -> List[Dict[str, Any]]:
+        """The events logged since the last call (or the start), oldest first (from the
+        in-memory ring: ``enable(max_events=...)`` bounds how many can be seen at once)."""
+        log = STATE.log
+        last_log, last_seq = self._seen
+        if log is not last_log:  # (fusionguard's state was reset: a new log, seq from 0)
+            last_seq = 0
+        if log is last_log and log.seq == last_seq:
+            return []
+        self._seen = (log, log.seq)
+        fresh: List[Dict[str, Any]] = []
+        for event in reversed(list(log.memory)):  # list(): a snapshot, threads may append
+            if event.get("seq", 0) <= last_seq:
+                break
+            fresh.append(dict(event))
+        fresh.reverse()
+        return fresh
+
+    def restore(self) -> None:
+        """Put the session's own settings back if the program changed them (its own ``enable()``
+        or ``disable()``): for a test runner between tests. Starts the session if it had ended."""
+        if self._off == KILL_SWITCH:
+            return
+        with self._lock:
+            if not fusionguard.is_enabled() or self._differs():
+                self._started = False
+                self._off = None
+                fusionguard._enable_as("session", **self._settings())
+                self._mine = STATE.config
+            self.start()
+
+    @contextlib.contextmanager
+    def guarded(self, where: str) -> Iterator[None]:
+        """For an integration's own bookkeeping: an unexpected error inside is logged once
+        (``internal_error``) and the host program goes on; ``DenseFallbackError`` passes."""
+        try:
+            yield
+        except fusionguard.DenseFallbackError:
+            raise
+        except Exception as exc:
+            internal_error(f"{self.name} {where}", exc)
+
+    def crashed(self, exc: BaseException, where: str) -> None:
+        """The run ends on ``exc``: the ``crash`` record (with ``where``) and the pending counts,
+        written now (a framework that tears down before the excepthook would run)."""
+        if not self.active:
+            return
+        with self.guarded("crash record"):
+            from fusionguard.eventlog import crash  # lazy: only on a crash
+
+            crash.record(exc, where=where)
+            STATE.log.flush_sampler()
+
+    def ranks_with_dense(self, dense: bool) -> List[int]:
+        """The ranks whose ``dense`` is true, the same list on every rank: under several processes a
+        collective every rank must call (one small all-reduce); one process: ``[0]`` or ``[]``."""
+        from fusionguard.core.distributed import process_group_ready  # lazy: only for stop_on_dense
+
+        if not process_group_ready():
+            return [0] if dense else []
+        try:
+            import torch  # lazy: as above
+            import torch.distributed as dist  # lazy: as above
+
+            nccl = "nccl" in str(dist.get_backend()) and torch.cuda.is_available()
+            flags = torch.zeros(dist.get_world_size(), dtype=torch.int32,
+                                device=torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu")
+            flags[dist.get_rank()] = int(dense)
+            dist.all_reduce(flags)
+            return [r for r, flag in enumerate(flags.tolist()) if flag]
+        except Exception as exc:
+            internal_error("session ranks_with_dense", exc)
+            return [0] if dense else []
+
+    # -- inside ---------------------------------------------------------------------------------------
+    def _key(self) -> str:
+        return f"session {self._id} ({self.name})"
+
+    def _settings(self) -> Dict[str, Any]:
+        return dict(self._named) if self._log_path is UNSET else {**self._named, "log_path": self._log_path}
+
+    def _wanted(self) -> Dict[str, Any]:
+        """What the session names, as the running Config spells it."""
+        want = {k: v for k, v in self._named.items() if k not in ("strict", "mode")}
+        if "strict" in self._named or "mode" in self._named:
+            want["mode"] = Config(**{k: v for k, v in self._named.items() if k in ("strict", "mode")}).mode
+        if self._log_path is not UNSET:
+            want["log_path"] = None if self._log_path is False else self._log_path
+        return want
+
+    def _differs(self) -> Dict[str, Tuple[Any, Any]]:
+        now = STATE.config
+        out = {}
+        for k, v in self._wanted().items():
+            have = getattr(now, k)
+            if k == "log_path" and isinstance(v, (str, os.PathLike)):
+                v = os.path.abspath(os.path.expanduser(os.fspath(v)))
+                if os.path.isdir(v) and have is not None and os.path.dirname(have) == v:
+                    continue
+            if have != v and not (k == "log_path" and v is True):
+                out[k] = (have, v)
+        return out
+
+    def _join(self) -> None:
+        if switched_off():
+            self._off = KILL_SWITCH
+            return
+        if not fusionguard.is_enabled():
+            fusionguard._enable_as("session", **self._settings())
+            self._mine = STATE.config if fusionguard.is_enabled() else None
+            return
+        differ = self._differs()
+        if not differ:
+            return
+        if STATE.enabled_by in ("launcher", "session"):  # defaults: the session's explicit settings win
+            before, by = STATE.config, STATE.enabled_by
+            fusionguard._enable_as("session", **self._settings())
+            if by == "launcher":
+                self._over = (before, STATE.config)
+            return
+        running = ", ".join(f"{k}={have!r}" for k, (have, _) in sorted(differ.items()))
+        wanted = ", ".join(f"{k}={want!r}" for k, (_, want) in sorted(differ.items()))
+        key = (self.name, wanted, running)
+        if key not in _TOLD:
+            _TOLD.add(key)
+            say(f"fusionguard: {self.name} asked for {wanted}, but the program's own fusionguard.enable() set "
+                f"{running}: the program's settings stand (pass them to that enable(), or leave them out of {self.name})\n")
+
+    def _follow(self, model: Any) -> None:
+        try:
+            import torch  # lazy: torch loads with the first watched model, never when this module is imported
+
+            inner = unwrap(model)
+            if not isinstance(inner, torch.nn.Module) or inner is self._watched:
+                return
+            from fusionguard.watching.watcher import Watch  # lazy: it imports torch
+
+            self._unwatch()
+            with _LOCK:  # one session per model: the newest takes the hooks over
+                ref, owner = _OWNERS.get(id(inner), (None, None))
+                other = owner() if owner is not None and ref is not None and ref() is inner else None
+                if other is not None and other is not self:
+                    other._unwatch()
+                self._h.watch = Watch(inner, memory=self._memory, hooks=self.hooks).__enter__()
+                self._watched = inner
+                try:
+                    _OWNERS[id(inner)] = (weakref.ref(inner), weakref.ref(self))
+                except TypeError:
+                    pass
+        except Exception as exc:
+            internal_error("session watch", exc)
+
+    def _unwatch(self) -> None:
+        with _LOCK:
+            w, self._h.watch = self._h.watch, None
+            inner, self._watched = self._watched, None
+            if inner is not None:
+                ref, owner = _OWNERS.get(id(inner), (None, None))
+                if owner is not None and owner() is self:
+                    del _OWNERS[id(inner)]
+        if w is not None:
+            _end_watch(w)
+
+    def _end(self, why: Optional[str]) -> None:
+        self._unwatch()
+        _tap(self._h.total, False)
+        _tap(self._h.step, False)
+        if why is not None:
+            self._off = why
+        for f in self._bound:
+            f.detach()
+        self._bound = []
+
+    def _ended_by_disable(self) -> None:
+        """``disable()`` (the registry's undo; also run by ``stop()``, then a no-op): hooks off,
+        counts stop, the session says so."""
+        if not self._started:
+            return
+        self._started = False
+        self._end(DISABLED)
+        with _LOCK:
+            _LIVE.discard(self)
+
+    def _hand_over(self, others: List["Session"]) -> None:
+        """What this session enabled (or replaced) passes to a running session, else is undone."""
+        mine, self._mine = self._mine, None
+        over, self._over = self._over, None
+        if not fusionguard.is_enabled():
+            return
+        if others:
+            if mine is not None and STATE.config is mine:
+                others[-1]._mine = mine
+            if over is not None and others[-1]._over is None:
+                others[-1]._over = over
+            return
+        try:
+            if mine is not None and STATE.config is mine:
+                fusionguard.disable()
+            elif over is not None and STATE.config is over[1]:
+                launcher = over[0]
+                back = {k: getattr(launcher, k) for k in self._wanted() if k != "log_path"}
+                if "log_path" in self._wanted():
+                    back["log_path"] = launcher.log_path if launcher.log_path is not None else False
+                fusionguard._enable_as("launcher", **back)
+        except Exception as exc:
+            internal_error("session stop", exc)
+
+
+def _if_alive(ref: Any, method: Any) -> None:
+    obj = ref()
+    if obj is not None:
+        method(obj)
+
+
+def _finalize(held: _Held) -> None:
+    """The session was garbage-collected without ``stop()``: its hooks come off, its counters out."""
+    try:
+        _tap(held.total, False)
+        _tap(held.step, False)
+        w, held.watch = held.watch, None
+        if w is not None:
+            _end_watch(w)
+    except Exception:
+        pass
+
+
+def track(model: Any = None, *, strict: Any = UNSET, log_path: Any = UNSET, memory: bool = True, hooks: bool = True,
+          **options: Any) -> Session:
+    """A session around ``model`` (module docstring): ``with fusionguard.track(model, strict=True):``,
+    or ``fg = fusionguard.track(model).start()`` ... ``fg.stop()``.
+
+    strict, log_path, options: ``enable()``'s (``mode="oom"``, ``rescue=True``...), checked now;
+    only what is named is applied (the rule in the module docstring). memory: per-layer CUDA
+    memory (``watch()``'s). hooks=False: names only, no hooks (a model the framework compiles
+    after the session starts). ``model`` may be None (counts only) and set later (``follow``)."""
+    return Session(model, strict=strict, log_path=log_path, memory=memory, hooks=hooks, **options)
+
+
+def describe(event: Dict[str, Any]) -> str:
+    """The human verdict of a dense ``flex_call`` event (the text of ``DenseFallbackError``)."""
+    from fusionguard.dense.guard import format_message  # lazy: it imports torch
+
+    return format_message(event)
+
+
+# -- the verdict line --------------------------------------------------------------------------------
+
+
+def _verdict(label: str, counts: Counts, model: Any) -> Verdict:
+    rows = [r for r in counts.rows if r["layer"] != NO_LAYER and (r["dense"] or r["fused"])]
+    layers = sorted({r["layer"] for r in rows})
+    impl = ti.attn_implementation(model) if model is not None else None
+    impl_text = f" (config._attn_implementation={impl!r})" if impl else ""
+    if not layers:
+        if counts.dense:
+            return Verdict(f"fusionguard: {label}: {counts.dense} dense FlexAttention call(s) outside any watched layer", False)
+        if counts.allowed:
+            return Verdict(f"fusionguard: {label}: {counts.allowed} allowed dense FlexAttention call(s) (allow_dense()), none fused", True)
+        return Verdict(f"fusionguard: {label}: no FlexAttention call: the model never ran flex{impl_text}", False)
+    parts = [f"fusionguard: {label}: {len(layers)} FlexAttention layer{'s' if len(layers) != 1 else ''}"]
+    dense_rows = [r for r in rows if r["dense"]]
+    for phase in ("forward", "backward"):
+        ran = {r["layer"] for r in rows if r["phase"] == phase}
+        if ran:
+            clean = {r["layer"] for r in rows if r["phase"] == phase and not r["dense"]}
+            parts.append(f"{phase} fused {len(clean)}/{len(layers)}")
+    text = ", ".join(parts)
+    ok = not dense_rows and counts.dense == 0
+    if dense_rows:
+        text += "; dense: " + "; ".join(_dense_text(r) for r in dense_rows[:4])
+        if len(dense_rows) > 4:
+            text += f"; +{len(dense_rows) - 4} more"
+    never = _never_ran(layers, model)
+    if never:
+        ok = False
+        shown = ", ".join(never[:4]) + (f", +{len(never) - 4} more" if len(never) > 4 else "")
+        text += f"; never ran flex: {shown}{impl_text}"
+    return Verdict(text, ok)
+
+
+def _dense_text(row: Dict[str, Any]) -> str:
+    causes = ", ".join(sorted(row.get("causes") or {})) or "cause unknown"
+    return f"{row['layer']} {row['phase']} x{row['dense']} ({causes})"
+
+
+def _never_ran(layers: List[str], model: Any) -> List[str]:
+    """Modules of the same classes as the layers that ran flex, which did not."""
+    if model is None:
+        return []
+    try:
+        from fusionguard.watching import clean_name  # lazy: it imports torch
+
+        named = {clean_name(n): m for n, m in model.named_modules()}
+        classes = {type(named[name]) for name in layers if name in named}
+        return sorted(n for n, m in named.items() if type(m) in classes and n not in layers)
+    except Exception as exc:
+        internal_error("session never-ran", exc)
+        return []
+
+
+def _iter_live() -> Iterator[Session]:  # (tests)
+    with _LOCK:
+        return iter(list(_LIVE))

@@ -1,0 +1,274 @@
+"""#33: the public session object, ``fusionguard.track(model)``, on CPU (eager FlexAttention
+runs the dense kernels: inference only, no backward on CPU).
+
+Its counts are its own (from its start, by layer, phase and cause, per-step deltas); the rule
+for who wins (launcher < session < the program's own enable(), a conflict said once); it owns
+its model's hooks (one session per model, ended by stop(), an exception, garbage collection of
+what it is bound to, disable()); a model pickles and deep-copies during and after it; it says
+when fusionguard is off instead of a verdict.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import io
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import flex_attention
+
+import fusionguard
+from fusionguard.core import state as _state
+from conftest import Lines
+
+D = 8
+
+
+class Attn(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(D, D)
+
+    def forward(self, x):
+        return self.proj(flex_attention(x, x, x))
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([Attn(), Attn()])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def x():
+    return torch.randn(1, 2, 16, D, generator=torch.Generator().manual_seed(0))
+
+
+def run(model, n=1):
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(n):
+            model(x())
+
+
+def hooks(model):
+    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+
+
+@pytest.fixture
+def clean(monkeypatch):
+    monkeypatch.delenv("FUSIONGUARD", raising=False)
+    yield
+    fusionguard.disable()
+    _state.reset_for_tests()
+
+
+@pytest.fixture
+def said():
+    handler = Lines()
+    logging.getLogger("fusionguard").addHandler(handler)
+    yield handler
+    logging.getLogger("fusionguard").removeHandler(handler)
+
+
+def test_public_and_documented():
+    assert {"track", "Session"} <= set(fusionguard.__all__)
+    assert fusionguard.track.__doc__ and fusionguard.Session.__doc__
+
+
+def test_counts_are_its_own_by_layer_phase_and_cause_with_step_deltas(clean):
+    model = Net()
+    with fusionguard.track(model, log_path=False) as fg:
+        run(model, 2)
+        first = fg.step()
+        run(model)
+        with fusionguard.allow_dense():
+            run(model)
+        second = fg.step()
+        total = fg.counts()
+    assert (first.dense, first.fused, first.allowed) == (4, 0, 0)
+    assert (second.dense, second.allowed) == (2, 2)
+    assert (total.dense, total.allowed) == (6, 2)
+    assert [(r["layer"], r["phase"], r["dense"], r["allowed"], r["causes"]) for r in total.rows] == [
+        ("layers.0", "forward", 3, 1, {"eager_call": 3}), ("layers.1", "forward", 3, 1, {"eager_call": 3})]
+    assert first.metrics() == {"fusionguard/dense_calls": 4.0, "fusionguard/fused_calls": 0.0, "fusionguard/allowed_calls": 0.0}
+    # a second session on the same model counts from its own start: causes are not counted twice
+    with fusionguard.track(model, log_path=False) as again:
+        run(model)
+    assert [r["causes"] for r in again.counts().rows] == [{"eager_call": 1}, {"eager_call": 1}]
+    assert fusionguard.summary()[0]["causes"] == {"eager_call": 5}  # (the process's table: all, the allowed one too)
+
+
+def test_the_verdict_and_the_summary(clean):
+    model = Net()
+    with fusionguard.track(model, log_path=False) as fg:
+        run(model)
+        verdict = fg.verdict("step 1")
+    assert verdict == ("fusionguard: step 1: 2 FlexAttention layers, forward fused 0/2; dense: "
+                       "layers.0 forward x1 (eager_call); layers.1 forward x1 (eager_call)", False)
+    assert "layers.1" in str(fg.summary()) and "eager_call" in fg.summary_text()
+    empty = fusionguard.track(Net(), log_path=False).start()
+    assert empty.summary_text(KeyboardInterrupt()) == (
+        "fusionguard: the run ended on KeyboardInterrupt no FlexAttention call was counted before it")
+    empty.stop()
+
+
+def test_strict_on_the_session_beats_the_launchers_default_and_stop_puts_it_back(clean):
+    fusionguard._enable_as("launcher", mode="warn", log_path=False)  # what FUSIONGUARD=warn does at torch import
+    model = Net()
+    with fusionguard.track(model, strict=True) as fg:
+        assert fg.mode == "strict"
+        with pytest.raises(fusionguard.DenseFallbackError):
+            run(model)
+    assert (_state.STATE.config.mode, _state.STATE.enabled_by) == ("warn", "launcher")
+
+
+def test_under_fusionguard_run_strict_session_blocks(tmp_path):
+    """The launcher for real: FUSIONGUARD=warn and the start-up hook on PYTHONPATH."""
+    from fusionguard import activate
+
+    code = (
+        "import sys, torch, fusionguard\n"
+        f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+        "from test_session import Net, x\n"
+        "assert fusionguard.is_enabled()\n"
+        "m = Net()\n"
+        "with fusionguard.track(m, strict=True):\n"
+        "    try:\n"
+        "        with torch.no_grad(): m(x())\n"
+        "    except fusionguard.DenseFallbackError: print('blocked')\n"
+    )
+    env = {**os.environ, "FUSIONGUARD": "warn", "FUSIONGUARD_LOG": str(tmp_path / "fg.jsonl"),
+           "PYTHONPATH": os.pathsep.join([activate.HOOK_DIR, os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip() == "blocked", out.stderr
+
+
+def test_the_programs_own_enable_wins_and_the_conflict_is_said_once(clean, said):
+    fusionguard.enable(strict=False, log_path=False)
+    model = Net()
+    for _ in range(3):
+        with fusionguard.track(model, strict=True) as fg:
+            assert fg.mode == "warn"
+            run(model)
+    told = [m for m in said.lines if "asked for" in m]
+    assert told == ["fusionguard: fusionguard.track() asked for mode='strict', but the program's own fusionguard.enable() set "
+                    "mode='warn': the program's settings stand (pass them to that enable(), or leave them out of fusionguard.track())"]
+    assert fusionguard.is_enabled()  # (the session did not enable it: it does not disable it)
+
+
+def test_a_session_that_enabled_disables_at_stop_a_joined_one_does_not(clean):
+    with fusionguard.track(Net(), log_path=False):
+        assert fusionguard.is_enabled()
+        with fusionguard.track(Net()) as inner:
+            assert inner.active
+        assert fusionguard.is_enabled()
+    assert not fusionguard.is_enabled()
+
+
+def test_off_says_so_instead_of_a_verdict(clean, monkeypatch):
+    monkeypatch.setenv("FUSIONGUARD", "off")
+    model = Net()
+    with fusionguard.track(model) as fg:
+        run(model)
+        assert fg.off.startswith("FUSIONGUARD=off")
+        assert fg.verdict("step 1").text == ("fusionguard: step 1: no verdict: FUSIONGUARD=off in the environment (the kill switch); "
+                                             "FlexAttention calls are not checked")
+        assert fg.metrics() == {} and hooks(model) == 0
+    monkeypatch.delenv("FUSIONGUARD")
+    fg = fusionguard.track(model, log_path=False).start()
+    fusionguard.disable()
+    run(model)
+    assert fg.off == "fusionguard.disable() was called" and fg.metrics() == {}
+    assert "no verdict: fusionguard.disable() was called" in fg.verdict("step 2").text
+
+
+def test_disable_removes_every_hook_of_every_session(clean):
+    models = [Net() for _ in range(3)]
+    sessions = [fusionguard.track(m, log_path=False).start() for m in models]
+    assert all(hooks(m) > 0 for m in models)
+    fusionguard.disable()
+    assert [hooks(m) for m in models] == [0, 0, 0]
+    assert not any(s.active for s in sessions)
+
+
+def test_one_session_per_model_a_new_one_takes_the_hooks_over(clean):
+    model = Net()
+    fusionguard.enable(log_path=False)
+    one = fusionguard.track(model).start()
+    per_session = hooks(model)
+    kept = [fusionguard.track(model).start() for _ in range(20)]  # a notebook cell run 20 times
+    assert hooks(model) == per_session
+    for s in kept:
+        s.stop()
+    one.stop()
+    assert hooks(model) == 0
+
+
+def test_an_exception_ends_it_and_so_does_the_owner_going_away(clean):
+    model = Net()
+    with pytest.raises(KeyError):
+        with fusionguard.track(model, log_path=False):
+            raise KeyError("boom")
+    assert hooks(model) == 0 and not fusionguard.is_enabled()
+
+    class Owner:
+        pass
+
+    owner = Owner()
+    fg = fusionguard.track(model, log_path=False).start().bind(owner)
+    assert hooks(model) > 0
+    del owner
+    gc.collect()
+    assert hooks(model) == 0 and not fg.active
+    fg2 = fusionguard.track(model, log_path=False).start()
+    assert hooks(model) > 0
+    del fg2  # the session itself, dropped without stop()
+    gc.collect()
+    assert hooks(model) == 0
+
+
+def test_a_model_pickles_and_copies_during_and_after_watch_and_a_session(clean, tmp_path):
+    model = Net()
+    fusionguard.enable(log_path=False)
+    for ctx in (lambda: fusionguard.watch(model), lambda: fusionguard.track(model)):
+        with ctx():
+            buf = io.BytesIO()
+            torch.save(model, buf)
+            clone = copy.deepcopy(model)
+            loaded = pickle.loads(pickle.dumps(model))
+            run(clone)  # the copy carries inert hooks: never counted as the watched layers
+            run(loaded)
+        assert not {e["layer"] for e in fusionguard.events("flex_call")} & {"layers.0", "layers.1"}
+        torch.save(model, tmp_path / "m.pt")
+        copy.deepcopy(model)
+        buf.seek(0)
+        run(torch.load(buf, weights_only=False))
+    assert hooks(model) == 0
+
+
+def test_follow_watches_the_swapped_model(clean):
+    first, second = Net(), Net()
+    with fusionguard.track(first, log_path=False) as fg:
+        fg.follow(torch.nn.DataParallel(second))  # unwrapped
+        assert hooks(first) == 0 and hooks(second) > 0 and fg.model is second
+        run(second)
+    assert {r["layer"] for r in fg.counts().rows} == {"layers.0", "layers.1"}
+
+
+def test_options_are_checked_when_the_session_is_made():
+    with pytest.raises(ValueError, match=r"^fusionguard.track\(\): mode"):
+        fusionguard.track(mode="stirct")
+    with pytest.raises(TypeError, match="unknown option"):
+        fusionguard.track(fsynk=True)
