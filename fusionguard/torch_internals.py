@@ -433,6 +433,16 @@ def current_compile_id() -> Any:
         return None
 
 
+def current_compile() -> Any:
+    """The Dynamo compile running on this thread (its ``CompileContext``, one object per frame
+    compile: compile ids start again after ``torch._dynamo.reset()``), or None."""
+    context = _dynamo_attr("torch._guards", "CompileContext")
+    try:
+        return context.try_get() if context is not None else None
+    except Exception:
+        return None
+
+
 def entry_compile_id(entry: Any) -> Any:
     """The compile id of one of Dynamo's cache entries (2.5+), or None."""
     return getattr(entry, "compile_id", None)

@@ -34,10 +34,9 @@ from fusionguard.eventlog.kinds import CAUSES
 from fusionguard.eventlog.messages import dense_text
 from fusionguard.core.tensors import tensor_fields
 from fusionguard.core.state import STATE, count, dense_allowed_here, internal_error
-from fusionguard.dense.dynamo_signals import SIGNALS, reason_summary
-from fusionguard.core.frames import is_torch_file
+from fusionguard.dense.dynamo_signals import SIGNALS
 from fusionguard.errors import DenseFallbackError
-from fusionguard.torch_internals import debug_flag_on, dynamo_counters, dynamo_skips_frames, eval_frame_callback, is_concrete, is_fullgraph_hook, nested_flex_codes
+from fusionguard.torch_internals import debug_flag_on, dynamo_skips_frames, eval_frame_callback, is_concrete, is_fullgraph_hook, nested_flex_codes
 from fusionguard.watching import naming, paths
 
 # Set by FlexAttentionAutogradOp.forward's wrapper: the dense forward drops its record here so
@@ -73,17 +72,15 @@ def _note_inlined(phase: str) -> int:
         return 0
     info: Dict[str, Any] = {"phase": phase}
     try:
-        # Dynamo's own graph-break reasons (first lines), oldest first: the first is usually the
-        # root cause (e.g. a print in score_mod); and the user frames Dynamo gave up on.
-        reasons = [reason_summary(r) for r in dynamo_counters("graph_break")]
-        if reasons:
-            info["graph_breaks"] = reasons[:3]
-        SIGNALS.read_metrics()
-        failed = [f"{i['function']} ({i['file']}:{i['line']}): {i.get('reason')}" for i in SIGNALS.frame_failure.values() if not is_torch_file(i["file"])]
+        # Dynamo's graph-break reasons recorded since this frame's compile began (the first is
+        # usually the root cause, e.g. a print in score_mod), never another frame's; and the
+        # frames it gave up on meanwhile (none of PyTorch's or fusionguard's own).
+        reasons, failed = SIGNALS.this_frame(sys._getframe(1))
+        info["graph_breaks"] = reasons[:3] if reasons else "not known"
         if failed:
             info["frames"] = failed[-3:]
     except Exception:
-        pass
+        info["graph_breaks"] = "not known"
     token = next(_TOKENS)
     notes = STATE.caches.inline_notes
     notes[token] = info
@@ -481,6 +478,7 @@ def _hook_free(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 _skip_frames(_hook_free, nested=True)
 _skip_frames(is_fullgraph_hook, nested=True)
+_skip_frames(is_concrete, nested=True)  # never a frame Dynamo compiles (it gave up on it, a record of ours, #35)
 _frame_hook = eval_frame_callback()
 
 
