@@ -320,6 +320,8 @@ def _check_dense(rt: Runtime, phase: str, args: tuple, kwargs: dict, frame: Any)
         diagnosis = causes.diagnose_backward(origin, frame)
         call_site = (origin or {}).get("call_site") or frames.user_call_site(frame)
     layer = (origin or {}).get("layer") if phase == "backward" and origin else naming.note_flex_call(frame if phase == "forward" else None)
+    if not (phase == "backward" and origin):  # a graph run op by op (aot_eager): named by its node
+        layer = naming.graph_layer(frame) or layer
     if layer is None and phase == "forward" and frame is not None and not naming.is_watching():
         layer = paths.caller_name(frame)  # (no watch(): the module whose forward made the call)
     # The debug flag is the user asking for the dense path, as allow_dense() is: logged, never
