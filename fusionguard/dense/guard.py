@@ -26,7 +26,7 @@ import wrapt
 
 from fusionguard.core import frames
 from fusionguard.core.config import Runtime, RuntimeRef
-from fusionguard.dense import causes, memory as dense_memory
+from fusionguard.dense import causes, lse, memory as dense_memory
 from fusionguard.eventlog.crash import sigterm_pending
 from fusionguard.eventlog import profiler as profiling
 from fusionguard.core.formatting import human_bytes, site_text
@@ -358,6 +358,10 @@ def _check_dense(rt: Runtime, phase: str, args: tuple, kwargs: dict, frame: Any)
         fields["layout"] = "nested"
     if origin is not None:
         fields["forward_seq"] = origin.get("seq")
+    if phase == "forward":
+        scale = lse.wrong_scale(_arg(args, kwargs, 6, "kernel_options"), frame)
+        if scale is not None:
+            fields["lse_scale"] = scale  # a FLASH call's LSE, wrong on this release (measured)
     if q.is_cuda and torch.cuda.is_initialized():
         fields["device_name"] = _device_name(q.device.index if q.device.index is not None else torch.cuda.current_device())
     if phase == "forward" and naming.in_backward():
@@ -426,11 +430,11 @@ def make_dense_wrapper(phase: str, runtime: RuntimeRef, original: Callable[..., 
             if token and _dense_out_of_graph_disabled is not None:
                 return _dense_out_of_graph_disabled(token, phase, *args, **kwargs)
             return original(*args, **kwargs)
-        if _is_compiling() or not STATE.enabled:
+        if _is_compiling() or not STATE.enabled or lse.measuring():
             return original(*args, **kwargs)
         if sigterm_pending():  # the process is ending: its shutdown event has the last counts
             return _while_ending(runtime.now, phase, original, args, kwargs)
-        blocked = warning = site = None
+        blocked = warning = site = lse_warning = None
         mark = False
         event: Optional[Dict[str, Any]] = None
         try:  # the messages are built in here too: a bug in them must not reach the user's call
@@ -442,6 +446,8 @@ def make_dense_wrapper(phase: str, runtime: RuntimeRef, original: Callable[..., 
                     blocked = DenseFallbackError(format_message(event), event)
                 elif action == "warn":
                     warning = message(event)
+                if action != "raise" and event.get("lse_scale"):
+                    lse_warning = lse.message(event["lse_scale"])
                 if "seq" in event and (blocked or warning):  # logged in full: also for logging's handlers
                     dense_text(str(blocked) if blocked else str(warning), logging.ERROR if blocked else logging.WARNING)
         except Exception as exc:
@@ -452,6 +458,8 @@ def make_dense_wrapper(phase: str, runtime: RuntimeRef, original: Callable[..., 
             raise blocked
         if warning is not None:
             frames.warn_at_user_line(warning, site)  # outside: a warnings filter set to "error" raises on purpose
+        if lse_warning is not None:
+            frames.warn_at_user_line(lse_warning, site, RuntimeWarning)
         if event is not None and profiling.recording():  # a range in the profiler's timeline, every call
             result = profiling.in_range(functools.partial(profiling.dense_name, event), original, *args, **kwargs)
         else:
