@@ -225,7 +225,7 @@ def format_message(event: Dict[str, Any]) -> str:
         free = event.get("free_bytes")
         lines.append(
             f"  memory:   needs about {human_bytes(event.get('predicted_bytes'))} more"
-            + (f"; the device can still give {human_bytes(free)}" if free is not None and action == "raise" else "")
+            + (f"; this process can still get {human_bytes(free)} on the device" if free is not None and action == "raise" else "")
         )
     lines += [
         f"  cause:    {event.get('cause')}: {CAUSES.get(event.get('cause') or 'unknown', '')}",
@@ -264,7 +264,7 @@ def _foreign_thread() -> bool:
 
 
 def _memory(rt: Runtime, phase: str, args: tuple, kwargs: dict, q: Any, k: Any) -> Tuple[Optional[int], Optional[int]]:
-    """(predicted extra peak bytes of this dense call, what its CUDA device can still give)."""
+    """(predicted extra peak bytes of this dense call, what this process's CUDA allocator can still give)."""
     try:
         if phase == "forward":
             v, score_mod = _arg(args, kwargs, 2, "value"), _arg(args, kwargs, 3, "score_mod")
