@@ -15,6 +15,7 @@ import importlib
 import logging
 import re
 import sys
+import os
 import types
 from typing import Any, Callable, Dict, Optional, Tuple
 import gc
@@ -103,6 +104,8 @@ EVAL_FRAME_FILE = _private("eval_frame.py", "torch._dynamo.eval_frame's file: wh
 WRAPPER_FN = _private("_fn", "torch._dynamo.eval_frame: the function of the compile and disable wrappers")
 COMPILE_WRAPPER_FN = _private("compile_wrapper", "torch._dynamo.eval_frame: the function of the torch.compile wrapper (newer releases)")
 IS_TORCH_HANDLER = _private("_is_torch_handler", "torch._logging._internal: a handler torch._logging added")
+# torch.fx
+FX_CODE_FILE = _private("<eval_with_key>", "torch.fx.graph_module: how the file name of a GraphModule's generated code begins")
 # AOTAutograd
 AOT_RUNTIME_DIR = _private("_aot_autograd", "torch._functorch._aot_autograd: the directory of AOTAutograd's runtime")
 BACKWARD_IMPL = _private("_backward_impl", "AOTAutograd's runtime wrappers: runs the compiled backward")
@@ -441,6 +444,16 @@ def current_compile_id() -> Any:
         return None
 
 
+def current_compile() -> Any:
+    """The Dynamo compile running on this thread (its ``CompileContext``, one object per frame
+    compile: compile ids start again after ``torch._dynamo.reset()``), or None."""
+    context = _dynamo_attr("torch._guards", "CompileContext")
+    try:
+        return context.try_get() if context is not None else None
+    except Exception:
+        return None
+
+
 def entry_compile_id(entry: Any) -> Any:
     """The compile id of one of Dynamo's cache entries (2.5+), or None."""
     return getattr(entry, "compile_id", None)
@@ -558,6 +571,40 @@ def compile_trigger(args: tuple) -> str:
 def graph_source(compiled: Any) -> str:
     """The generated Python source of a ``CompiledFxGraph``, or ``""``."""
     return getattr(compiled, SOURCE_CODE, "") or ""
+
+
+# The frames that call a GraphModule's generated code (nn.Module's call, FX's wrapped call, the
+# lazy forward, a backend's closure such as aot_eager's): their locals hold only the module and
+# its arguments, so reading them keeps no tensor alive; no other frame's locals are read.
+_FX_CALLERS = ("nn/modules/module.py", "fx/", "_dynamo/backends/")
+_FX_HOLDERS = ("self", "obj", "fx_g", "gm", "mod")
+
+
+def running_graph(frame: Any, limit: int = 40) -> Optional[Tuple[Any, int]]:
+    """``(GraphModule, line)`` of the FX graph whose generated code is running at or above
+    ``frame`` (the nearest), and the line of its code running now; None when none is. The module
+    is found in the locals of the few frames of PyTorch's that called that code, never the
+    generated frame's own (reading those before Python 3.13 would keep its dead tensors alive)."""
+    import torch  # lazy: torch loads on first use, never when this module is imported
+
+    f = frame
+    while f is not None and limit > 0 and not f.f_code.co_filename.startswith(FX_CODE_FILE):
+        f, limit = f.f_back, limit - 1
+    if f is None or limit <= 0:
+        return None
+    code, line = f.f_code, f.f_lineno
+    g, depth = f.f_back, 8
+    while g is not None and depth > 0:
+        filename = g.f_code.co_filename.replace(os.sep, "/")
+        names = [n for n in _FX_HOLDERS if n in g.f_code.co_varnames or n in g.f_code.co_freevars]
+        if names and "torch/" in filename and any(part in filename for part in _FX_CALLERS):
+            local = g.f_locals
+            for n in names:
+                gm = local.get(n)
+                if isinstance(gm, torch.fx.GraphModule) and getattr(type(gm).forward, "__code__", None) is code:
+                    return gm, line
+        g, depth = g.f_back, depth - 1
+    return None
 
 
 def module_stack(meta: Any) -> Any:

@@ -188,6 +188,47 @@ def test_graph_break_in_score_mod_under_inductor(guard, dynamo_reset):
         torch.compile(lambda q, k, v: flex_attention(q, k, v, score_mod=noisy))(q, k, v)
 
 
+def _printing(score, b, h, q_idx, kv_idx):
+    print("in score_mod")
+    return score
+
+
+def _breaking(score, b, h, q_idx, kv_idx):
+    torch._dynamo.graph_break()
+    return score
+
+
+def _inlined_evidence(score_mod):
+    """The dense call's evidence when a fresh compile of a frame inlines ``score_mod``'s dense math."""
+    torch._dynamo.reset()  # (a new compile of the frame; Dynamo's graph-break records are kept)
+    before = len(flex_events())
+    torch.compile(lambda q, k, v: flex_attention(q, k, v, score_mod=score_mod))(*qkv())
+    new = flex_events()[before:]
+    assert new and new[0]["cause"] == "graph_break", new
+    return new[0]["evidence"]
+
+
+@pytest.mark.slow
+def test_graph_break_evidence_is_this_frames_only(guard, dynamo_reset):
+    """Two frames that break differently, in both orders: each dense call names its own frame's
+    break, never the other's, and never one of fusionguard's own frames (#35)."""
+    guard()
+    fusionguard.disable()
+    try:
+        torch.compile(lambda q, k, v: flex_attention(q, k, v, score_mod=_printing))(*qkv())
+    except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.InternalTorchDynamoError) as exc:
+        pytest.skip(f"torch {torch.__version__}: a graph break in a score_mod is a hard error ({type(exc).__name__}), nothing runs dense")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    guard()
+    for score_mod, own, other in ((_printing, "print", "graph_break()"), (_breaking, "graph_break()", "print"),
+                                  (_printing, "print", "graph_break()")):
+        ev = _inlined_evidence(score_mod)
+        text = " ".join(ev["graph_breaks"])
+        assert own in text and other not in text, (score_mod.__name__, ev["graph_breaks"])
+        assert "fusionguard" not in str(ev), ev
+
+
 def test_allowed_dense_is_logged_as_allowed(guard):
     guard(strict=True)
     with fusionguard.allow_dense():

@@ -321,3 +321,41 @@ def test_warning_shows_once_per_line_under_the_default_filter(guard):
     ours = [w for w in rec if issubclass(w.category, fusionguard.DenseFallbackWarning)]
     assert [w.filename for w in ours] == [__file__, __file__]
     assert ours[0].lineno != ours[1].lineno
+
+
+def _natural_lse(q, k):
+    """The LSE by hand, in natural-log units: what `return_lse=True` documents."""
+    return torch.logsumexp((q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5, dim=-1)
+
+
+def test_flash_backend_lse_on_the_dense_path_is_warned_where_wrong(guard):
+    """#35: a dense call with BACKEND="FLASH" returns its LSE in log2 units where PyTorch's top level
+    expects natural log for FLASH (torch 2.13 CPU: 1.4427x). Warned at the call, with the factor
+    measured, whenever the LSE really is wrong; never when it is right or not returned."""
+    q, k, v = qkv()
+    true = _natural_lse(q, k)
+    log = guard()
+    fusionguard.disable()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = flex_attention(q, k, v, return_lse=True, kernel_options={"BACKEND": "FLASH"})[1]
+    wrong = (got / true).mean().item()
+    guard(log_path=str(log))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        out, lse = flex_attention(q, k, v, return_lse=True, kernel_options={"BACKEND": "FLASH"})
+        with fusionguard.allow_dense():  # allowed dense: the numbers are still wrong, still said
+            flex_attention(q, k, v, return_lse=True, kernel_options={"BACKEND": "FLASH"})
+        flex_attention(q, k, v, kernel_options={"BACKEND": "FLASH"})  # no LSE returned
+        flex_attention(q, k, v, return_lse=True)  # not FLASH
+    torch.testing.assert_close(lse, got)  # the guard changes nothing
+    said = [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning) and "LSE" in str(w.message)]
+    events = flex_events()
+    assert len(events) == 4
+    if abs(wrong - 1) < 1e-3:
+        assert said == [] and not any("lse_scale" in e for e in events)
+        return
+    assert abs(wrong - 1 / 0.6931471805599453) < 1e-3  # log2 units: the one known way it goes wrong
+    assert len(said) == 2 and f"{wrong:.4f}x too large on torch {torch.__version__}" in said[0], said
+    assert [round(e.get("lse_scale") or 0, 3) for e in events] == [round(wrong, 3)] * 2 + [0, 0]
+    assert all(w.filename == __file__ for w in seen if "LSE" in str(w.message))

@@ -141,11 +141,16 @@ def test_compiled_model_aot_eager_is_dense(guard, dynamo_reset):
     log = guard(strict=False)
     compiled = torch.compile(model, backend="aot_eager")
     with fusionguard.watch(model), torch.no_grad(), pytest.warns(fusionguard.DenseFallbackWarning):
-        compiled(ids(32))
+        for _ in range(2):
+            compiled(ids(32))
+        rows = list(fusionguard.summary())
     calls = kinds(log, "flex_call")
     assert [(c["phase"], c["path"], c["cause"], c["traced"]) for c in calls] == [
-        ("forward", "dense", "non_inductor_backend", True)] * 2
+        ("forward", "dense", "non_inductor_backend", True)] * 4
     assert kinds(log, "flex_compile") == []
+    # one row per attention layer, as the fused path names them (#35: all four were one `model` row)
+    assert [c["layer"] for c in calls] == LAYERS * 2
+    assert {r["layer"]: r["dense"] for r in rows if r["dense"]} == dict.fromkeys(LAYERS, 2)
 
 
 @pytest.fixture(scope="module")

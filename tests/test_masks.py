@@ -347,3 +347,16 @@ def test_the_fix_text_is_worked_out_once(guard):
 
     assert masks.fix_text() is masks.fix_text()
     assert "torch.compile(create_block_mask)" in masks.fix_text()
+
+
+def test_allocator_setting_per_process_fraction():
+    """#35: the oom mode's free_bytes honours a per-process cap; where torch cannot say it, the
+    allocator setting does (`PYTORCH_CUDA_ALLOC_CONF=per_process_memory_fraction:X`)."""
+    from fusionguard.dense.memory import alloc_conf_fraction
+
+    assert alloc_conf_fraction("expandable_segments:True,per_process_memory_fraction:0.25") == 0.25
+    assert alloc_conf_fraction(" per_process_memory_fraction:1") == 1.0
+    assert alloc_conf_fraction("expandable_segments:True") is None
+    assert alloc_conf_fraction(None) is None
+    assert alloc_conf_fraction("per_process_memory_fraction:lots") is None
+    assert alloc_conf_fraction("per_process_memory_fraction:1.5") is None

@@ -828,3 +828,44 @@ def test_a_copy_made_during_watch_is_not_counted_as_the_watched_model(guard):
     assert [e["layer"] for e in flex_events()] == ["a", "b", None, None]
     rows = {r["layer"]: r["calls"] for r in fusionguard.summary() if r["phase"] == "forward"}
     assert rows == {"a": 1, "b": 1, NO_LAYER: 2}  # the copy's calls: no watched layer's (as in the report)
+
+
+class _OpAttention(nn.Module):
+    """Calls the operator directly (on CPU the only way to a dense backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        q = self.proj(x).view(1, 2, 16, 4)
+        return op_call(q, q, q)[0].reshape(1, 16, 8)
+
+
+class _TwoLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([_OpAttention(), _OpAttention()])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_aot_eager_dense_calls_are_named_per_layer_forward_and_backward(guard, dynamo_reset):
+    """#35: a model compiled with backend="aot_eager" runs its graph op by op, densely: each call,
+    forward and backward, is named by the FX node that made it, one row per attention layer."""
+    torch.manual_seed(0)
+    model = _TwoLayers()
+    guard()
+    with fusionguard.watch(model):
+        for _ in range(2):
+            torch.compile(model, backend="aot_eager")(torch.randn(1, 16, 8)).sum().backward()
+        rows = {(r["layer"], r["phase"]): r["dense"] for r in fusionguard.summary() if r["dense"]}
+    calls = flex_events()
+    assert [(c["phase"], c["layer"]) for c in calls] == [
+        ("forward", "layers.0"), ("forward", "layers.1"), ("backward", "layers.1"), ("backward", "layers.0")] * 2
+    assert all(c["cause"] == "non_inductor_backend" for c in calls)
+    assert rows == {(f"layers.{i}", phase): 2 for i in (0, 1) for phase in ("forward", "backward")}

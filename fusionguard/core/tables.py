@@ -191,6 +191,9 @@ class Caches:
         self.backends: Dict[str, Any] = {}
         # watching.paths: module names without watch()
         self.module_paths = ModulePaths()
+        # watching.naming: per FX graph's generated code object, line -> the module path of the
+        # FlexAttention call on that line (a dense call inside an aot_eager graph)
+        self.graph_lines: Dict[Any, Dict[int, str]] = {}
 
     def reset(self) -> None:
         for table in vars(self).values():

@@ -19,10 +19,11 @@ import logging
 import os
 import re
 import threading
+import weakref
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from fusionguard import torch_internals as ti
-from fusionguard.core.frames import is_torch_file
+from fusionguard.core.frames import FG_DIR, is_torch_file
 from fusionguard.core.registry import PatchRegistry
 
 Key = Tuple[str, int]
@@ -204,6 +205,19 @@ def _limit_in(fail_reason: object) -> Optional[int]:
     return int(m.group(1)) if m else None
 
 
+def _none() -> None:
+    return None
+
+
+def break_counts() -> Dict[str, int]:
+    """Dynamo's graph-break records, reason -> count: those it took as graph breaks and those
+    not yet classed (an ``Unsupported`` counts as "unimplemented" until its frame breaks)."""
+    counts = ti.dynamo_counters("unimplemented")
+    for r, n in ti.dynamo_counters("graph_break").items():
+        counts[r] = counts.get(r, 0) + n
+    return counts
+
+
 class Signals:
     """What Dynamo said, per code location."""
 
@@ -217,6 +231,9 @@ class Signals:
         self._frames: Dict[str, Tuple[Any, Any, Any]] = {}  # frame part of a compile id -> (name, file, line)
         self._handler: Optional[logging.Handler] = None
         self._end_callback: Optional[Callable[..., None]] = None
+        # What Dynamo could not trace in the FlexAttention calls of each frame (file, first line):
+        # (that compile, weakly; graph-break reasons) of the frame's latest compile holding one.
+        self.breaks: Dict[Key, Tuple[Any, list]] = {}
         self.emit: Callable[..., Any] = lambda *a, **k: None
         self.on_error: Callable[[str, BaseException], None] = lambda where, exc: None
 
@@ -285,6 +302,7 @@ class Signals:
             self.recompile_limit.clear()
             self.compile_error.clear()
             self.frame_failure.clear()
+            self.breaks.clear()
 
     def _remove_handler(self) -> None:
         if self._handler is not None:
@@ -424,6 +442,54 @@ class Signals:
             self.recompile_limit[key] = info
         if _reportable(info):
             self.emit("warning", "recompile_limit", **info)
+
+    def flex_traced(self, code: Any, before: Dict[str, int]) -> None:
+        """Dynamo traced a FlexAttention call in the frame it compiles (``code``): keep the
+        graph-break reasons it recorded meanwhile (``before``: ``break_counts()`` then) as that
+        frame's. A count that went up is new; one Dynamo took back (a speculation) went down."""
+        added = [r for r, n in break_counts().items() if n > before.get(r, 0)]
+        key = (code.co_filename, code.co_firstlineno)
+        compile = ti.current_compile()
+        with self.lock:
+            old = self.breaks.pop(key, None)
+            if old is not None and compile is not None and old[0]() is compile:
+                added = old[1] + [r for r in added if r not in old[1]]  # another call of the same compile
+            self.breaks[key] = (weakref.ref(compile) if compile is not None else _none, added)
+            while len(self.breaks) > 4096:
+                self.breaks.pop(next(iter(self.breaks)))
+
+    def this_frame(self, frame: Any) -> Tuple[Optional[list], list]:
+        """The evidence about the frame that made a FlexAttention call, ``frame`` being one below
+        that call: the graph-break reasons (one line each) Dynamo recorded while it traced the
+        FlexAttention calls of that frame's latest compile, the frame being the nearest one up
+        the stack that is neither PyTorch's nor fusionguard's (where it has none: those of
+        PyTorch's frames between it and the call, e.g. ``torch.compile(flex_attention)``).
+        None when none is known: never another frame's. And that frame's record when Dynamo
+        gave up on it. Asked at trace time, by the dense path Dynamo inlines."""
+        chain: list = []
+        user: Optional[Key] = None
+        depth = 256
+        while frame is not None and depth:
+            filename = frame.f_code.co_filename
+            if not filename.startswith(FG_DIR):
+                key = (filename, frame.f_code.co_firstlineno)
+                if not is_torch_file(filename):
+                    user = key
+                    break
+                chain.append(key)
+            frame, depth = frame.f_back, depth - 1
+        self.read_metrics()
+        with self.lock:
+            own = self.breaks.get(user, (None, []))[1] if user is not None else []
+            found = own or [r for key in reversed(chain) for r in self.breaks.get(key, (None, []))[1]]
+            failed = self.frame_failure.get(user) if user is not None else None
+        reasons: list = []
+        for r in found:
+            line = reason_summary(r)
+            if line and line not in reasons:
+                reasons.append(line)
+        frames = [f"{failed['function']} ({failed['file']}:{failed['line']}): {failed.get('reason')}"] if failed else []
+        return reasons or None, frames
 
     def lookup(self, filename: str, firstlineno: int) -> Tuple[Optional[str], Optional[dict]]:
         key = (filename, firstlineno)

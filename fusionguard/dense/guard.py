@@ -26,7 +26,7 @@ import wrapt
 
 from fusionguard.core import frames
 from fusionguard.core.config import Runtime, RuntimeRef
-from fusionguard.dense import causes, memory as dense_memory
+from fusionguard.dense import causes, lse, memory as dense_memory
 from fusionguard.eventlog.crash import sigterm_pending
 from fusionguard.eventlog import profiler as profiling
 from fusionguard.core.formatting import human_bytes, site_text
@@ -34,10 +34,9 @@ from fusionguard.eventlog.kinds import CAUSES
 from fusionguard.eventlog.messages import dense_text
 from fusionguard.core.tensors import tensor_fields
 from fusionguard.core.state import STATE, count, dense_allowed_here, internal_error, write_stderr
-from fusionguard.dense.dynamo_signals import SIGNALS, reason_summary
-from fusionguard.core.frames import is_torch_file
+from fusionguard.dense.dynamo_signals import SIGNALS
 from fusionguard.errors import DenseFallbackError
-from fusionguard.torch_internals import debug_flag_on, dynamo_counters, dynamo_skips_frames, eval_frame_callback, is_concrete, is_fullgraph_hook, nested_flex_codes
+from fusionguard.torch_internals import debug_flag_on, dynamo_skips_frames, eval_frame_callback, is_concrete, is_fullgraph_hook, nested_flex_codes
 from fusionguard.watching import naming, paths
 
 # Set by FlexAttentionAutogradOp.forward's wrapper: the dense forward drops its record here so
@@ -73,17 +72,15 @@ def _note_inlined(phase: str) -> int:
         return 0
     info: Dict[str, Any] = {"phase": phase}
     try:
-        # Dynamo's own graph-break reasons (first lines), oldest first: the first is usually the
-        # root cause (e.g. a print in score_mod); and the user frames Dynamo gave up on.
-        reasons = [reason_summary(r) for r in dynamo_counters("graph_break")]
-        if reasons:
-            info["graph_breaks"] = reasons[:3]
-        SIGNALS.read_metrics()
-        failed = [f"{i['function']} ({i['file']}:{i['line']}): {i.get('reason')}" for i in SIGNALS.frame_failure.values() if not is_torch_file(i["file"])]
+        # Dynamo's graph-break reasons recorded since this frame's compile began (the first is
+        # usually the root cause, e.g. a print in score_mod), never another frame's; and the
+        # frames it gave up on meanwhile (none of PyTorch's or fusionguard's own).
+        reasons, failed = SIGNALS.this_frame(sys._getframe(1))
+        info["graph_breaks"] = reasons[:3] if reasons else "not known"
         if failed:
             info["frames"] = failed[-3:]
     except Exception:
-        pass
+        info["graph_breaks"] = "not known"
     token = next(_TOKENS)
     notes = STATE.caches.inline_notes
     notes[token] = info
@@ -228,7 +225,7 @@ def format_message(event: Dict[str, Any]) -> str:
         free = event.get("free_bytes")
         lines.append(
             f"  memory:   needs about {human_bytes(event.get('predicted_bytes'))} more"
-            + (f"; the device can still give {human_bytes(free)}" if free is not None and action == "raise" else "")
+            + (f"; this process can still get {human_bytes(free)} on the device" if free is not None and action == "raise" else "")
         )
     lines += [
         f"  cause:    {event.get('cause')}: {CAUSES.get(event.get('cause') or 'unknown', '')}",
@@ -267,7 +264,7 @@ def _foreign_thread() -> bool:
 
 
 def _memory(rt: Runtime, phase: str, args: tuple, kwargs: dict, q: Any, k: Any) -> Tuple[Optional[int], Optional[int]]:
-    """(predicted extra peak bytes of this dense call, what its CUDA device can still give)."""
+    """(predicted extra peak bytes of this dense call, what this process's CUDA allocator can still give)."""
     try:
         if phase == "forward":
             v, score_mod = _arg(args, kwargs, 2, "value"), _arg(args, kwargs, 3, "score_mod")
@@ -340,6 +337,8 @@ def _check_dense(rt: Runtime, phase: str, args: tuple, kwargs: dict, frame: Any)
         diagnosis = causes.diagnose_backward(origin, frame)
         call_site = (origin or {}).get("call_site") or frames.user_call_site(frame)
     layer = (origin or {}).get("layer") if phase == "backward" and origin else naming.note_flex_call(frame if phase == "forward" else None)
+    if not (phase == "backward" and origin):  # a graph run op by op (aot_eager): named by its node
+        layer = naming.graph_layer(frame) or layer
     if layer is None and phase == "forward" and frame is not None and not naming.is_watching():
         layer = paths.caller_name(frame)  # (no watch(): the module whose forward made the call)
     # The debug flag is the user asking for the dense path, as allow_dense() is: logged, never
@@ -378,6 +377,10 @@ def _check_dense(rt: Runtime, phase: str, args: tuple, kwargs: dict, frame: Any)
         fields["layout"] = "nested"
     if origin is not None:
         fields["forward_seq"] = origin.get("seq")
+    if phase == "forward":
+        scale = lse.wrong_scale(_arg(args, kwargs, 6, "kernel_options"), frame)
+        if scale is not None:
+            fields["lse_scale"] = scale  # a FLASH call's LSE, wrong on this release (measured)
     if q.is_cuda and torch.cuda.is_initialized():
         fields["device_name"] = _device_name(q.device.index if q.device.index is not None else torch.cuda.current_device())
     if phase == "forward" and naming.in_backward():
@@ -446,11 +449,11 @@ def make_dense_wrapper(phase: str, runtime: RuntimeRef, original: Callable[..., 
             if token and _dense_out_of_graph_disabled is not None:
                 return _dense_out_of_graph_disabled(token, phase, *args, **kwargs)
             return original(*args, **kwargs)
-        if _is_compiling() or not STATE.enabled:
+        if _is_compiling() or not STATE.enabled or lse.measuring():
             return original(*args, **kwargs)
         if sigterm_pending():  # the process is ending: its shutdown event has the last counts
             return _while_ending(runtime.now, phase, original, args, kwargs)
-        blocked = warning = site = None
+        blocked = warning = site = lse_warning = None
         mark = False
         event: Optional[Dict[str, Any]] = None
         try:  # the messages are built in here too: a bug in them must not reach the user's call
@@ -462,6 +465,8 @@ def make_dense_wrapper(phase: str, runtime: RuntimeRef, original: Callable[..., 
                     blocked = DenseFallbackError(format_message(event), event)
                 elif action == "warn":
                     warning = message(event)
+                if action != "raise" and event.get("lse_scale"):
+                    lse_warning = lse.message(event["lse_scale"])
                 if "seq" in event and (blocked or warning):  # logged in full: also for logging's handlers
                     dense_text(str(blocked) if blocked else str(warning), logging.ERROR if blocked else logging.WARNING)
         except Exception as exc:
@@ -472,6 +477,8 @@ def make_dense_wrapper(phase: str, runtime: RuntimeRef, original: Callable[..., 
             raise blocked
         if warning is not None:
             frames.warn_at_user_line(warning, site)  # outside: a warnings filter set to "error" raises on purpose
+        if lse_warning is not None:
+            frames.warn_at_user_line(lse_warning, site, RuntimeWarning)
         if event is not None and profiling.recording():  # a range in the profiler's timeline, every call
             result = profiling.in_range(functools.partial(profiling.dense_name, event), original, *args, **kwargs)
         else:
@@ -500,6 +507,7 @@ def _hook_free(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 _skip_frames(_hook_free, nested=True)
 _skip_frames(is_fullgraph_hook, nested=True)
+_skip_frames(is_concrete, nested=True)  # never a frame Dynamo compiles (it gave up on it, a record of ours, #35)
 _frame_hook = eval_frame_callback()
 
 

@@ -13,6 +13,9 @@ to the limit: one guard failing again and again with new values (a length, a clo
 a scalar; ``dynamo_signals.churning``). A few distinct modes are not (grad mode, dispatch keys,
 the training flag, one partial batch: the standard train / eval / inference loop compiles 4
 times and then never again, #32).
+
+The same tracing method also notes the graph breaks Dynamo records while it traces the call
+(``SIGNALS.flex_traced``): the evidence of a dense call inlined from that frame, never another's.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from fusionguard.core.config import Runtime, RuntimeRef
 from fusionguard.core.state import STATE, internal_error
 from fusionguard.eventlog.kinds import FIXES
 from fusionguard.core.frames import defer_warning, first_user_frame, frame_site, warn_at_user_line, warning_at
-from fusionguard.dense.dynamo_signals import churning, latest_reasons, reason_fix, reason_varies
+from fusionguard.dense.dynamo_signals import SIGNALS, break_counts, churning, latest_reasons, reason_fix, reason_varies
 from fusionguard.errors import DenseFallbackWarning
 
 
@@ -52,7 +55,12 @@ def make_trace_wrapper(runtime: RuntimeRef, original: Callable[..., Any]) -> wra
     ``torch._dynamo.reset()`` clears)."""
 
     def traced(wrapped: Callable[..., Any], _variable: Any, args: tuple, kwargs: dict) -> Any:
-        out = wrapped(*args, **kwargs)
+        before = _break_counts()
+        try:
+            out = wrapped(*args, **kwargs)
+        finally:  # (also when Dynamo cannot capture the call: the break of this frame's call)
+            if before is not None:
+                _flex_traced(before)
         if STATE.enabled:
             try:
                 found = ti.compiling_frame()
@@ -65,6 +73,25 @@ def make_trace_wrapper(runtime: RuntimeRef, original: Callable[..., Any]) -> wra
         return out
 
     return wrapt.FunctionWrapper(original, traced)
+
+
+def _break_counts() -> Optional[Dict[str, int]]:
+    try:
+        return break_counts() if STATE.enabled else None
+    except Exception as exc:
+        internal_error("graph breaks before a FlexAttention trace", exc)
+        return None
+
+
+def _flex_traced(before: Dict[str, int]) -> None:
+    """Dynamo's graph breaks while it traced this FlexAttention call, kept for its frame: the
+    evidence a dense call inlined from this frame names (``dense/guard.py``)."""
+    try:
+        found = ti.compiling_frame()
+        if found is not None:
+            SIGNALS.flex_traced(found[1], before)
+    except Exception as exc:
+        internal_error("graph breaks of a FlexAttention trace", exc)
 
 
 def compiles_of(code: Any, f_locals: Any = None) -> Tuple[int, int]:

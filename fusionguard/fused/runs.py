@@ -15,25 +15,8 @@ from fusionguard.eventlog import profiler as profiling
 from fusionguard import torch_internals as ti
 from fusionguard.core.state import STATE, count, internal_error
 from fusionguard.core.frames import take_deferred
-from fusionguard.watching.naming import clean_name, flex_layer, in_backward, resolve_watched_name, watched_name, is_watching
+from fusionguard.watching.naming import clean_name, flex_layer, fqn_from_source, in_backward, resolve_watched_name, stack_source, watched_name, is_watching
 from fusionguard.watching.paths import caller_name, is_module_forward, module_path
-
-
-_SOURCE_PART = re.compile(r"\[(?:'([^']*)'|(\d+))\]|\.(\w+)")
-
-
-def fqn_from_source(text: str) -> str:
-    """Dynamo spells module paths as sources (``L['self'].layers[0].attn``; on some releases, 2.9
-    among them, ``L['self']._modules['layers']._modules['0']``) or as plain names."""
-    if "[" not in text and not text.startswith("L"):
-        return text
-    text = text.replace(f".{ti.MODULES}[", "[")  # the same submodule, reached through the dict
-    if text.startswith("L['"):  # the compiled frame's local holding the root module (self, mod, ...)
-        text = text[text.index("]") + 1 :]
-    elif text.startswith("G['"):
-        return text
-    parts = [a or b or c for a, b, c in _SOURCE_PART.findall(text)]
-    return ".".join(p for p in parts if p)
 
 
 # -- names: the layer of each FlexAttention call of a compiled graph ------------------------------
@@ -47,10 +30,6 @@ def fqn_from_source(text: str) -> str:
 # module is a watched layer (``_FrameLocal``).
 
 _ROOT_LOCAL = re.compile(r"^L\[['\"]([^'\"]+)['\"]\]")
-
-
-def _stack_source(entry: Any) -> str:
-    return str(entry[0] if isinstance(entry, (tuple, list)) else entry)
 
 
 def dynamo_names() -> Optional[Tuple[List[str], Optional["_FrameLocal"], Any]]:
@@ -71,11 +50,11 @@ def dynamo_names() -> Optional[Tuple[List[str], Optional["_FrameLocal"], Any]]:
             continue
         stack = list((node.meta.get("nn_module_stack") or {}).values())
         if stack:
-            m = _ROOT_LOCAL.match(_stack_source(stack[0]))
+            m = _ROOT_LOCAL.match(stack_source(stack[0]))
             roots.add(m.group(1) if m else None)
         else:  # called by the frame's own module (a method of it): no module entered
             roots.add("self" if isinstance(f_locals.get("self"), torch.nn.Module) else None)
-        rels.append(clean_name(fqn_from_source(_stack_source(stack[-1]))) if stack else "")
+        rels.append(clean_name(fqn_from_source(stack_source(stack[-1]))) if stack else "")
     local = roots.pop() if len(roots) == 1 else None
     root = f_locals.get(local) if local else None
     if local is None or not isinstance(root, torch.nn.Module):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextvars
 import inspect
+import re
 import threading
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -48,6 +49,68 @@ def resolve_watched_name(name: str) -> str:
         if tail in watched:
             return tail
     return name
+
+
+_SOURCE_PART = re.compile(r"\[(?:'([^']*)'|(\d+))\]|\.(\w+)")
+
+
+def fqn_from_source(text: str) -> str:
+    """Dynamo spells module paths as sources (``L['self'].layers[0].attn``; on some releases, 2.9
+    among them, ``L['self']._modules['layers']._modules['0']``) or as plain names."""
+    if "[" not in text and not text.startswith("L"):
+        return text
+    text = text.replace(f".{ti.MODULES}[", "[")  # the same submodule, reached through the dict
+    if text.startswith("L['"):  # the compiled frame's local holding the root module (self, mod, ...)
+        text = text[text.index("]") + 1 :]
+    elif text.startswith("G['"):
+        return text
+    parts = [a or b or c for a, b, c in _SOURCE_PART.findall(text)]
+    return ".".join(p for p in parts if p)
+
+
+def stack_source(entry: Any) -> str:
+    """One entry of an FX node's module stack: its source (``(source, class)`` on most releases)."""
+    return str(entry[0] if isinstance(entry, (tuple, list)) else entry)
+
+
+_FLEX_CALL_LINE = re.compile(r"^\s*(\w+) = torch\.ops\.higher_order\.flex_attention(?:_backward)?\(")
+def _graph_lines(gm: Any) -> Dict[int, str]:
+    """Line of ``gm``'s generated code -> the module path (relative to the compiled frame's root)
+    of the FlexAttention call on that line ("" when its node has no module stack); once per graph."""
+    table = STATE.caches.graph_lines
+    code = type(gm).forward.__code__
+    lines = table.get(code)
+    if lines is None:
+        nodes = {n.name: n for n in gm.graph.nodes}
+        lines = {}
+        for i, text in enumerate(gm.code.splitlines(), start=1):
+            m = _FLEX_CALL_LINE.match(text)
+            node = nodes.get(m.group(1)) if m else None
+            if node is not None:
+                stack = list(ti.module_stack(node.meta).values())
+                lines[i] = clean_name(fqn_from_source(stack_source(stack[-1]))) if stack else ""
+        if len(table) > 256:
+            table.clear()
+        table[code] = lines  # (keyed by the code object itself, kept alive: never a reused id)
+    return lines
+
+
+def graph_layer(frame: Any) -> Optional[str]:
+    """The watched layer of a dense call made by a compiled graph that runs its operators eagerly
+    (``backend="aot_eager"``, a custom backend running AOTAutograd's graph): named from the FX
+    node that made it, by its module stack, as the fused path names its calls (Dynamo's path
+    relative to the compiled frame, spelled as the watched model spells it). None when no such
+    graph is running, or the name is not one of a watched module."""
+    if not STATE.watch.names:
+        return None
+    found = ti.running_graph(frame)
+    if found is None:
+        return None
+    rel = _graph_lines(found[0]).get(found[1])
+    if not rel:
+        return None
+    name = resolve_watched_name(rel)
+    return name if name in STATE.watch.names else None
 
 
 # attributes through which wrappers hold the wrapped module: DDP, torch.compile, FSDP1,

@@ -6,6 +6,8 @@ against what really ran, and per-layer peak memory.
   Triton kernels forward and backward.
 - ``compiled``: ``torch.compile(model)``; plain flex_attention captured by Inductor, fused.
 - ``forced_eager``: ``torch.compiler.set_stance("force_eager")``: every layer dense, both phases.
+- ``aot_eager``: ``torch.compile(model, backend="aot_eager")``: dense in every layer, both phases,
+  one row per layer (#35: they were one ``model`` row).
 
 Skipped without CUDA; run on the device machine (``pytest -rP`` shows the table)."""
 
@@ -38,11 +40,11 @@ def train(mode: str, log) -> dict:
                       intermediate_size=2048, vocab_size=1024, attn_implementation="flex_attention")
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).train()
-    run = torch.compile(model) if mode == "compiled" else model
+    run = {"compiled": torch.compile(model), "aot_eager": torch.compile(model, backend="aot_eager")}.get(mode, model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(0)
     losses = []
-    fusionguard.enable(strict=mode != "forced_eager", log_path=str(log))
+    fusionguard.enable(strict=mode not in ("forced_eager", "aot_eager"), log_path=str(log))
     try:
         stance = torch.compiler.set_stance("force_eager") if mode == "forced_eager" else torch.compiler.set_stance("default")
         with fusionguard.watch(model), stance:
@@ -67,7 +69,7 @@ def train(mode: str, log) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = {}
-    for mode in ("wrapper", "compiled", "forced_eager"):
+    for mode in ("wrapper", "compiled", "forced_eager", "aot_eager"):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         out[mode] = train(mode, tmp_path_factory.mktemp("hf") / f"{mode}.jsonl")
@@ -125,6 +127,19 @@ def test_forced_eager_is_dense_in_every_layer_both_ways_and_named(runs):
             assert r["rows"][(layer, phase)]["dense"] == STEPS
 
 
+def test_aot_eager_trains_dense_per_layer_both_ways(runs):
+    """#35: each layer's dense calls in its own row, forward and backward, named from the FX node."""
+    r = runs["aot_eager"]
+    calls = flex(r["events"], "flex_call")
+    got = sorted((c["layer"], c["phase"], c["cause"], c["traced"]) for c in calls)
+    want = sorted((layer, phase, "non_inductor_backend", True) for layer in LAYERS for phase in ("forward", "backward"))
+    assert got == sorted(want * STEPS)
+    for layer in LAYERS:
+        for phase in ("forward", "backward"):
+            assert r["rows"][(layer, phase)]["dense"] == STEPS, (layer, phase, r["rows"])
+    assert not any(row["dense"] for (layer, _), row in r["rows"].items() if layer not in LAYERS), r["rows"]
+
+
 def test_dense_layers_cost_far_more_memory_and_train_the_same(runs):
     fused, dense = runs["wrapper"], runs["forced_eager"]
     for layer in LAYERS:
@@ -135,6 +150,6 @@ def test_dense_layers_cost_far_more_memory_and_train_the_same(runs):
             # the dense path materialises 16 x 2048 x 2048 fp32 scores (268 MB) at least once;
             # measured on an H200: dense 0.89 GB fwd / 1.77 GB bwd, fused 0.02 / 0.01-0.07 GB
             assert d > 268e6 and d > 10 * f, (layer, phase, f, d)
-    for mode in ("compiled", "forced_eager"):
+    for mode in ("compiled", "forced_eager", "aot_eager"):
         for a, b in zip(fused["losses"], runs[mode]["losses"]):
             assert abs(a - b) <= 0.02 * abs(a), (mode, fused["losses"], runs[mode]["losses"])
