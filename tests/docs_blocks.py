@@ -20,6 +20,7 @@ Outputs are compared after ``normalise`` (paths, times, sizes, versions, pids, c
 from __future__ import annotations
 
 import contextlib
+import difflib
 import io
 import logging
 import os
@@ -156,13 +157,13 @@ def update(block: Block, real: str) -> bool:
     """Rewrite the block's output in its file from ``real`` (already ``shown``); False if a part
     cannot be located."""
     new = real.strip("\n").splitlines()
-    if "part" in block.flags:  # the real lines from the one that starts as the documented part starts
-        doc = normalise(documented(block))
-        head = " ".join(doc[0].split()[:2]) if doc else ""
-        starts = [i for i, line in enumerate(normalise(real)) if head and line.startswith(head)]
-        if not starts:
+    if "part" in block.flags:  # the real lines from the one most like the part's first line
+        doc, got = normalise(documented(block)), normalise(real)
+        if not doc or not got:
             return False
-        new = new[starts[0]:starts[0] + len(doc)]
+        score = [difflib.SequenceMatcher(None, doc[0], line).ratio() for line in got]
+        start = score.index(max(score))
+        new = new[start:start + len(doc)]
     commands = [line for line in block.text.splitlines() if line.startswith("$ ")]
     body = "\n".join(commands + new) + "\n"
     path = ROOT / block.file
