@@ -7,6 +7,7 @@ Each fenced block is preceded by one HTML comment that says what it is (docs/int
 
     <!-- doc: run -->                   runs on CPU as written (Python in-process, shell line by line)
     <!-- doc: run setup=NAME -->        the same, after the hidden glue SETUPS[NAME] (a model, q, k, v, a log)
+    <!-- doc: run parallel -->          a shell block whose lines are independent: run at once
     <!-- doc: gpu setup=NAME -->        needs a CUDA GPU: runs in tests/gpu/test_docs_cuda.py
     <!-- doc: fragment -->              not runnable alone (an elision, your own model, installs, a cluster)
     <!-- doc: text -->                  not code and not an output (a list of pins)
@@ -236,29 +237,50 @@ def shell_lines(text: str) -> list[str]:
     return [line for line in (shlex.join(shlex.split(x, comments=True)) for x in joined.splitlines()) if line]
 
 
-def run_shell(text: str, cwd: Path) -> str:
-    """Run a shell block line by line: ``fusionguard ...`` in-process (``fusionguard.cli.main``),
-    anything else in a subprocess. Every command must exit 0."""
-    from fusionguard import cli
-
-    out = []
+def run_shell(text: str, cwd: Path, parallel: bool = False) -> str:
+    """Run a shell block line by line: ``fusionguard ...`` and ``pytest ...`` in-process (no new
+    interpreter), anything else in a subprocess; ``parallel``: those subprocesses all at once (the
+    block's lines are independent). Every command must exit 0."""
+    out, procs = [], []
     for line in shell_lines(text):
         argv = shlex.split(line)
-        if argv[0] == "fusionguard":
-            here = os.getcwd()
-            os.chdir(cwd)
-            try:
-                with captured() as buf:
-                    rc = cli.main(argv[1:])
-            finally:
-                os.chdir(here)
-            text_out = buf.getvalue()
+        if argv[0] in ("fusionguard", "pytest"):
+            rc, text_out = in_process(argv, cwd)
         else:
-            proc = subprocess.run(line, shell=True, cwd=cwd, env=child_env(), capture_output=True, text=True, timeout=300)
-            rc, text_out = proc.returncode, proc.stdout + proc.stderr
+            proc = subprocess.Popen(line, shell=True, cwd=cwd, env=child_env(), stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True)
+            procs.append((line, proc))
+            if parallel:
+                continue
+            rc, text_out = proc.wait(timeout=300), proc.stdout.read()
+            procs.pop()
+        assert rc == 0, f"`{line}` exited {rc}:\n{text_out[-3000:]}"
+        out.append(text_out)
+    for line, proc in procs:
+        rc, text_out = proc.wait(timeout=300), proc.stdout.read()
         assert rc == 0, f"`{line}` exited {rc}:\n{text_out[-3000:]}"
         out.append(text_out)
     return "".join(out)
+
+
+def in_process(argv: list[str], cwd: Path) -> tuple[int, str]:
+    """``fusionguard ARGS`` through ``fusionguard.cli.main``, ``pytest ARGS`` through
+    ``pytest.main`` (a nested session, as pytester's in-process runs), in ``cwd``."""
+    here = os.getcwd()
+    os.chdir(cwd)
+    try:
+        with captured() as buf:
+            if argv[0] == "fusionguard":
+                from fusionguard import cli  # (imported here: collecting the blocks needs no torch)
+
+                rc = cli.main(argv[1:])
+            else:
+                import pytest  # (imported here: only a pytest block needs it)
+
+                rc = int(pytest.main([*argv[1:], "-p", "no:cacheprovider"]))
+    finally:
+        os.chdir(here)
+    return rc, buf.getvalue()
 
 
 def run_script(path: Path, cwd: Path, argv: list[str] | None = None) -> str:
@@ -422,15 +444,9 @@ def setup_fused_logs(device: str) -> dict[str, Any]:
 
 
 TRAIN_PY = """\
-import torch
-from torch.nn.attention.flex_attention import flex_attention
-
 import fusionguard
 
 fusionguard.enable()
-q = torch.randn(1, 2, 16, 8)
-with fusionguard.allow_dense():
-    flex_attention(q, q, q)
 fusionguard.disable()
 """
 
@@ -442,7 +458,7 @@ def setup_quickstart_log(device: str) -> dict[str, Any]:
 
 
 def setup_train_py(device: str) -> dict[str, Any]:
-    """``train.py``: a program that enables fusionguard and runs one (allowed) eager call."""
+    """``train.py``: a program that enables fusionguard (what TORCH_LOGS is about) and stops."""
     Path("train.py").write_text(TRAIN_PY)
     return setup_base(device)
 
@@ -482,7 +498,7 @@ def run_block(block: Block, cwd: Path, device: str = "cpu") -> str:
     if block.python:
         return run_python(block.text, block.id, ns, cwd)
     assert block.shell, f"{block.id}: a {block.lang or 'plain'} block cannot run (python or bash)"
-    return run_shell(block.text, cwd)
+    return run_shell(block.text, cwd, parallel="parallel" in block.flags)
 
 
 # --- producers: the real outputs that output blocks show ---------------------------------------
