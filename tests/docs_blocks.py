@@ -329,8 +329,8 @@ def tiny_model(device: str = "cpu") -> Any:
 
         def forward(self, x):
             b, s, _ = x.shape
-            q = self.q(x).view(b, s, HQ, D).transpose(1, 2)
-            k, v = self.kv(x).view(b, s, 2, HKV, D).permute(2, 0, 3, 1, 4)
+            q = self.q(x).view(b, s, HQ, D).transpose(1, 2).contiguous()  # (the quickstart's strides too)
+            k, v = (t.contiguous() for t in self.kv(x).view(b, s, 2, HKV, D).permute(2, 0, 3, 1, 4))
             return flex(q, k, v, block_mask=mask, enable_gqa=True).transpose(1, 2).reshape(b, s, HQ * D)
 
     class TinyLM(nn.Module):
