@@ -143,7 +143,12 @@ def chromium():
 
 
 BROWSER = chromium()
-needs_browser = pytest.mark.skipif(BROWSER is None, reason="no Chromium on this machine (CI installs Debian's chromium: apt-get install -y chromium)")
+_no_browser = pytest.mark.skipif(BROWSER is None, reason="no Chromium on this machine (CI installs Debian's chromium: apt-get install -y chromium)")
+
+
+def needs_browser(test):
+    """Skipped without Chromium; marked ``browser`` (``pytest -m browser`` runs only these)."""
+    return pytest.mark.browser(_no_browser(test))
 
 
 def browse(page: Path, tmp_path: Path, *extra: str, timeout: int = 180):
