@@ -152,15 +152,10 @@ def lacks(feature):
 
 
 def needs(*features):
-    """``@needs("rescue")``: skip, naming the missing feature, where this release lacks it; marked
-    ``needs`` so that ``pytest -m needs`` selects the tests that depend on the torch release."""
+    """``@needs("rescue")``: skip, naming the missing feature, where this release lacks it. The
+    collection hook below marks these tests ``needs`` (``pytest -m needs`` selects them)."""
     missing = [why for why in (lacks(f) for f in features) if why]
-    skip = pytest.mark.skipif(bool(missing), reason="; ".join(missing) or "-")
-
-    def mark(test):
-        return pytest.mark.needs(*features)(skip(test))
-
-    return mark
+    return pytest.mark.skipif(bool(missing), reason="; ".join(missing) or "-", needs=features)  # (skipif reads condition and reason only)
 
 
 def recompile_limit(n):
@@ -288,6 +283,9 @@ def pytest_collection_modifyitems(config, items):
     two, each worker would build it: test_crash.py's torch subprocesses, test_hf.py's compiled
     models); the GPU tests run on one worker, one after the other, as they would alone."""
     for item in items:
+        features = [f for m in item.iter_markers("skipif") for f in m.kwargs.get("needs", ())]
+        if features:
+            item.add_marker(pytest.mark.needs(*features))
         if "gpu" in item.path.parts[-2:-1]:
             item.add_marker(pytest.mark.xdist_group("gpu"))
             continue

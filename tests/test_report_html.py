@@ -290,6 +290,7 @@ def hostile_flood(path: Path, n: int = 100_000):
     return path
 
 
+@pytest.mark.browser  # (in part: the rest runs without Chromium)
 def test_hostile_flood_stays_within_the_stated_bounds(tmp_path, capsys):
     """10^5 hostile events: the page stays under MAX_PAGE_BYTES and renders (from the report
     dict) within 10 s on one shared CPU core; ``--plot`` draws its first ``chart.MAX_LAYERS``
@@ -388,6 +389,7 @@ def findings_run(tmp_path):
     ])
 
 
+@pytest.mark.browser  # (in part: the rest runs without Chromium)
 def test_the_banner_shows_the_text_reports_findings_as_text(tmp_path, capsys):
     """#25's findings on the page (S2): the text report's own lines, escaped; checked in the page
     source here and, where a Chromium is installed, in the DOM it builds."""
