@@ -21,6 +21,8 @@ import xml.etree.ElementTree as ET
 def per_file(xml: str) -> dict:
     out: dict = collections.defaultdict(lambda: [0, 0.0])
     for case in ET.parse(xml).getroot().iter("testcase"):
+        if not (case.get("file") or case.get("classname")):
+            continue  # (a collection error)
         name = (case.get("file") or case.get("classname", "").replace(".", "/") + ".py").split("::")[0]
         name = name if name.endswith(".py") else name + ".py"
         if "/gpu/" in name or name.startswith("tests/gpu"):
