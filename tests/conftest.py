@@ -10,6 +10,7 @@ import json
 import math
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -153,9 +154,10 @@ def lacks(feature):
 
 
 def needs(*features):
-    """``@needs("rescue")``: skip, naming the missing feature, where this release lacks it."""
+    """``@needs("rescue")``: skip, naming the missing feature, where this release lacks it. The
+    collection hook below marks these tests ``needs`` (``pytest -m needs`` selects them)."""
     missing = [why for why in (lacks(f) for f in features) if why]
-    return pytest.mark.skipif(bool(missing), reason="; ".join(missing) or "-")
+    return pytest.mark.skipif(bool(missing), reason="; ".join(missing) or "-", needs=features)  # (skipif reads condition and reason only)
 
 
 def recompile_limit(n):
@@ -231,8 +233,9 @@ def in_own_process(test):
         if os.environ.get("FUSIONGUARD_TEST_CHILD"):
             return test(*args, **kwargs)
         node = os.environ["PYTEST_CURRENT_TEST"].rsplit(" ", 1)[0]
+        node = re.sub(r"@[\w.-]+$", "", node)  # (xdist's --dist loadgroup suffixes the id with its group)
         env = dict(os.environ, FUSIONGUARD_TEST_CHILD="1")
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", node]
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n0", node]  # one test: no workers
         out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
         passed = any(line.startswith("1 passed") for line in out.stdout.splitlines())  # not skipped
         assert out.returncode == 0 and passed, out.stdout[-4000:] + out.stderr[-2000:]
@@ -271,3 +274,26 @@ def fg_records():
     logger.addHandler(handler)
     yield handler
     logger.removeHandler(handler)
+
+
+# --- In parallel (setup.cfg: -n auto --dist loadgroup) ------------------------------------------
+
+
+@pytest.hookimpl(tryfirst=True)  # (before xdist's own hook reads the groups)
+def pytest_collection_modifyitems(config, items):
+    """Tests that share a module- or class-scoped fixture run on one xdist worker (spread over
+    two, each worker would build it: test_crash.py's torch subprocesses, test_hf.py's compiled
+    models); the GPU tests run on one worker, one after the other, as they would alone."""
+    for item in items:
+        features = [f for m in item.iter_markers("skipif") for f in m.kwargs.get("needs", ())]
+        if features:
+            item.add_marker(pytest.mark.needs(*features))
+        if "gpu" in item.path.parts[-2:-1]:
+            item.add_marker(pytest.mark.xdist_group("gpu"))
+            continue
+        info = getattr(item, "_fixtureinfo", None)
+        for name in info.names_closure if info else ():
+            defs = info.name2fixturedefs.get(name)
+            if defs and defs[-1].scope in ("module", "class", "package"):
+                item.add_marker(pytest.mark.xdist_group(item.path.name))
+                break

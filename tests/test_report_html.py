@@ -143,7 +143,12 @@ def chromium():
 
 
 BROWSER = chromium()
-needs_browser = pytest.mark.skipif(BROWSER is None, reason="no Chromium on this machine (CI installs Debian's chromium: apt-get install -y chromium)")
+_no_browser = pytest.mark.skipif(BROWSER is None, reason="no Chromium on this machine (CI installs Debian's chromium: apt-get install -y chromium)")
+
+
+def needs_browser(test):
+    """Skipped without Chromium; marked ``browser`` (``pytest -m browser`` runs only these)."""
+    return pytest.mark.browser(_no_browser(test))
 
 
 def browse(page: Path, tmp_path: Path, *extra: str, timeout: int = 180):
@@ -285,6 +290,7 @@ def hostile_flood(path: Path, n: int = 100_000):
     return path
 
 
+@pytest.mark.browser  # (in part: the rest runs without Chromium)
 def test_hostile_flood_stays_within_the_stated_bounds(tmp_path, capsys):
     """10^5 hostile events: the page stays under MAX_PAGE_BYTES and renders (from the report
     dict) within 10 s on one shared CPU core; ``--plot`` draws its first ``chart.MAX_LAYERS``
@@ -383,6 +389,7 @@ def findings_run(tmp_path):
     ])
 
 
+@pytest.mark.browser  # (in part: the rest runs without Chromium)
 def test_the_banner_shows_the_text_reports_findings_as_text(tmp_path, capsys):
     """#25's findings on the page (S2): the text report's own lines, escaped; checked in the page
     source here and, where a Chromium is installed, in the DOM it builds."""
