@@ -12,6 +12,7 @@ use the constants and the lookups here, never the names (tests/test_wiring.py ch
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 import re
 import sys
@@ -1002,6 +1003,25 @@ def block_sizes(frame: Any) -> Tuple[int, int]:
         return size, size
 
 
+def _cp_block_mask(build: Callable[..., Any]) -> Callable[..., Any]:
+    """``_create_cp_block_mask`` called one way on every release: 2.15 added a required
+    ``BLOCK_SIZE`` before ``device_mesh`` (2.11 to 2.14 have none), so the mesh goes by keyword
+    and the block size (default: the module's, 128) only where the signature names it."""
+    try:
+        takes_block_size = "BLOCK_SIZE" in inspect.signature(build).parameters
+    except (TypeError, ValueError):
+        takes_block_size = False
+
+    def create_cp_block_mask(mask_mod: Callable[..., Any], B: int, H: int, Q_LEN: int, KV_LEN: int,
+                             device_mesh: Any, block_size: Optional[Tuple[int, int]] = None, **kwargs: Any) -> Any:
+        if takes_block_size:
+            size = int(getattr(public_module(), DEFAULT_BLOCK_SIZE, 128))
+            kwargs["BLOCK_SIZE"] = block_size or (size, size)
+        return build(mask_mod, B, H, Q_LEN, KV_LEN, device_mesh=device_mesh, **kwargs)
+
+    return create_cp_block_mask
+
+
 def context_parallel_flex() -> types.SimpleNamespace:
     """PyTorch's private context parallelism for FlexAttention: ``ContextParallel`` (the
     ``ParallelStyle``; ``ContextParallel(seq_dim, ContextParallel.AttentionType.FLEX)``),
@@ -1016,6 +1036,7 @@ def context_parallel_flex() -> types.SimpleNamespace:
             continue
         found = [mod.__dict__.get(n) for n in (CONTEXT_PARALLEL, CP_BLOCK_MASK, CP_SHARD)]
         if all(callable(f) for f in found) and hasattr(found[0], "AttentionType"):
-            return types.SimpleNamespace(ContextParallel=found[0], create_cp_block_mask=found[1], shard=found[2])
+            build: Callable[..., Any] = found[1]  # type: ignore[assignment]  # (callable: checked above)
+            return types.SimpleNamespace(ContextParallel=found[0], create_cp_block_mask=_cp_block_mask(build), shard=found[2])
         errors.append(f"{name}: no {CONTEXT_PARALLEL} with AttentionType, {CP_BLOCK_MASK} and {CP_SHARD}")
     raise LookupError("context parallelism for FlexAttention not found: " + "; ".join(errors))
