@@ -103,6 +103,25 @@ def test_repeats_are_sampled_and_counted_exactly(guard):
     assert "DENSE MASKS: 8 eager mask build(s)" in render_text(rep)
 
 
+def test_a_build_below_mask_limit_is_logged_not_a_notice(guard):
+    """#32: the quickstart's own 164 KB mask, built once, was a "DENSE MASKS" notice with the fix
+    "build the mask once". Below ``mask_limit`` (and fitting) a build is logged, not a finding."""
+    log = guard(mask_limit=10**12)
+    PUBLIC.create_block_mask(causal, 1, 1, 256, 256, device="cpu")
+    PUBLIC.create_block_mask(causal, 1, 1, 128, 128, device="cpu")
+    fusionguard.disable()
+    assert [e["action"] for e in read_jsonl(log) if e["event"] == "mask_build"] == ["log", "log"]
+    from fusionguard.report.build import build
+    from fusionguard.report.render import notice_lines, render_text
+
+    rep = build([str(log)])
+    assert rep["masks"]["dense"] == 0 and rep["masks"]["small"] == 2 and rep["masks"]["small_estimated_max"] == 655360
+    text = render_text(rep)
+    assert "DENSE MASKS" not in text
+    assert "masks: 2 eager mask build(s) below mask_limit, largest 655.36 KB" in text
+    assert not any("MASK" in line.upper() for line in notice_lines(rep)), "not a finding on the HTML page"
+
+
 def test_under_torch_compile_nothing_is_added_and_the_build_is_recorded_as_compiled(guard):
     guard(mask_limit=LIMIT)
     from torch._dynamo.utils import counters

@@ -242,7 +242,8 @@ class Aggregator:
         self.keys: Dict[Tuple[str, str], KeyStats] = {}
         self.kinds: Dict[str, int] = {}
         # eager mask builds (mask_build / its sampled counter mask_builds) and compiled ones
-        self.masks: Dict[str, Any] = {"dense": 0, "compiled": 0, "blocked": 0, "estimated_max": None, "call_site": None}
+        self.masks: Dict[str, Any] = {"dense": 0, "compiled": 0, "blocked": 0, "estimated_max": None, "call_site": None,
+                                      "small": 0, "small_estimated_max": None}
         self.unknown: Dict[str, int] = {}
         self.first_ts: Optional[float] = None
         self.last_ts: Optional[float] = None
@@ -353,10 +354,16 @@ class Aggregator:
         if e.get("action") == "allow":
             return
         n = e.get("count") if kind == "mask_builds" else 1
-        m["dense"] += n if isinstance(n, int) and not isinstance(n, bool) else 0
+        n = n if isinstance(n, int) and not isinstance(n, bool) else 0
+        est = e.get("estimated_bytes" if kind == "mask_build" else "estimated_bytes_max")
+        if e.get("action") == "log":  # below mask_limit and fits: logged, not a finding (#32)
+            m["small"] += n
+            if isinstance(est, int) and not isinstance(est, bool) and (m["small_estimated_max"] is None or est > m["small_estimated_max"]):
+                m["small_estimated_max"] = est
+            return
+        m["dense"] += n
         if e.get("action") == "raise":
             m["blocked"] += 1
-        est = e.get("estimated_bytes" if kind == "mask_build" else "estimated_bytes_max")
         if isinstance(est, int) and not isinstance(est, bool) and (m["estimated_max"] is None or est > m["estimated_max"]):
             m["estimated_max"] = est
         if m["call_site"] is None and isinstance(e.get("call_site"), dict):

@@ -137,7 +137,7 @@ def render_text(rep: Dict[str, Any]) -> str:
         if allowed else ""
     )
     masks = rep.get("masks") or {}
-    if masks.get("dense") or masks.get("compiled"):
+    if masks.get("dense") or masks.get("small") or masks.get("compiled"):
         out.append(masks_text(masks))
     if not rep["rows"]:
         out.append("No FlexAttention calls or compiles in the input.")
@@ -288,7 +288,7 @@ def notice_lines(rep: Dict[str, Any]) -> List[str]:
     HTML page; strings as they are in ``rep``: escape them for the medium)."""
     out = early_lines(rep)
     masks = rep.get("masks") or {}
-    if masks.get("dense") or masks.get("compiled"):
+    if masks.get("dense"):  # (builds below mask_limit are logged, not a finding)
         out.append(masks_text(masks))
     if (rep.get("totals") or {}).get("oom_blocked_calls"):
         out.append(oom_line(rep))
@@ -360,13 +360,20 @@ CSV_COLUMNS = (
 
 
 def masks_text(m: Dict[str, Any]) -> str:
-    """The mask line: eager (dense) builds, the largest estimate, the first call site; compiled ones."""
+    """The mask line: eager (dense) builds over ``mask_limit`` or that would not fit (a finding:
+    ``DENSE MASKS``), the largest estimate, the first call site; builds below the limit (logged,
+    not a finding: a small mask built once is fine); compiled ones."""
+    small = m.get("small") or 0
+    small_big = f", largest {human_bytes(m['small_estimated_max'])}" if m.get("small_estimated_max") else ""
+    small_text = f"{small:,} eager mask build(s) below mask_limit{small_big}" if small else ""
     if not m.get("dense"):
-        return f"masks: {m.get('compiled', 0):,} compiled mask build(s), none eager"
+        parts = [p for p in (small_text, f"{m.get('compiled', 0):,} compiled" if m.get("compiled") else "") if p]
+        return "masks: " + ("; ".join(parts) if small else f"{m.get('compiled', 0):,} compiled mask build(s), none eager")
     blocked = f" ({m['blocked']:,} blocked)" if m.get("blocked") else ""
     big = f", largest {human_bytes(m['estimated_max'])} estimated" if m.get("estimated_max") else ""
     site = f", first at {m['first_call_site']}" if m.get("first_call_site") else ""
     compiled = f"; {m['compiled']:,} compiled" if m.get("compiled") else ""
+    compiled += f"; {small_text}" if small else ""
     return f"DENSE MASKS: {m['dense']:,} eager mask build(s){blocked}{big}{site}{compiled} (fix: compile create_block_mask, build the mask once)"
 
 
