@@ -127,6 +127,8 @@ def free_bytes(device: Any) -> Optional[int]:
 
     if getattr(device, "type", None) != "cuda" or not torch.cuda.is_initialized():
         return None
+    if getattr(device, "index", 0) is None:  # ("cuda": the current device; the fraction getter needs an index)
+        device = torch.device("cuda", torch.cuda.current_device())
     free, total = torch.cuda.mem_get_info(device)
     allocated = int(torch.cuda.memory_allocated(device))
     give = int(free) + max(0, int(torch.cuda.memory_reserved(device)) - allocated)
