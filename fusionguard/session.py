@@ -123,6 +123,7 @@ class _Held:
 
 
 _IDS = itertools.count(1)
+_STARTS = itertools.count(1)
 _LIVE: "weakref.WeakSet[Session]" = weakref.WeakSet()  # started, not ended
 _OWNERS: Dict[int, Tuple[Any, Any]] = {}  # id(model) -> (weak model, weak session watching it)
 _TOLD: set = set()  # conflicts said (once per process)
@@ -170,6 +171,7 @@ class Session:
                 check_log_path(log_path)
         except (TypeError, ValueError) as exc:
             raise type(exc)(str(exc).replace("fusionguard.enable()", name)) from None
+        _check_arguments(name, model, memory=memory, hooks=hooks)
         self.name = name
         self._named = named
         self._log_path = log_path
@@ -182,11 +184,14 @@ class Session:
         self._started = False
         self._off: Optional[str] = None
         self._mine: Any = None  # the Config of the enable() this session made
-        self._over: Any = None  # (the launcher's Config, the one this session put in its place)
+        self._over: Any = None  # (the Config it replaced, who had enabled that, the one put in its place)
+        self._order = 0  # when it started (the sessions started after it inherit what it replaced)
         self._h = _Held()  # what the finalizer needs: counters and the watch
         self._watched: Any = None  # the model the watch is on
+        self._took_from: Any = None  # weak reference to the session it took the model's hooks over from
         self._seen: Tuple[Any, int] = (None, 0)  # (log, seq) for new_events()
         self._bound: List[Any] = []
+        self._entered = 0  # nested ``with`` blocks of this session
         weakref.finalize(self, _finalize, self._h).atexit = False  # (the process's exit has its own end: at_exit)
 
     # -- life ---------------------------------------------------------------------------------------
@@ -198,6 +203,7 @@ class Session:
                 return self
             self._started = True
             self._off = None
+            self._order = next(_STARTS)
             self._join()
             if self._off is not None:
                 return self
@@ -228,10 +234,14 @@ class Session:
             self._hand_over(others)
 
     def __enter__(self) -> "Session":
+        self._entered += 1
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:
-        self.stop()
+        self._entered -= 1
+        if self._entered <= 0:  # (``with fg:`` inside ``with fg:`` ends with the outer block)
+            self._entered = 0
+            self.stop()
 
     def bind(self, owner: Any) -> "Session":
         """End the session when ``owner`` (a Trainer, say) is garbage-collected."""
@@ -453,9 +463,11 @@ class Session:
             return
         if STATE.enabled_by in ("launcher", "session"):  # defaults: the session's explicit settings win
             before, by = STATE.config, STATE.enabled_by
+            if by == "session":
+                self._tell_overridden(differ)
             fusionguard._enable_as("session", **self._settings())
-            if by == "launcher":
-                self._over = (before, STATE.config)
+            self._over = (before, by, STATE.config)  # (put back at stop: the earlier session's or the launcher's)
+            _renamed(before, STATE.config)
             return
         running = ", ".join(f"{k}={have!r}" for k, (have, _) in sorted(differ.items()))
         wanted = ", ".join(f"{k}={want!r}" for k, (_, want) in sorted(differ.items()))
@@ -465,7 +477,7 @@ class Session:
             say(f"fusionguard: {self.name} asked for {wanted}, but the program's own fusionguard.enable() set "
                 f"{running}: the program's settings stand (pass them to that enable(), or leave them out of {self.name})\n")
 
-    def _follow(self, model: Any) -> None:
+    def _follow(self, model: Any, regain: bool = False) -> None:
         try:
             import torch  # lazy: torch loads with the first watched model, never when this module is imported
 
@@ -475,11 +487,14 @@ class Session:
             from fusionguard.watching.watcher import Watch  # lazy: it imports torch
 
             self._unwatch()
-            with _LOCK:  # one session per model: the newest takes the hooks over
+            with _LOCK:  # one session per model: the newest takes the hooks over (and gives them back at its end)
                 ref, owner = _OWNERS.get(id(inner), (None, None))
                 other = owner() if owner is not None and ref is not None and ref() is inner else None
                 if other is not None and other is not self:
-                    other._unwatch()
+                    other._unwatch(give_back=False)
+                    self._took_from = weakref.ref(other)
+                elif not regain:
+                    self._took_from = None
                 self._h.watch = Watch(inner, memory=self._memory, hooks=self.hooks).__enter__()
                 self._watched = inner
                 try:
@@ -489,7 +504,10 @@ class Session:
         except Exception as exc:
             internal_error("session watch", exc)
 
-    def _unwatch(self) -> None:
+    def _unwatch(self, give_back: bool = True) -> None:
+        """Hooks off; ``give_back``: the running session this one took the model over from
+        (a nested session on the same model; through any that ended meanwhile) watches it again."""
+        owned = False
         with _LOCK:
             w, self._h.watch = self._h.watch, None
             inner, self._watched = self._watched, None
@@ -497,11 +515,19 @@ class Session:
                 ref, owner = _OWNERS.get(id(inner), (None, None))
                 if owner is not None and owner() is self:
                     del _OWNERS[id(inner)]
+                    owned = True
         if w is not None:
             _end_watch(w)
+        earlier = self._took_from() if owned and give_back and self._took_from is not None else None
+        for _ in range(64):
+            if earlier is None or (earlier._started and earlier._off is None):
+                break
+            earlier = earlier._took_from() if earlier._took_from is not None else None
+        if earlier is not None and earlier._watched is None and unwrap(earlier._model) is inner:
+            earlier._follow(earlier._model, regain=True)
 
     def _end(self, why: Optional[str]) -> None:
-        self._unwatch()
+        self._unwatch(give_back=why is None)  # (disable() ends every session: none takes hooks back)
         _tap(self._h.total, False)
         _tap(self._h.step, False)
         if why is not None:
@@ -520,29 +546,82 @@ class Session:
         with _LOCK:
             _LIVE.discard(self)
 
+    def _tell_overridden(self, differ: Dict[str, Tuple[Any, Any]]) -> None:
+        """A running session named a setting this one replaces: said once (it comes back at this one's stop)."""
+        with _LOCK:
+            others = [s for s in _LIVE if s is not self and s._started and s._off is None]
+        for other in others:
+            theirs = other._wanted()
+            keys = sorted(k for k in differ if k in theirs)
+            if not keys:
+                continue
+            was = ", ".join(f"{k}={differ[k][0]!r}" for k in keys)
+            now = ", ".join(f"{k}={differ[k][1]!r}" for k in keys)
+            key = (self.name, other.name, now, was)
+            if key not in _TOLD:
+                _TOLD.add(key)
+                say(f"fusionguard: {self.name} sets {now} while {other.name} (still running) asked for {was}: "
+                    f"the newest session's settings apply until it stops, then {other.name}'s come back\n")
+
     def _hand_over(self, others: List["Session"]) -> None:
-        """What this session enabled (or replaced) passes to a running session, else is undone."""
+        """What this session enabled passes to a running session, else is undone; what it replaced
+        (the launcher's or an earlier session's settings) comes back, unless a session started
+        after it runs on its settings (which then puts them back at its own stop)."""
         mine, self._mine = self._mine, None
         over, self._over = self._over, None
         if not fusionguard.is_enabled():
             return
-        if others:
-            if mine is not None and STATE.config is mine:
-                others[-1]._mine = mine
-            if over is not None and others[-1]._over is None:
-                others[-1]._over = over
-            return
         try:
             if mine is not None and STATE.config is mine:
-                fusionguard.disable()
-            elif over is not None and STATE.config is over[1]:
-                launcher = over[0]
-                back = {k: getattr(launcher, k) for k in self._wanted() if k != "log_path"}
+                if not others:
+                    fusionguard.disable()
+                    return
+                others[-1]._mine = mine
+            if over is not None:
+                before, by, put = over
+                if STATE.config is not put:  # (changed since: whoever replaced it puts back what this one replaced)
+                    for s in others:
+                        if s._over is not None and s._over[0] is put:
+                            s._over = (before, by, s._over[2])
+                    return
+                later = [s for s in others if s._order > self._order]
+                if later:  # the next one started on what this one put in place: it puts back what this one replaced
+                    after = min(later, key=lambda s: s._order)
+                    after._over = over if after._over is None else (before, by, after._over[2])
+                    return
+                back = {k: getattr(before, k) for k in self._wanted() if k != "log_path"}
                 if "log_path" in self._wanted():
-                    back["log_path"] = launcher.log_path if launcher.log_path is not None else False
-                fusionguard._enable_as("launcher", **back)
+                    back["log_path"] = before.log_path if before.log_path is not None else False
+                fusionguard._enable_as(by, **back)
+                _renamed(put, STATE.config)
         except Exception as exc:
             internal_error("session stop", exc)
+
+
+def _renamed(old: Any, new: Any) -> None:
+    """The running Config ``old`` was replaced by ``new``: the sessions that hold it (the one
+    they enabled, the one they put in place of another) hold ``new``."""
+    with _LOCK:
+        live = list(_LIVE)
+    for s in live:
+        if s._mine is old:
+            s._mine = new
+        if s._over is not None and s._over[2] is old:
+            s._over = (s._over[0], s._over[1], new)
+
+
+def _check_arguments(name: Any, model: Any, **flags: Any) -> None:
+    """A wrong type is a clear ``TypeError`` naming the argument, before anything is installed."""
+    if not isinstance(name, str):
+        raise TypeError(f"fusionguard.Session(): name must be a str, not {type(name).__name__}")
+    for key, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name}: {key} must be True or False, not {value!r}")
+    if model is not None:
+        import torch  # lazy: a model was given, so torch is loaded already
+
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"{name}: model must be a torch.nn.Module (or None: counts only), not {type(model).__name__}")
 
 
 def _if_alive(ref: Any, method: Any) -> None:

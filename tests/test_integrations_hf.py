@@ -323,3 +323,24 @@ def test_model_init_is_followed_and_stop_on_dense_says_the_verdict_once(tmp_path
                      "model.layers.0.self_attn forward x1 (compiler_disabled); model.layers.1.self_attn forward x1 (compiler_disabled)"]
     assert [m for m in fg_records.lines if "stop_on_dense" in m] == [
         "fusionguard: stop_on_dense: dense FlexAttention at step 1: training stops"]
+
+
+def test_a_callback_reused_in_a_new_trainer_follows_it_and_a_deleted_trainer_ends_its_session(tmp_path, cleanup):
+    """A notebook: one callback object given to a new Trainer on a new model (it watches the new
+    one, and the old Trainer going away does not end it); ``del trainer`` inside a function ends
+    the session (the callback's stack lookup left no snapshot of the function's locals)."""
+    import gc
+
+    cb = FusionGuardCallback(log_path=False)
+    first, second = tiny_llama(), tiny_llama()
+    old = trainer_for(first, tmp_path, [cb])
+    new = trainer_for(second, tmp_path, [cb])
+    assert hooks(first) == 0 and hooks(second) > 0
+    del old
+    gc.collect()
+    assert cb.session.active and hooks(second) > 0
+    del new
+    gc.collect()
+    assert hooks(second) == 0 and not fusionguard.is_enabled()
+    with pytest.raises(TypeError, match=r"^FusionGuardCallback\(\): stop_on_dense must be True or False, not 'no'"):
+        FusionGuardCallback(stop_on_dense="no")

@@ -232,3 +232,8 @@ def test_keyboard_interrupt_is_named_in_the_summary(tmp_path, said):
         logging.getLogger("lightning.pytorch.callbacks.fusionguard").removeHandler(summary)
     assert summary.lines == ["fusionguard summary:\nfusionguard: the run ended on KeyboardInterrupt no FlexAttention call was counted before it"]
     assert "no FlexAttention layer seen" not in "\n".join(said.lines)
+
+
+def test_stop_on_dense_must_be_a_bool():
+    with pytest.raises(TypeError, match=r"^FusionGuardCallback\(\): stop_on_dense must be True or False, not 'no'"):
+        FusionGuardCallback(stop_on_dense="no")

@@ -48,7 +48,9 @@ class _Mixin:
         fit (``trainer.should_stop``) after the first batch that ran dense; options: ``enable()``'s,
         e.g. ``mode="oom"``: dense calls run, except one predicted not to fit on its CUDA device."""
         super().__init__()
-        self.stop_on_dense = bool(stop_on_dense)
+        if not isinstance(stop_on_dense, bool):
+            raise TypeError(f"{type(self).__name__}(): stop_on_dense must be True or False, not {stop_on_dense!r}")
+        self.stop_on_dense = stop_on_dense
         said_strict = {} if strict is None else {"strict": strict}
         self.session = fusionguard.Session(None, name=f"{type(self).__name__}()", **said_strict, **options)
         self._verdict_done = False

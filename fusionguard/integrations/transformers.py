@@ -34,13 +34,22 @@ logger = hf_logging.get_logger("transformers.integrations.fusionguard")
 said = logging.getLogger("fusionguard")  # the verdict lines: fusionguard's own logger
 
 
+#: The Trainer methods that call the callbacks this adapter looks the Trainer up from.
+_CALLERS = ("__init__", "train", "evaluate", "predict")
+
+
 def _on_stack(method: Optional[str] = None) -> Any:
-    """The Trainer whose method called this callback (``method``: only that method's frame)."""
+    """The Trainer whose method called this callback (``method``: only that method's frame).
+    Only those methods' frames are read: on Python <= 3.12, reading ``f_locals`` of a frame
+    keeps a snapshot of its locals on it, and the caller's (``trainer = Trainer(...)``
+    in a function) would keep a deleted Trainer, its session and its hooks alive."""
     frame = inspect.currentframe()
     while frame is not None:
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, Trainer) and (method is None or frame.f_code.co_name == method):
-            return owner
+        code = frame.f_code
+        if code.co_name in ((method,) if method else _CALLERS) and code.co_varnames[:1] == ("self",):
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, Trainer):
+                return owner
         frame = frame.f_back
     return None
 
@@ -59,10 +68,13 @@ class FusionGuardCallback(TrainerCallback):
     """
 
     def __init__(self, strict: Optional[bool] = None, stop_on_dense: bool = False, **options: Any) -> None:
-        self.stop_on_dense = bool(stop_on_dense)
+        if not isinstance(stop_on_dense, bool):
+            raise TypeError(f"{type(self).__name__}(): stop_on_dense must be True or False, not {stop_on_dense!r}")
+        self.stop_on_dense = stop_on_dense
         said_strict = {} if strict is None else {"strict": strict}
         self.session = fusionguard.Session(None, name=f"{type(self).__name__}()", **said_strict, **options)
         self._trainer: Any = None  # weak reference to the Trainer, once found
+        self._ends: Any = None  # the finalizer that ends the session with that Trainer
         self._verdict_done = False
         self._stopped = False
         self._training = False
@@ -93,12 +105,15 @@ class FusionGuardCallback(TrainerCallback):
     # lifecycle
     def _start(self, trainer: Any = None, args: Any = None, model: Any = None) -> None:
         with self.session.guarded("start"):
-            if trainer is None:
-                trainer = self._trainer() if self._trainer is not None else _on_stack()
+            if trainer is None:  # (the Trainer calling now first: one callback object may serve several)
+                trainer = _on_stack() or (self._trainer() if self._trainer is not None else None)
             if trainer is not None:
                 if self._trainer is None or self._trainer() is not trainer:
                     self._trainer = weakref.ref(trainer)
-                    self.session.bind(trainer)  # the session ends with the Trainer
+                    if self._ends is not None:  # (a callback moved to a new Trainer ends with that one only)
+                        self._ends.detach()
+                    self._ends = weakref.finalize(trainer, self.session.stop)  # the session ends with the Trainer
+                    self._ends.atexit = False
                 args, model = trainer.args, trainer.model
             # The Trainer compiles the model itself later (accelerate's prepare): hooks put on it
             # now would be traced by Dynamo (a longer compile): names only, no hooks.

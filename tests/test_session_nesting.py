@@ -1,0 +1,121 @@
+"""#33, found by a hostile try: sessions that overlap (nested ``with`` blocks, a notebook's cells,
+a test's own ``track()`` under the pytest plugin's session), on CPU, inference only.
+
+- a session that replaced another running session's settings puts them back at its stop (LIFO
+  or not), says so once, and the one that enabled fusionguard still disables it at the end;
+- a nested session on the same model gives the hooks back to the one it took them from;
+- ``with fg:`` inside ``with fg:`` ends with the outer block;
+- a wrong type is a clear ``TypeError``, nothing installed.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+import fusionguard
+from conftest import Lines
+from fusionguard import session as _session
+from fusionguard.core import state as _state
+from test_session import Net, hooks, run
+
+
+def mode():
+    return (_state.STATE.config.mode, _state.STATE.enabled_by) if fusionguard.is_enabled() else None
+
+
+@pytest.fixture
+def clean(monkeypatch):
+    monkeypatch.delenv("FUSIONGUARD", raising=False)
+    yield
+    fusionguard.disable()
+    _state.reset_for_tests()
+
+
+@pytest.fixture
+def told():
+    _session._TOLD.clear()
+    handler = Lines()
+    logging.getLogger("fusionguard").addHandler(handler)
+    yield handler
+    logging.getLogger("fusionguard").removeHandler(handler)
+    _session._TOLD.clear()
+
+
+def test_a_replaced_sessions_settings_come_back_and_it_is_said_once(clean, told):
+    model = Net()
+    with fusionguard.track(model, strict=True, log_path=False) as outer:  # the pytest plugin's session, say
+        for _ in range(2):
+            with fusionguard.track(model, strict=False):
+                run(model)  # warn inside
+        assert outer.mode == "strict"
+        with pytest.raises(fusionguard.DenseFallbackError):  # strict again after the block
+            run(model)
+    assert mode() is None  # the outer one enabled: it disabled
+    assert [m for m in told.lines if "still running" in m] == [
+        "fusionguard: fusionguard.track() sets mode='warn' while fusionguard.track() (still running) asked for mode='strict': "
+        "the newest session's settings apply until it stops, then fusionguard.track()'s come back"]
+
+
+def test_out_of_order_stops_unwind_to_the_launcher(clean):
+    fusionguard._enable_as("launcher", mode="warn", log_path=False)
+    a, b, c = (fusionguard.track(Net(), strict=s) for s in (True, False, True))
+    a.start(), b.start(), c.start()
+    assert mode() == ("strict", "session")
+    c.stop()
+    assert mode() == ("warn", "session")  # b's
+    b.stop()
+    assert mode() == ("strict", "session")  # a's
+    a.stop()
+    assert mode() == ("warn", "launcher")
+    a.start(), b.start()
+    a.stop()  # the earlier one first: b's settings stay, the launcher's come back after b
+    assert mode() == ("warn", "session")
+    b.stop()
+    assert mode() == ("warn", "launcher")
+    fusionguard.disable()
+    a, b = fusionguard.track(Net(), strict=True, log_path=False), fusionguard.track(Net(), strict=False)
+    a.start(), b.start()
+    a.stop()
+    b.stop()
+    assert mode() is None  # a enabled it, b replaced a's settings: the last one out disables
+
+
+def test_a_nested_session_on_one_model_gives_the_hooks_back(clean):
+    model = Net()
+    a = fusionguard.track(model, log_path=False).start()
+    one = hooks(model)
+    b = fusionguard.track(model).start()
+    c = fusionguard.track(model).start()
+    c.stop()
+    assert hooks(model) == one and b.model is model
+    b.stop()
+    assert hooks(model) == one and a.model is model  # the outer one watches again
+    b.start(), c.start()
+    b.stop()  # the middle one first: c keeps them, then they go back to a through b
+    assert hooks(model) == one
+    c.stop()
+    assert hooks(model) == one and a.model is model
+    run(model)
+    assert {r["layer"] for r in a.counts().rows} == {"layers.0", "layers.1"}
+    a.stop()
+    assert hooks(model) == 0
+
+
+def test_the_same_session_nested_ends_with_the_outer_block(clean):
+    model = Net()
+    fg = fusionguard.track(model, log_path=False)
+    with fg:
+        with fg:
+            pass
+        assert fg.active and hooks(model) > 0
+    assert not fg.active and hooks(model) == 0 and not fusionguard.is_enabled()
+
+
+@pytest.mark.parametrize("kwargs, word", [({"memory": "no"}, "memory"), ({"hooks": 1}, "hooks"), ({"model": "net"}, "model")])
+def test_a_wrong_type_is_a_clear_error_and_installs_nothing(clean, kwargs, word):
+    model = kwargs.pop("model", None) or Net()
+    with pytest.raises(TypeError, match=rf"^fusionguard.track\(\): {word} must be"):
+        fusionguard.track(model, log_path=False, **kwargs)
+    assert not fusionguard.is_enabled()
