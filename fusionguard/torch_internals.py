@@ -948,7 +948,7 @@ def inductor_cache_dir() -> str:
 
 
 def profiler_check() -> Callable[[], bool]:
-    """A cheap "is a profiler recording?" for the run-time wrappers (fusionguard.eventlog.profiler):
+    """A cheap "is a profiler recording?" for the run-time wrappers (fusionguard.core.profiler):
     ``torch.autograd.profiler._is_profiler_enabled``, the flag ``torch.profiler`` sets (a module
     attribute read, about 0.06 us; an idle ``record_function`` costs about 13 us), else the C
     function behind it (``torch._C._autograd._profiler_enabled``), else never (no ranges)."""
