@@ -289,6 +289,8 @@ def test_every_import_goes_to_its_own_layer_or_a_lower_one():
         units.setdefault(_unit(name), set()).update(_unit(t) for t in _imports(name, path, set(modules), late=True) if _unit(t) != _unit(name))
     assert "core/" in units["dense/"] and "eventlog/" in units["core/"]
     assert _cycles(units) == []
+    # the test and benchmark hooks: nothing in the package uses them
+    assert [u for u, targets in units.items() if "_testing.py" in targets] == []
 
 
 def _dynamic_lookups(path: str) -> List[int]:

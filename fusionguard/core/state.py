@@ -273,12 +273,6 @@ def close_allowance(block: Allowance) -> None:
 _COUNT_LOCK = threading.Lock()
 
 
-def set_guarding(on: bool) -> None:
-    """Switch every installed wrapper to a pass-through (False) and back, patches left in place:
-    the benchmarks' paired on/off timing of one and the same installed graph."""
-    STATE.enabled = on
-
-
 def count(key: str, n: int = 1) -> None:
     with _COUNT_LOCK:
         STATE.counts[key] = STATE.counts.get(key, 0) + n
@@ -311,11 +305,6 @@ def internal_error(where: str, exc: BaseException) -> None:
         STATE.log.emit("error", "internal_error", where=where, error=f"{type(exc).__name__}: {exc}", traceback=tb)
     except Exception:
         pass
-
-
-def reset_for_tests() -> None:
-    """Forget everything (patches must already be removed)."""
-    STATE.reset()
 
 
 # -- fork safety ------------------------------------------------------------------------------------
