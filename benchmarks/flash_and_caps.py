@@ -46,6 +46,7 @@ def _mask(L: int) -> Any:
 def flash() -> Dict[str, Any]:
     import fusionguard
     from fusionguard.core import state as _state
+    from fusionguard import _testing
     from torch.nn.attention.flex_attention import flex_attention
 
     if importlib.util.find_spec("flash_attn.cute") is None:
@@ -79,7 +80,7 @@ def flash() -> Dict[str, Any]:
                 row["dense_calls"] = sum(1 for e in fusionguard.events() if e["event"] == "flex_call")
                 row["fused_runs"] = [_state.STATE.counts.get("fused_runs_forward"), _state.STATE.counts.get("fused_runs_backward")]
                 fusionguard.disable()
-                _state.reset_for_tests()
+                _testing.reset_for_tests()
         for key in ("step_ms_off", "step_ms_strict"):
             row[key] = round(statistics.median(row[key]), 3)
         out[backend] = row

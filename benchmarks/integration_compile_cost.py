@@ -30,7 +30,7 @@ import warnings
 import torch
 
 import fusionguard
-from fusionguard.core import state as _state
+from fusionguard import _testing
 
 
 def trial(variant: str, device: str, out: str) -> float:
@@ -72,7 +72,7 @@ def trial(variant: str, device: str, out: str) -> float:
     if watch is not None:
         watch.__exit__(None, None, None)
     fusionguard.disable()
-    _state.reset_for_tests()
+    _testing.reset_for_tests()
     return took
 
 

@@ -200,7 +200,8 @@ def interleaved(args, shape):
     ``watch(model)`` entered around each step (outside the timed region, as around a loop), and
     ``torch.profiler(profile_memory=True)`` with fusionguard off. Median of the per-step ratios
     to ``off``."""
-    from fusionguard.core.state import STATE, set_guarding
+    from fusionguard._testing import set_guarding
+    from fusionguard.core.state import STATE
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()

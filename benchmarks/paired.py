@@ -8,7 +8,7 @@ import statistics
 import time
 from typing import Callable, Tuple
 
-from fusionguard.core.state import set_guarding
+from fusionguard._testing import set_guarding
 
 
 def paired(call: Callable[[], object], pairs: int, sync: Callable[[], object] = lambda: None, per: int = 1) -> Tuple[float, float]:

@@ -9,7 +9,7 @@ Patterns (a tiny FlexAttention model, ``tests/compile_models.Model`` with ``--la
 
 Variants, rotated each round: ``none`` (fusionguard enabled, no watch()), ``watch`` (the hooks
 out of Dynamo's sight while it compiles: the default), ``traced`` (the hooks left in its sight,
-what every release before #24 compiled: ``watching.hooks.keep_out_of_sight(False)``; on a
+what every release before #24 compiled: ``_testing.keep_out_of_sight(False)``; on a
 tree before #24, which lacks it, ``watch`` and ``traced`` both measure its own watch()).
 
 Each trial makes a fresh model, calls ``torch._dynamo.reset()`` and times the first call: the
@@ -49,7 +49,10 @@ from fusionguard.watching import hooks  # noqa: E402
 
 PATTERNS = {"a": "watch(model), then torch.compile(model)", "b": "a compiled function calling the model", "c": "watch(model), then model.compile()"}
 VARIANTS = ("none", "watch", "traced")
-keep_out_of_sight = getattr(hooks, "keep_out_of_sight", lambda on: None)  # (a tree before #24: none)
+try:
+    from fusionguard._testing import keep_out_of_sight
+except ImportError:  # a tree before #33 kept it in watching.hooks; before #24: none
+    keep_out_of_sight = getattr(hooks, "keep_out_of_sight", lambda on: None)
 
 
 def compile_step(pattern: str, model: torch.nn.Module):

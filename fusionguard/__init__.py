@@ -67,7 +67,7 @@ __all__ = [
     "watch",
 ]
 
-#: ``enable()`` calls in progress (read by the start-up hook, ``activate.py``).
+#: ``enable()`` calls in progress (read by the start-up hook, ``_startup/sitecustomize.py``).
 _enabling = 0
 
 
@@ -147,7 +147,7 @@ def enable(
 
 
 def _enable_as(by: str, **kwargs: Any) -> None:
-    """``enable()`` made by the launcher (``activate.py``) or a session (``session.py``), not by
+    """``enable()`` made by the launcher (``_startup/sitecustomize.py``) or a session (``session.py``), not by
     the program's own code: a session's explicit settings beat the former (docs/integrations.md)."""
     global _by
     with STATE.lock:
@@ -165,9 +165,6 @@ def disable() -> None:
     """Remove every patch (the original objects go back), write a shutdown event, close the log."""
     with STATE.lock:
         _lifecycle.stop()
-
-
-_at_exit = _lifecycle.at_exit  # (run by a multiprocessing worker as it ends: core.state._worker_exit)
 
 
 def is_enabled() -> bool:

@@ -2,20 +2,19 @@
 log, install the patch table once, open the log and write its header, hook crashes; and the
 reverse. Callers hold ``STATE.lock``.
 
-Torch-free at import: the torch side (the patch table, the per-layer summary) is reached through
+Torch-free at import: the torch side (the patch table, the per-layer summary) is imported by
 ``_torch_side()`` only once fusionguard is being enabled, or is enabled.
 """
 
 from __future__ import annotations
 
 import atexit
-import importlib
 import logging
 from typing import Any, Optional
 
 from fusionguard.eventlog import crash, diagnosis
 from fusionguard.core.config import Config, Runtime
-from fusionguard.core.state import STATE, emit, internal_error, write_stderr
+from fusionguard.core.state import STATE, emit, internal_error, on_worker_exit, write_stderr
 from fusionguard.eventlog.header import header_fields
 from fusionguard.eventlog.log import to_torch_trace
 from fusionguard.eventlog.sampler import Sampler
@@ -23,7 +22,9 @@ from fusionguard.eventlog.sampler import Sampler
 
 def _torch_side() -> Any:
     """``fusionguard.patch_sites`` (imports torch): loaded by the first ``enable()``."""
-    return importlib.import_module("fusionguard.patch_sites")
+    from fusionguard import patch_sites  # lazy: it imports torch, and `import fusionguard` must not
+
+    return patch_sites
 
 
 def _announce(path: Optional[str]) -> None:
@@ -191,3 +192,6 @@ def at_exit() -> None:
                 crash.release_native()
     except Exception:
         pass
+
+
+on_worker_exit(at_exit)  # (a multiprocessing worker ends with os._exit: core.state._worker_exit runs this)

@@ -8,9 +8,9 @@ import json
 import os
 from typing import Any, Dict, List, Optional, Union
 
-from fusionguard.core.formatting import causes_text, count_text, mem_text, table
+from fusionguard.eventlog.formatting import causes_text, count_text, mem_text, table
 from fusionguard.core.state import STATE
-from fusionguard.core.distributed import gather_to_rank0
+from fusionguard.eventlog.distributed import gather_to_rank0
 from fusionguard.eventlog.header import rank_info
 
 COLUMNS = (
@@ -21,7 +21,7 @@ COLUMNS = (
 
 class Summary(list):
     """A list of per-(layer, phase) rows (dicts) that prints as a table: the same layout, units
-    and cause style as ``fusionguard report`` (``fusionguard.core.formatting``)."""
+    and cause style as ``fusionguard report`` (``fusionguard.eventlog.formatting``)."""
 
     def __str__(self) -> str:
         if not self:

@@ -27,7 +27,7 @@ import sys
 
 TYPE_CHECKING = False  # (typing costs the start-up hook ~2-4 ms: docs/internals.md, benchmarks/startup.py)
 if TYPE_CHECKING:
-    from typing import Any, List, Optional, Sequence
+    from typing import Any, Callable, List, Optional, Sequence
 
 ENV = "FUSIONGUARD"
 MODES = ("strict", "warn", "oom", "off")
@@ -69,17 +69,18 @@ def switched_off() -> bool:
     return True
 
 
-def startup() -> None:
-    """Called by our ``sitecustomize`` in every process: arrange ``enable()`` for when torch is
+def startup(launch: Callable[[str], None]) -> None:
+    """Called by our ``sitecustomize`` in every process: arrange ``launch(mode)`` (its
+    ``enable()``: this module sits below the package and imports none of it) for when torch is
     imported (at once if it already is). Never raises."""
     try:
         mode = env_mode()
         if mode not in ("strict", "warn", "oom"):
             return
         if "torch" in sys.modules:
-            _enable(mode)
+            _enable(mode, launch)
         elif not any(isinstance(f, _TorchWatcher) for f in sys.meta_path):
-            sys.meta_path.insert(0, _TorchWatcher(mode))
+            sys.meta_path.insert(0, _TorchWatcher(mode, launch))
     except Exception as exc:  # pragma: no cover - defensive
         _say_once("startup", f"fusionguard: start-up hook failed ({type(exc).__name__}: {exc}); fusionguard is off in this process\n")
 
@@ -103,16 +104,11 @@ def is_launcher(argv0: str, orig_argv: Sequence[str] = ()) -> bool:
     return any(name == x or name.endswith("/" + x) for x in _LAUNCHERS)
 
 
-def _enable(mode: str) -> None:
+def _enable(mode: str, launch: Callable[[str], None]) -> None:
     if sys.argv and is_launcher(sys.argv[0], getattr(sys, "orig_argv", ())):
         return
     try:
-        import fusionguard  # lazy: a cycle (the package imports this module at its import)
-
-        # the program enabled it itself, or is doing so right now (its enable() imported torch):
-        # its settings stand
-        if not fusionguard.is_enabled() and not fusionguard._enabling:
-            fusionguard._enable_as("launcher", mode=mode)
+        launch(mode)
     except Exception as exc:
         _say_once("enable", f"fusionguard: {ENV}={mode}: enable() failed ({type(exc).__name__}: {exc}); the program runs without fusionguard\n")
 
@@ -138,8 +134,9 @@ class _TorchWatcher:
     finished (in the middle of it, it would find half-initialised modules: a circular import).
     Removes itself once ``enable()`` ran."""
 
-    def __init__(self, mode: str) -> None:
+    def __init__(self, mode: str, launch: Callable[[str], None]) -> None:
         self.mode = mode
+        self.launch = launch
         self.busy: set = set()  # threads in our find_spec (asking the other finders)
         self.depth = 0  # fusionguard modules being imported through our loaders
         self.executed: set = set()  # fusionguard modules whose code ran through our loaders
@@ -188,7 +185,7 @@ class _TorchWatcher:
             sys.meta_path.remove(self)
         except ValueError:
             pass
-        _enable(self.mode)
+        _enable(self.mode, self.launch)
 
 
 class _Watched:

@@ -403,7 +403,7 @@ class Session:
     def ranks_with_dense(self, dense: bool) -> List[int]:
         """The ranks whose ``dense`` is true, the same list on every rank: under several processes a
         collective every rank must call (one small all-reduce); one process: ``[0]`` or ``[]``."""
-        from fusionguard.core.distributed import process_group_ready  # lazy: only for stop_on_dense
+        from fusionguard.eventlog.distributed import process_group_ready  # lazy: only for stop_on_dense
 
         if not process_group_ready():
             return [0] if dense else []

@@ -27,7 +27,7 @@ import torch  # noqa: E402
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 import fusionguard  # noqa: E402
-from fusionguard.core import state as _state  # noqa: E402
+from fusionguard import _testing  # noqa: E402
 from fusionguard import torch_internals  # noqa: E402
 
 HOP_MODULE = importlib.import_module("torch._higher_order_ops.flex_attention")
@@ -106,7 +106,7 @@ def guard(tmp_path, monkeypatch):
     _enable.log = log
     yield _enable
     fusionguard.disable()
-    _state.reset_for_tests()
+    _testing.reset_for_tests()
 
 
 # --- What this torch release lacks: tests skip by feature, never by version number ---------------

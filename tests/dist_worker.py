@@ -45,7 +45,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.attention.flex_attention import flex_attention
 
 import fusionguard
-from fusionguard.core.distributed import gather_to_rank0
+from fusionguard.eventlog.distributed import gather_to_rank0
 
 
 def mark(out: Path, rank: int, step: str) -> None:

@@ -196,7 +196,7 @@ def cleaned():
     import torch  # (imported here: collecting the blocks needs no torch)
 
     import fusionguard
-    from fusionguard.core import state as _state
+    from fusionguard import _testing
 
     logger = logging.getLogger("fusionguard")
     saved = (logger.level, list(logger.handlers), logger.propagate)
@@ -204,7 +204,7 @@ def cleaned():
         yield
     finally:
         fusionguard.disable()
-        _state.reset_for_tests()
+        _testing.reset_for_tests()
         if logger.handlers != saved[1]:
             torch._logging.set_logs()
         logger.setLevel(saved[0])

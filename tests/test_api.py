@@ -271,7 +271,7 @@ def test_summary_and_report_format_the_same_things_the_same_way(guard, capsys):
     rc, out, _ = run_cli(capsys, log)
     line = next(ln for ln in out.splitlines() if ln.startswith("0 "))
     assert "eager_call×2" in line and line.split()[:3] == ["0", "forward", "2"]
-    from fusionguard.core import formatting as _format
+    from fusionguard.eventlog import formatting as _format
     from fusionguard import _summary
     from fusionguard.report import render
 

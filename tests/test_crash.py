@@ -565,7 +565,7 @@ def test_a_host_owned_faulthandler_is_left_alone(tmp_path):
     import faulthandler
 
     import fusionguard
-    from fusionguard.core import state as _state
+    from fusionguard import _testing
 
     was = faulthandler.is_enabled()  # pytest enables it by default (then it stays pytest's)
     if not was:
@@ -578,7 +578,7 @@ def test_a_host_owned_faulthandler_is_left_alone(tmp_path):
         assert faulthandler.is_enabled(), "still the host's"
         assert not list(tmp_path.glob("*.crash"))
     finally:
-        _state.reset_for_tests()
+        _testing.reset_for_tests()
         if not was:
             faulthandler.disable()
 

@@ -18,7 +18,7 @@ from typing import Sequence
 
 import pytest
 
-from fusionguard.core.distributed import gather_to_rank0, process_group_ready
+from fusionguard.eventlog.distributed import gather_to_rank0, process_group_ready
 
 from conftest import read_jsonl
 

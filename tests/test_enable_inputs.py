@@ -15,6 +15,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 import fusionguard
 from fusionguard.core import state as _state
+from fusionguard import _testing
 from fusionguard.eventlog import crash
 
 from conftest import flex_events, qkv, read_jsonl
@@ -194,7 +195,7 @@ def test_strict_and_mode_that_disagree_are_refused_both_ways(strict, mode):
         assert not fusionguard.is_enabled()
     finally:
         fusionguard.disable()
-        _state.reset_for_tests()
+        _testing.reset_for_tests()
 
 
 @pytest.mark.parametrize("kwargs, strict, mode", [
@@ -208,4 +209,4 @@ def test_strict_and_mode_that_agree_or_stand_alone_are_accepted(kwargs, strict, 
         assert (_state.STATE.config.strict, _state.STATE.config.mode) == (strict, mode)
     finally:
         fusionguard.disable()
-        _state.reset_for_tests()
+        _testing.reset_for_tests()

@@ -8,13 +8,14 @@ import pytest
 
 import fusionguard
 from fusionguard.core import state as _state
+from fusionguard import _testing
 
 
 @pytest.fixture
 def clean():
     yield
     fusionguard.disable()
-    _state.reset_for_tests()
+    _testing.reset_for_tests()
 
 
 def config():

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import fusionguard
-from fusionguard.core import state as _state
+from fusionguard import _testing
 from conftest import fresh_hf_wrapper, read_jsonl, recompile_limit
 
 transformers = pytest.importorskip("transformers")  # the `test` extra pins it; see setup.cfg
@@ -52,7 +52,7 @@ def hf_wrapper_run(tmp_path_factory):
             rows = list(fusionguard.summary())
     finally:
         fusionguard.disable()
-        _state.reset_for_tests()
+        _testing.reset_for_tests()
     return log, outs, rows, model
 
 
@@ -117,7 +117,7 @@ def recompile_limit_run(tmp_path_factory):
                 model(ids(48))
     finally:
         fusionguard.disable()
-        _state.reset_for_tests()
+        _testing.reset_for_tests()
         fresh_hf_wrapper()
     return kinds(log, "flex_call")
 
@@ -166,7 +166,7 @@ def inductor_model_run(tmp_path_factory, hf_wrapper_run):
             out = torch.compile(model)(ids(32)).logits
     finally:
         fusionguard.disable()
-        _state.reset_for_tests()
+        _testing.reset_for_tests()
         torch._dynamo.reset()
     return log, out
 

@@ -19,6 +19,7 @@ import torch
 
 import fusionguard
 from fusionguard.core import state as _state
+from fusionguard import _testing
 from conftest import Lines, fresh_hf_wrapper, read_jsonl
 
 transformers = pytest.importorskip("transformers")
@@ -59,7 +60,7 @@ def trainer_for(model, tmp_path, callbacks=(), **args):
 def cleanup():
     yield
     fusionguard.disable()
-    _state.reset_for_tests()
+    _testing.reset_for_tests()
 
 
 def verdicts(lines):
@@ -123,7 +124,7 @@ def compiled_run(tmp_path_factory):
     finally:
         logging.getLogger("fusionguard").removeHandler(handler)
         fusionguard.disable()
-        _state.reset_for_tests()
+        _testing.reset_for_tests()
         torch._dynamo.reset()
     return {"log": read_jsonl(log), "history": history, "lines": handler.lines,
             "hooks": hooks_before, "compiled": compiled}

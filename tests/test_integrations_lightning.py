@@ -22,6 +22,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 import fusionguard
 from fusionguard.core import state as _state
+from fusionguard import _testing
 from conftest import Lines, read_jsonl
 
 L = pytest.importorskip("lightning.pytorch")
@@ -83,7 +84,7 @@ def trainer(pkg, tmp_path, cb, **kw):
 def said(fg_records):
     yield fg_records
     fusionguard.disable()
-    _state.reset_for_tests()
+    _testing.reset_for_tests()
 
 
 def csv_rows(tmp_path):

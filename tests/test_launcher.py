@@ -13,6 +13,7 @@ import sys
 
 import fusionguard
 from fusionguard.core import state as _state
+from fusionguard import _testing
 from fusionguard import activate
 from conftest import ROOT, read_jsonl
 
@@ -159,7 +160,7 @@ def test_off_is_a_kill_switch_over_code(monkeypatch, capsys, tmp_path):
         assert fusionguard.is_enabled() and _state.STATE.config.strict
     finally:
         fusionguard.disable()
-        _state.reset_for_tests()
+        _testing.reset_for_tests()
 
 
 def test_torchrun_s_agent_is_left_alone_its_workers_are_not():

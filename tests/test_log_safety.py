@@ -16,6 +16,7 @@ import pytest
 
 import fusionguard
 from fusionguard.core import state as _state
+from fusionguard import _testing
 from fusionguard.eventlog import crash
 from fusionguard.dense import guard as guard_mod
 from fusionguard.eventlog.redact import REDACTED, redact_argv
@@ -40,7 +41,7 @@ def test_a_planted_symlink_is_refused_and_its_target_untouched(tmp_path, capsys)
         assert fusionguard.events("flex_call"), "events are kept in memory"
     finally:
         fusionguard.disable()
-        _state.reset_for_tests()
+        _testing.reset_for_tests()
     assert victim.read_text() == "secret\n"
     err = capsys.readouterr().err
     assert "cannot open log file" in err and "kept in memory only" in err
@@ -58,7 +59,7 @@ def test_fifos_and_devices_are_refused_without_blocking(tmp_path, capsys):
         fusionguard.enable(log_path=str(fifo))  # with a reader: opened, seen, refused
         assert fusionguard.is_enabled() and _state.STATE.log.sink is None
         fusionguard.disable()
-        _state.reset_for_tests()
+        _testing.reset_for_tests()
     finally:
         os.close(reader)
     with pytest.raises(OSError, match="not a regular file"):
@@ -75,7 +76,7 @@ def test_tilde_is_expanded(tmp_path, monkeypatch):
         assert _state.STATE.config.log_path == str(tmp_path / "home" / "logs" / "fg.jsonl")
     finally:
         fusionguard.disable()
-        _state.reset_for_tests()
+        _testing.reset_for_tests()
     assert read_jsonl(tmp_path / "home" / "logs" / "fg.jsonl")[0]["event"] == "header"
     assert not (tmp_path / "~").exists()
 
@@ -101,7 +102,7 @@ def test_new_files_are_owner_only_unless_widened_existing_keep_theirs(tmp_path):
     finally:
         os.umask(old)
         fusionguard.disable()
-        _state.reset_for_tests()
+        _testing.reset_for_tests()
 
 
 def test_secret_looking_argv_values_are_redacted():
@@ -201,7 +202,7 @@ def test_full_disk_messages_say_what_happens(small_tmpfs, capsys):
         assert len(fusionguard.events("probe")) == 31, "every event is in memory"
     finally:
         fusionguard.disable()
-        _state.reset_for_tests()
+        _testing.reset_for_tests()
     lines = log.read_text().splitlines()
     events = []
     for x in lines:
@@ -222,7 +223,7 @@ def test_switching_log_path_ends_the_old_file_with_a_shutdown(tmp_path, capsys):
     fusionguard.enable(log_path=str(a))
     fusionguard.enable(log_path=str(b))
     fusionguard.disable()
-    _state.reset_for_tests()
+    _testing.reset_for_tests()
     last = read_jsonl(a)[-1]
     assert last["event"] == "shutdown" and last["reason"] == "log_path changed" and last["next_log"] == str(b)
     rc, out, _ = run_cli(capsys, a, "--format", "json")
@@ -265,7 +266,7 @@ def test_sigterm_after_a_disable_from_a_thread_passes_through_then_goes(tmp_path
         assert signal.getsignal(signal.SIGTERM) is mine
     finally:
         signal.signal(signal.SIGTERM, before)
-        _state.reset_for_tests()
+        _testing.reset_for_tests()
 
 
 def test_hydra_append_and_force_overrides_are_redacted_too():
@@ -283,7 +284,7 @@ def test_switching_log_path_writes_the_old_file_s_pending_counts_before_its_shut
             flex_attention(q, k, v)
     fusionguard.enable(log_path=str(b), dense_first=1, flush_interval=0)
     fusionguard.disable()
-    _state.reset_for_tests()
+    _testing.reset_for_tests()
     assert read_jsonl(a)[-1]["event"] == "shutdown"
     rc, out, _ = run_cli(capsys, a, "--format", "json")
     rep = json.loads(out)

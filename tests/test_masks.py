@@ -16,6 +16,7 @@ from conftest import PUBLIC, causal, op_args, qkv, read_jsonl
 
 import fusionguard
 from fusionguard.core import state as _state
+from fusionguard import _testing
 from fusionguard.dense import memory as dense_memory
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -160,7 +161,7 @@ def test_enable_recompiles_a_frame_compiled_before_it_once_as_documented(tmp_pat
         after_disable = counters["stats"]["unique_graphs"] - base
     finally:
         fusionguard.disable()
-        _state.reset_for_tests()
+        _testing.reset_for_tests()
     # disable(): the entry compiled for the original create_mask matches again, no compile
     assert after_enable == 1 and after_disable == 1
 

@@ -19,6 +19,7 @@ import torch
 
 import fusionguard
 from fusionguard.core import state as _state
+from fusionguard import _testing
 from fusionguard.report.build import build as build_report_dict
 from fusionguard.watching import paths
 from fusionguard.watching.paths import module_path
@@ -134,7 +135,7 @@ def test_module_path_follows_wrappers_and_models_made_later(fresh):
     """torch.compile's wrapper adds no name (as under watch()); a model created after the first
     lookup is found by a new scan; two live models of one class get partial roots, and so do
     modules met after the scans' budget is spent."""
-    _state.reset_for_tests()
+    _testing.reset_for_tests()
     model = Model()
     wrapped = torch.compile(model)  # an OptimizedModule holding model as _orig_mod
     assert module_path(model.layers[1].attn) == "layers.1.attn"
@@ -153,13 +154,13 @@ def test_module_path_follows_wrappers_and_models_made_later(fresh):
     assert module_path(late.layers[1].attn) == "Block[0].attn"
     assert module_path(late.layers[0]) == "Block[1]"
     del wrapped, other, late
-    _state.reset_for_tests()
+    _testing.reset_for_tests()
 
 
 def test_two_models_of_different_classes_never_share_rows(fresh):
     """A policy and a reward model (different classes, the same layer paths) alive together:
     the first named keeps the root names, the other is named partially; never one name for both."""
-    _state.reset_for_tests()
+    _testing.reset_for_tests()
 
     class Reward(Model):
         pass
@@ -174,7 +175,7 @@ def test_two_models_of_different_classes_never_share_rows(fresh):
     assert module_path(newer.layers[0].attn) in ("layers.0.attn", "Reward[1].layers.0.attn")
     assert module_path(newer.layers[0].attn) != module_path(reward.layers[0].attn)
     del reward, newer
-    _state.reset_for_tests()
+    _testing.reset_for_tests()
 
 
 _RUN = textwrap.dedent(

@@ -14,7 +14,7 @@ from torch.nn.attention.flex_attention import flex_attention
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import fusionguard
-from fusionguard.eventlog import profiler as profiling
+from fusionguard.core import profiler as profiling
 
 from conftest import flex_events, op_call, qkv
 

@@ -280,12 +280,12 @@ def _quickstart_log(tmp_path):
 
 
 def test_allowed_dense_calls_are_shown_apart_and_never_fail_the_gate(tmp_path, capsys):
-    from fusionguard.core import state as _state
+    from fusionguard import _testing
 
     try:
         log = _quickstart_log(tmp_path)
     finally:
-        _state.reset_for_tests()
+        _testing.reset_for_tests()
     rep = as_json(capsys, log)
     t = rep["totals"]
     assert (t["dense_calls"], t["blocked_calls"], t["allowed_dense_calls"]) == (1, 1, 1)  # the demo's "1 caught"

@@ -18,6 +18,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 import fusionguard
 from fusionguard import torch_internals as ti
 from fusionguard.core import state as _state
+from fusionguard import _testing
 from fusionguard.core.config import Runtime
 from fusionguard.errors import DenseFallbackError, DenseFallbackWarning
 
@@ -62,7 +63,7 @@ def test_enable_builds_one_frozen_runtime_that_the_wrappers_close_over(guard):
     with torch.no_grad():
         wrapper(*op_args(q, k, v))  # a wrapper someone still holds: the original call, no check
     assert len(fusionguard.events()) == logged
-    _state.reset_for_tests()
+    _testing.reset_for_tests()
     assert _state.STATE.runtime is holder and holder.now == Runtime()
 
 

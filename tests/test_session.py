@@ -26,6 +26,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 import fusionguard
 from fusionguard.core import state as _state
+from fusionguard import _testing
 from conftest import Lines
 
 D = 8
@@ -71,7 +72,7 @@ def clean(monkeypatch):
     monkeypatch.delenv("FUSIONGUARD", raising=False)
     yield
     fusionguard.disable()
-    _state.reset_for_tests()
+    _testing.reset_for_tests()
 
 
 @pytest.fixture

@@ -10,10 +10,12 @@ import sys
 
 import fusionguard
 from fusionguard import torch_internals as ti
+from fusionguard.torch_internals import dynamo as dynamo_lookups
 
 PKG = pathlib.Path(fusionguard.__file__).parent
-#: Every module but torch_internals itself: PyTorch's private names are looked up there only.
-CLEAN = sorted(str(p.relative_to(PKG)) for p in PKG.rglob("*.py") if p.name != "torch_internals.py")
+#: Every module but torch_internals' own (a folder): PyTorch's private names are looked up there only.
+INTERNALS = sorted(str(p.relative_to(PKG)) for p in (PKG / "torch_internals").glob("*.py"))
+CLEAN = sorted(str(p.relative_to(PKG)) for p in PKG.rglob("*.py") if str(p.relative_to(PKG)) not in INTERNALS)
 
 
 def _private_torch_names(path: pathlib.Path) -> list:
@@ -52,7 +54,7 @@ NOT_TORCH = {
 def test_private_torch_names_live_in_torch_internals_only():
     found = [hit for name in CLEAN for hit in _private_torch_names(PKG / name)]
     assert found == []
-    assert _private_torch_names(PKG / "torch_internals.py"), "the check finds what it looks for"
+    assert len(INTERNALS) >= 2 and [hit for name in INTERNALS for hit in _private_torch_names(PKG / name)], "the check finds what it looks for"
 
 
 # --- Every private name by its spelling: the registry torch_internals.PRIVATE_NAMES -----------
@@ -139,8 +141,8 @@ def test_a_private_name_not_ours_is_a_registered_one():
     pattern are checked against the registry only: ``(?:_backward)?`` is no name.)"""
     ours = _defined_here()
     found = []
-    for name in CLEAN + ["torch_internals.py"]:
-        allowed = ti.PRIVATE_NAMES if name == "torch_internals.py" else {}
+    for name in CLEAN + INTERNALS:
+        allowed = ti.PRIVATE_NAMES if name in INTERNALS else {}
         for line, what, how in _names_spelled((PKG / name).read_text()):
             if how != "regex" and _is_private(what) and what not in ours and what not in NOT_TORCH and what not in allowed:
                 found.append(f"{name}:{line} {what}")
@@ -188,8 +190,8 @@ def test_dynamo_lookups_answer_on_this_torch_and_nothing_where_missing():
     assert ti.cache_entries(test_dynamo_lookups_answer_on_this_torch_and_nothing_where_missing.__code__) == []
     assert isinstance(ti.compilation_metrics(), list) and isinstance(ti.dynamo_counters("graph_break"), dict)
     # a release that keeps a name elsewhere: "nothing", never an exception
-    assert ti._dynamo_attr("torch._dynamo.no_such_module", "x") is None
-    assert ti._dynamo_attr("torch._dynamo.utils", "no_such_name") is None
+    assert dynamo_lookups._dynamo_attr("torch._dynamo.no_such_module", "x") is None
+    assert dynamo_lookups._dynamo_attr("torch._dynamo.utils", "no_such_name") is None
 
 
 def test_hook_and_graph_lookups_answer_on_this_torch_and_nothing_where_missing():
@@ -218,7 +220,7 @@ def test_the_allow_dense_context_variable_is_read_only_through_dense_allowed_her
     ``if <var>.get():`` lets dense work through in a context copied inside a closed block. Only
     ``core/state.py`` (``dense_allowed_here``, ``open_allowance``, ``close_allowance``) may touch it."""
     touching = []
-    for name in CLEAN + ["torch_internals.py"]:
+    for name in CLEAN + INTERNALS:
         if name == "core/state.py":
             continue
         for node in ast.walk(ast.parse((PKG / name).read_text(), name)):

@@ -32,6 +32,15 @@ def _fusionguard_startup() -> None:
         loader.exec_module(module)
         return module
 
+    def _fusionguard_launch(mode):
+        """The launcher's ``enable()``, run by ``activate.py`` once torch is imported."""
+        import fusionguard  # lazy: only once torch is imported (the package costs ~0.1 s)
+
+        # the program enabled it itself, or is doing so right now (its enable() imported torch):
+        # its settings stand
+        if not fusionguard.is_enabled() and not fusionguard._enabling:
+            fusionguard._enable_as("launcher", mode=mode)
+
     here = os.path.dirname(os.path.abspath(__file__))
     mode = os.environ.get("FUSIONGUARD", "").strip().lower()
     if mode and mode != "off":  # "off" acts in enable(); unset: nothing to do, nothing imported
@@ -40,7 +49,7 @@ def _fusionguard_startup() -> None:
 
             path = os.path.join(os.path.dirname(here), "activate.py")
             activate = _fusionguard_exec(SourceFileLoader("_fusionguard_activate", path), path)
-            activate.startup()
+            activate.startup(_fusionguard_launch)
         except Exception as exc:  # fusionguard not importable here: never break the program
             try:
                 sys.stderr.write(f"fusionguard: start-up hook skipped ({type(exc).__name__}: {exc})\n")

@@ -10,13 +10,12 @@ import sys
 import threading
 import traceback
 import types
-from typing import Any, Dict, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from fusionguard.eventlog import crash
 from fusionguard.core.config import Config, Runtime, RuntimeRef, process_log_name
 from fusionguard.eventlog.messages import say
 from fusionguard.core.tables import Caches, Stats, WatchRegistry
-from fusionguard.dense.dynamo_signals import SIGNALS
 from fusionguard.eventlog.header import header_fields
 from fusionguard.eventlog.log import EventLog
 from fusionguard.core.registry import PatchRegistry
@@ -95,7 +94,6 @@ class State:
     ``watch`` (watch()'s registry), ``caches`` (the dense path's), ``runtime`` (the holder the
     installed wrappers close over: ``runtime.now`` is the ``Runtime`` settings object of the
     current ``enable()``, swapped whole, the defaults after ``disable()`` and ``reset()``). Referenced, never reset here:
-    ``signals`` (Dynamo's log handler and callback, installed through the patch registry) and
     ``crash`` (the excepthooks, SIGTERM handler and faulthandler file: let go of by their
     entries in the patch registry, or ``crash.uninstall()`` / ``release_native()``).
 
@@ -118,7 +116,6 @@ class State:
         self.stats = Stats(self.watch.names)
         self.caches = Caches()
         self.runtime = RuntimeRef()
-        self.signals = SIGNALS
         self.crash = crash.CRASH
         self._fresh()
 
@@ -276,12 +273,6 @@ def close_allowance(block: Allowance) -> None:
 _COUNT_LOCK = threading.Lock()
 
 
-def set_guarding(on: bool) -> None:
-    """Switch every installed wrapper to a pass-through (False) and back, patches left in place:
-    the benchmarks' paired on/off timing of one and the same installed graph."""
-    STATE.enabled = on
-
-
 def count(key: str, n: int = 1) -> None:
     with _COUNT_LOCK:
         STATE.counts[key] = STATE.counts.get(key, 0) + n
@@ -316,11 +307,6 @@ def internal_error(where: str, exc: BaseException) -> None:
         pass
 
 
-def reset_for_tests() -> None:
-    """Forget everything (patches must already be removed)."""
-    STATE.reset()
-
-
 # -- fork safety ------------------------------------------------------------------------------------
 
 
@@ -342,8 +328,18 @@ def _locks_after_fork() -> None:
     STATE.crash.after_fork_in_child()
     STATE.watch.lock = _reinit(STATE.watch.lock)
     STATE.stats.lock = _reinit(STATE.stats.lock)
-    STATE.signals.lock = _reinit(STATE.signals.lock)
+    for reinit in _CHILD_LOCKS:
+        reinit(_reinit)
 
+
+#: Upper layers' locks to re-create in a forked child (``dense.dynamo_signals``): each is called with
+#: ``_reinit`` and replaces its lock (registered at their import: the state imports none of them).
+_CHILD_LOCKS: List[Callable[[Callable[[Any], Any]], None]] = []
+
+
+def on_fork_reinit(fn: Callable[[Callable[[Any], Any]], None]) -> None:
+    """Register ``fn(reinit)``: it replaces a lock of its own with ``reinit(lock)`` in a forked child."""
+    _CHILD_LOCKS.append(fn)
 
 def _after_fork_in_child() -> None:
     """The child starts clean: free locks, no parent counts (they are the parent's to write),
@@ -427,9 +423,18 @@ if hasattr(os, "register_at_fork"):
 def _worker_exit() -> None:
     """A multiprocessing child is ending: its last counters, summary and shutdown, as atexit
     would write them (``os._exit`` follows, so atexit never runs)."""
-    fusionguard: Any = sys.modules.get("fusionguard")
-    if fusionguard is not None:
-        fusionguard._at_exit()
+    if _AT_WORKER_EXIT is not None:
+        _AT_WORKER_EXIT()
+
+
+#: What a multiprocessing worker runs as it ends: ``_lifecycle.at_exit``, registered by ``_lifecycle``
+#: at its import (the state sits below it and imports nothing of it).
+_AT_WORKER_EXIT: Optional[Callable[[], None]] = None
+
+
+def on_worker_exit(fn: Callable[[], None]) -> None:
+    global _AT_WORKER_EXIT
+    _AT_WORKER_EXIT = fn
 
 
 def _worker_started(_state: Any) -> None:

@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 from fusionguard import torch_internals as ti
 from fusionguard.core.frames import FG_DIR, is_torch_file
 from fusionguard.core.registry import PatchRegistry
+from fusionguard.core.state import on_fork_reinit
 
 Key = Tuple[str, int]
 _DYNAMO_LOGGER = ti.DYNAMO_CONVERT_FRAME_LOGGER  # where Dynamo logs frames it could not convert
@@ -521,3 +522,10 @@ class _DynamoLogHandler(logging.Handler):
 
 
 SIGNALS = Signals()
+
+
+def _lock_after_fork(reinit: Callable[[Any], Any]) -> None:
+    SIGNALS.lock = reinit(SIGNALS.lock)
+
+
+on_fork_reinit(_lock_after_fork)  # (a forked child's lock is free: core.state's fork hooks)

@@ -28,8 +28,8 @@ from fusionguard.core import frames
 from fusionguard.core.config import Runtime, RuntimeRef
 from fusionguard.dense import causes, lse, memory as dense_memory
 from fusionguard.eventlog.crash import sigterm_pending
-from fusionguard.eventlog import profiler as profiling
-from fusionguard.core.formatting import human_bytes, site_text
+from fusionguard.core import profiler as profiling
+from fusionguard.eventlog.formatting import human_bytes, site_text
 from fusionguard.eventlog.kinds import CAUSES
 from fusionguard.eventlog.messages import dense_text
 from fusionguard.core.tensors import tensor_fields

@@ -21,7 +21,7 @@ import torch
 
 from fusionguard.core import frames
 from fusionguard.core.config import Runtime, RuntimeRef
-from fusionguard.core.formatting import human_bytes, site_text
+from fusionguard.eventlog.formatting import human_bytes, site_text
 from fusionguard.eventlog.messages import dense_text
 from fusionguard.core.state import STATE, count, dense_allowed_here, internal_error
 from fusionguard.dense.memory import default_mask_limit, free_bytes, mask_build_bytes

@@ -8,7 +8,7 @@ import sys
 from typing import Any, Iterable, List, Optional
 
 from fusionguard import torch_internals as ti
-from fusionguard.core.formatting import human_bytes
+from fusionguard.eventlog.formatting import human_bytes
 from fusionguard.eventlog.kinds import FLEX_EVENTS
 
 # Frames that mean "inside a FlexAttention kernel" (PyTorch's dense implementation, our wrapper).

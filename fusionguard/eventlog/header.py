@@ -9,7 +9,7 @@ import sys
 from typing import Optional
 
 from fusionguard._version import __version__
-from fusionguard.core.distributed import process_group_ready
+from fusionguard.eventlog.distributed import process_group_ready
 from fusionguard.eventlog.redact import redact_argv
 
 SCHEMA_VERSION = 1

@@ -38,7 +38,7 @@ from typing import Any, Callable, ContextManager, Deque, Dict, List, Optional, T
 import structlog
 
 from fusionguard.eventlog.messages import logger as human_logger, say
-from fusionguard.core.distributed import process_group_ready
+from fusionguard.eventlog.distributed import process_group_ready
 from fusionguard.eventlog.header import rank_info
 from fusionguard.eventlog.kinds import TRACE_EVENTS
 from fusionguard.eventlog.redact import redact_value

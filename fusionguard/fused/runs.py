@@ -11,7 +11,7 @@ import weakref
 from collections.abc import MutableMapping
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from fusionguard.eventlog import profiler as profiling
+from fusionguard.core import profiler as profiling
 from fusionguard import torch_internals as ti
 from fusionguard.core.state import STATE, count, internal_error
 from fusionguard.core.frames import take_deferred

@@ -11,7 +11,7 @@ import os
 import re
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-from fusionguard.core.formatting import site_text
+from fusionguard.eventlog.formatting import site_text
 from fusionguard.report.crashfile import native_crash
 from fusionguard.report import aggregate
 from fusionguard.report.aggregate import MAX_KEYS, NO_LAYER, OTHER_LAYERS, Aggregator, Counts, Stream, compact

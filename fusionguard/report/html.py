@@ -25,7 +25,7 @@ import re
 from contextvars import ContextVar
 from typing import Any, Dict, List, Optional, Tuple
 
-from fusionguard.core.formatting import escape, human_bytes
+from fusionguard.eventlog.formatting import escape, human_bytes
 from fusionguard._version import __version__
 from fusionguard.report import chart
 from fusionguard.eventlog.kinds import CAUSES, FIXES

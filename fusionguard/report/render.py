@@ -1,7 +1,7 @@
 """Writing the report dict for people and programs: text (a terminal), CSV (one row per
 layer and phase), JSON (the dict itself).
 
-A log's strings are untrusted: text and CSV escape every control character (``core.formatting.escape``),
+A log's strings are untrusted: text and CSV escape every control character (``eventlog.formatting.escape``),
 JSON writes C1 controls and bidirectional overrides as ``\\uXXXX``; none of them can drive the
 terminal that shows the report.
 """
@@ -15,7 +15,7 @@ import re
 import time
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-from fusionguard.core.formatting import UNSAFE_ABOVE_C0, causes_text, escape, human_bytes, mem_text, site_text, table
+from fusionguard.eventlog.formatting import UNSAFE_ABOVE_C0, causes_text, escape, human_bytes, mem_text, site_text, table
 from fusionguard.report.aggregate import NO_LAYER
 
 MAX_CRASHES_SHOWN = 4  # crash/stop sections in the text report (all in --format json)

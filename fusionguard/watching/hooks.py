@@ -231,14 +231,6 @@ def _unregister() -> None:
     ti.remove_compile_callbacks(_compile_started, _compile_ended)
 
 
-def keep_out_of_sight(on: bool) -> None:
-    """Hide watch()'s hooks from Dynamo (the default) or leave them traced, as before #24
-    (``benchmarks/watch_compile_cost.py``'s ``traced`` variant)."""
-    _SIGHT.on = on
-    if _SIGHT.codes:
-        ti.skip_frames(_SIGHT.codes, on)
-
-
 def _compile_started(*args: Any) -> None:
     try:
         w = STATE.watch

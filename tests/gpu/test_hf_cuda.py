@@ -18,6 +18,7 @@ import torch
 
 import fusionguard
 from fusionguard.core import state as _state
+from fusionguard import _testing
 
 from conftest import fresh_hf_wrapper, read_jsonl
 
@@ -60,7 +61,7 @@ def train(mode: str, log) -> dict:
         peak = fusionguard.peak_memory_allocated()
     finally:
         fusionguard.disable()
-        _state.reset_for_tests()
+        _testing.reset_for_tests()
         fresh_hf_wrapper()
     events = read_jsonl(log)
     return {"losses": losses, "rows": rows, "counts": counts, "peak": peak, "events": events}

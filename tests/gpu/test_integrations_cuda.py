@@ -24,7 +24,7 @@ import torch
 from torch.nn.attention.flex_attention import flex_attention
 
 import fusionguard
-from fusionguard.core import state as _state
+from fusionguard import _testing
 from conftest import Lines, fresh_hf_wrapper, read_jsonl
 
 pytestmark = [
@@ -46,7 +46,7 @@ def said():
     yield handler
     logger.removeHandler(handler)
     fusionguard.disable()
-    _state.reset_for_tests()
+    _testing.reset_for_tests()
     torch._dynamo.reset()
 
 

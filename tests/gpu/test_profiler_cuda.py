@@ -18,7 +18,7 @@ from torch.nn.attention.flex_attention import flex_attention
 from torch.profiler import ProfilerActivity, profile
 
 import fusionguard
-from fusionguard.core import state as _state
+from fusionguard import _testing
 
 pytestmark = [
     pytest.mark.gpu,
@@ -50,7 +50,7 @@ def fresh(tmp_path, monkeypatch):
     fusionguard.enable(log_path=False)
     yield
     fusionguard.disable()
-    _state.reset_for_tests()
+    _testing.reset_for_tests()
     torch._dynamo.reset()
 
 

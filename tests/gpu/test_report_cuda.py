@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import fusionguard
-from fusionguard.core import state as _state
+from fusionguard import _testing
 from fusionguard.report.build import build as build_report_dict
 
 from conftest import causal
@@ -33,7 +33,7 @@ def _forget():
     """Each case starts from a clean process state (the counts are process-wide)."""
     yield
     fusionguard.disable()
-    _state.reset_for_tests()
+    _testing.reset_for_tests()
 
 
 HQ, HKV, D, L, DIM, STEPS = 8, 2, 64, 512, 256, 5

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
-from fusionguard.core.formatting import escape, human_bytes
+from fusionguard.eventlog.formatting import escape, human_bytes
 from fusionguard.core.state import internal_error
 from fusionguard.torch_internals import profiler_check
 
