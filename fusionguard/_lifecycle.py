@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from fusionguard.eventlog import crash, diagnosis
 from fusionguard.core.config import Config, Runtime
-from fusionguard.core.state import STATE, emit, internal_error, on_worker_exit, write_stderr
+from fusionguard.core.state import STATE, emit, guarded, on_worker_exit, write_stderr
 from fusionguard.eventlog.header import header_fields
 from fusionguard.eventlog.log import to_torch_trace
 from fusionguard.eventlog.sampler import Sampler
@@ -81,14 +81,12 @@ def _open_log(config: Config, live: Any) -> None:
                 "events are kept in memory only (fusionguard.events())\n"
             )
             config.log_path = None
-    try:
+    with guarded("header"):  # the guard must be on even if the header cannot be built
         patched = [n for n in STATE.patches.names() if not n.startswith("graph ")]  # (not each graph's wrapper)
         header = header_fields(patched, dict(STATE.not_patched), config.public())
         if live is not None:  # graphs compiled before enable() that fusionguard cannot see, and the fix
             header.update(_torch_side().unseen_fields(live[0]))
         STATE.log.emit("info", "header", **header, **STATE.crash_fields)
-    except Exception as exc:  # the guard must be on even if the header cannot be built
-        internal_error("header", exc)
 
 
 def _last_flex() -> Optional[dict]:
@@ -108,10 +106,8 @@ def start(config: Config, log_dir: Optional[str]) -> None:
     new_log = config.log_path != STATE.config.log_path
     reopen = new_log or STATE.log.sink is None
     if reopen and STATE.enabled and STATE.log.sink is not None:
-        try:  # the old file's run ends here, not "killed", with its own summary
+        with guarded("shutdown event (log_path changed)"):  # the old file's run ends here, not "killed", with its own summary
             _torch_side().final_events("log_path changed", next_log=config.log_path)
-        except Exception as exc:
-            internal_error("shutdown event (log_path changed)", exc)
     if new_log:
         _torch_side().new_log_stats()
     STATE.log_dir = log_dir
@@ -137,10 +133,8 @@ def start(config: Config, log_dir: Optional[str]) -> None:
     STATE.enabled = True
     if live is not None and live[0]:  # (after the header: their records are events of this log)
         _torch_side().adopt_live_graphs(*live)
-    try:
+    with guarded("crash hooks"):
         crash.install(emit, last_flex_event=_last_flex, summary=_counts, registry=STATE.patches, write_lock=_write_lock)
-    except Exception as exc:
-        internal_error("crash hooks", exc)
     if not STATE.atexit_registered:  # atexit has no undo we may use (unregister drops every
         atexit.register(at_exit)  # registration of the function): once, a no-op while disabled
         STATE.atexit_registered = True
@@ -153,10 +147,8 @@ def undo_start(exc: BaseException) -> None:
     STATE.enabled = False
     steps = (STATE.patches.remove_all, STATE.flusher.stop, STATE.log.close)
     for step in steps:
-        try:
+        with guarded("undoing a failed enable()"):
             step()
-        except Exception as undo_exc:
-            internal_error("undoing a failed enable()", undo_exc)
     STATE.config = Config()
     STATE.runtime.now = Runtime()
     if isinstance(exc, Exception):
@@ -174,10 +166,8 @@ def stop() -> None:
     STATE.runtime.now = Runtime()  # (nothing of this enable()'s options stays behind)
     STATE.log.mirror = None
     STATE.flusher.stop()
-    try:
+    with guarded("shutdown event"):
         _torch_side().final_events("disable")
-    except Exception as exc:
-        internal_error("shutdown event", exc)
     STATE.log.close()
 
 
