@@ -112,7 +112,8 @@ def start(config: Config, log_dir: Optional[str]) -> None:
         _torch_side().new_log_stats()
     STATE.log_dir = log_dir
     STATE.config = config
-    STATE.runtime.now = Runtime.of(config)  # one assignment: a call in flight sees all old or all new
+    # one assignment: a call in flight sees all old or all new (a first enable(): still off while installing)
+    STATE.runtime.now = Runtime.of(config, enabled=STATE.enabled)
     sampler = Sampler(
         first=config.fused_first,
         every=config.fused_every,
@@ -130,7 +131,7 @@ def start(config: Config, log_dir: Optional[str]) -> None:
         _open_log(config, live)
     elif STATE.log.set_sink_options(config.fsync, config.log_max_bytes, config.log_backups):
         STATE.durable_keys.clear()  # sites seen with fsync off were never made durable
-    STATE.enabled = True
+    STATE.runtime.now = Runtime.of(config, enabled=True)
     if live is not None and live[0]:  # (after the header: their records are events of this log)
         _torch_side().adopt_live_graphs(*live)
     with guarded("crash hooks"):
@@ -144,13 +145,12 @@ def undo_start(exc: BaseException) -> None:
     """``start()`` failed part-way: take out everything it may have put in (patches, hooks, the
     log), so the process is never half-enabled (patches in while ``is_enabled()`` is False); the
     next ``enable()`` starts as a first one. Each step on its own: one failing stops none."""
-    STATE.enabled = False
+    STATE.runtime.now = Runtime()  # off, the defaults
     steps = (STATE.patches.remove_all, STATE.flusher.stop, STATE.log.close)
     for step in steps:
         with guarded("undoing a failed enable()"):
             step()
     STATE.config = Config()
-    STATE.runtime.now = Runtime()
     if isinstance(exc, Exception):
         exc.add_note("fusionguard.enable() failed and undid itself: nothing of fusionguard is installed (is_enabled() is False)")
 
@@ -160,10 +160,9 @@ def stop() -> None:
     if not STATE.enabled and not STATE.patches.entries():
         crash.tidy()  # a SIGTERM handler left by a disable() from another thread
         return
-    STATE.enabled = False
+    STATE.runtime.now = Runtime()  # off, and nothing of this enable()'s options stays behind
     STATE.enabled_by = None
     STATE.patches.remove_all()  # every patch, hook, handler, callback, session and the crash file, newest first
-    STATE.runtime.now = Runtime()  # (nothing of this enable()'s options stays behind)
     STATE.log.mirror = None
     STATE.flusher.stop()
     with guarded("shutdown event"):

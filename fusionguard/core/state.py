@@ -122,7 +122,6 @@ class State:
 
     def _fresh(self) -> None:
         self.lock = threading.RLock()
-        self.enabled = False
         self.config = Config()
         self.log = EventLog(self.config.max_events)
         self.patches = PatchRegistry()
@@ -139,6 +138,12 @@ class State:
         self.enabled_by: Optional[str] = None
         self.crash_fields: Dict[str, Any] = {}  # crash_capture / crash_file, for the header
         self.flusher = Flusher()
+
+    @property
+    def enabled(self) -> bool:
+        """``is_enabled()``: the running ``Runtime``'s (``runtime.now``); the per-call wrappers read
+        ``runtime.now`` themselves, once, and this flag with the settings."""
+        return self.runtime.now.enabled
 
     def reset(self, child: bool = False) -> None:
         """Forget everything (patches must already be removed): a fresh config, log and patch

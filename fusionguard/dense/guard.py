@@ -437,15 +437,16 @@ def make_dense_wrapper(phase: str, runtime: RuntimeRef, original: Callable[..., 
             if token and _dense_out_of_graph_disabled is not None:
                 return _dense_out_of_graph_disabled(token, phase, *args, **kwargs)
             return original(*args, **kwargs)
-        if _is_compiling() or not STATE.enabled or lse.measuring():
+        rt = runtime.now  # one read per call: on/off and the settings together
+        if not rt.enabled or _is_compiling() or lse.measuring():
             return original(*args, **kwargs)
         if sigterm_pending():  # the process is ending: its shutdown event has the last counts
-            return _while_ending(runtime.now, phase, original, args, kwargs)
+            return _while_ending(rt, phase, original, args, kwargs)
         blocked = warning = site = lse_warning = None
         mark = False
         event: Optional[Dict[str, Any]] = None
         try:  # (plain try: every eager call) the messages are built in here too: a bug in them must not reach the user's call
-            event, site = _check_dense(runtime.now, phase, args, kwargs, sys._getframe(1))
+            event, site = _check_dense(rt, phase, args, kwargs, sys._getframe(1))
             if event is not None:
                 action = event.get("action")
                 mark = phase == "forward" and action == "allow"
@@ -500,12 +501,13 @@ _frame_hook = eval_frame_callback()
 def make_autograd_forward(original: staticmethod) -> wrapt.FunctionWrapper:
     """The autograd op's ``forward`` (a staticmethod: wrapt binds it as one, so ``fn`` gets
     ``(ctx, query, ...)``), its verdict linked to ``ctx`` for the backward."""
+    runtime = STATE.runtime
 
     def forward(fn: Callable[..., Any], _instance: Any, args: tuple, kwargs: dict) -> Any:
         hook = _frame_hook()  # PyTorch's own fullgraph wrapper runs uncompiled above (torch 2.7):
         if hook and is_fullgraph_hook(hook):  # run as its graph would, with the hook off
             return _hook_free(forward, fn, _instance, args, kwargs)
-        if _is_compiling() or not STATE.enabled or len(args) < 2 or not is_concrete(args[1]):
+        if not runtime.now.enabled or _is_compiling() or len(args) < 2 or not is_concrete(args[1]):
             return fn(*args, **kwargs)
         slot: List[dict] = []
         token = _FORWARD_SLOT.set(slot)

@@ -219,11 +219,12 @@ def make_create_mask_wrapper(runtime: RuntimeRef, original: Callable[..., Any]) 
         if _is_dynamo_compiling():
             _NOTE()  # a compiled build: recorded at trace time, nothing in the graph
             return original(*args, **kwargs)
-        if _is_compiling() or not STATE.enabled:
+        rt = runtime.now  # one read per build: on/off and the settings together
+        if not rt.enabled or _is_compiling():
             return original(*args, **kwargs)
         blocked = warning = site = None
         with _MASK_CHECK:  # (a mask build costs milliseconds: the with's 0.1 us is nothing to it)
-            event, site = _check(runtime.now, sys._getframe(1), args, kwargs)
+            event, site = _check(rt, sys._getframe(1), args, kwargs)
             if event is not None and event.get("action") in ("raise", "warn"):
                 text = message(event)
                 if event["action"] == "raise":

@@ -61,11 +61,12 @@ def make_trace_wrapper(runtime: RuntimeRef, original: Callable[..., Any]) -> wra
         finally:  # (also when Dynamo cannot capture the call: the break of this frame's call)
             if before is not None:
                 _flex_traced(before)
-        if STATE.enabled:
+        rt = runtime.now
+        if rt.enabled:
             try:
                 found = ti.compiling_frame()
                 if found is not None:
-                    check(runtime.now, found[1], found[0])
+                    check(rt, found[1], found[0])
             except Warning:  # (a backstop: check() defers its own warning) never into Dynamo's trace
                 pass
             except Exception as exc:

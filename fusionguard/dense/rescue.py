@@ -161,7 +161,7 @@ def _rescue_env(rt: Runtime, original: Callable[..., Any], args: tuple, kwargs: 
     ``rescue_backend`` when the eager call is one to rescue."""
     with original(*args, **kwargs) as backend:
         decision = None
-        if STATE.enabled and rt.rescue:
+        if rt.enabled and rt.rescue:
             with guarded("rescue decision"):
                 if backend is _eager_backend():
                     decision = decide(rt, _caller(sys._getframe(0)))
