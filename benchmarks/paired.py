@@ -1,4 +1,4 @@
-"""Paired on/off timing shared by the benchmarks: fusionguard installed, its enabled flag (the
+"""Paired on/off timing shared by the benchmarks: fusionguard installed, its runtime's enabled flag (the
 first thing every wrapper reads) switched off and on between consecutive calls, so host drift
 cancels; the order within a pair alternates (the second call of a pair runs on warmer caches)."""
 

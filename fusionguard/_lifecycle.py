@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from fusionguard.eventlog import crash, diagnosis
 from fusionguard.core.config import Config, Runtime
-from fusionguard.core.state import STATE, emit, internal_error, on_worker_exit, write_stderr
+from fusionguard.core.state import STATE, emit, guarded, on_worker_exit, write_stderr
 from fusionguard.eventlog.header import header_fields
 from fusionguard.eventlog.log import to_torch_trace
 from fusionguard.eventlog.sampler import Sampler
@@ -81,14 +81,12 @@ def _open_log(config: Config, live: Any) -> None:
                 "events are kept in memory only (fusionguard.events())\n"
             )
             config.log_path = None
-    try:
+    with guarded("header"):  # the guard must be on even if the header cannot be built
         patched = [n for n in STATE.patches.names() if not n.startswith("graph ")]  # (not each graph's wrapper)
         header = header_fields(patched, dict(STATE.not_patched), config.public())
         if live is not None:  # graphs compiled before enable() that fusionguard cannot see, and the fix
             header.update(_torch_side().unseen_fields(live[0]))
         STATE.log.emit("info", "header", **header, **STATE.crash_fields)
-    except Exception as exc:  # the guard must be on even if the header cannot be built
-        internal_error("header", exc)
 
 
 def _last_flex() -> Optional[dict]:
@@ -108,15 +106,14 @@ def start(config: Config, log_dir: Optional[str]) -> None:
     new_log = config.log_path != STATE.config.log_path
     reopen = new_log or STATE.log.sink is None
     if reopen and STATE.enabled and STATE.log.sink is not None:
-        try:  # the old file's run ends here, not "killed", with its own summary
+        with guarded("shutdown event (log_path changed)"):  # the old file's run ends here, not "killed", with its own summary
             _torch_side().final_events("log_path changed", next_log=config.log_path)
-        except Exception as exc:
-            internal_error("shutdown event (log_path changed)", exc)
     if new_log:
         _torch_side().new_log_stats()
     STATE.log_dir = log_dir
     STATE.config = config
-    STATE.runtime.now = Runtime.of(config)  # one assignment: a call in flight sees all old or all new
+    # one assignment: a call in flight sees all old or all new (a first enable(): still off while installing)
+    STATE.runtime.now = Runtime.of(config, enabled=STATE.enabled)
     sampler = Sampler(
         first=config.fused_first,
         every=config.fused_every,
@@ -134,13 +131,11 @@ def start(config: Config, log_dir: Optional[str]) -> None:
         _open_log(config, live)
     elif STATE.log.set_sink_options(config.fsync, config.log_max_bytes, config.log_backups):
         STATE.durable_keys.clear()  # sites seen with fsync off were never made durable
-    STATE.enabled = True
+    STATE.runtime.now = Runtime.of(config, enabled=True)
     if live is not None and live[0]:  # (after the header: their records are events of this log)
         _torch_side().adopt_live_graphs(*live)
-    try:
+    with guarded("crash hooks"):
         crash.install(emit, last_flex_event=_last_flex, summary=_counts, registry=STATE.patches, write_lock=_write_lock)
-    except Exception as exc:
-        internal_error("crash hooks", exc)
     if not STATE.atexit_registered:  # atexit has no undo we may use (unregister drops every
         atexit.register(at_exit)  # registration of the function): once, a no-op while disabled
         STATE.atexit_registered = True
@@ -150,15 +145,12 @@ def undo_start(exc: BaseException) -> None:
     """``start()`` failed part-way: take out everything it may have put in (patches, hooks, the
     log), so the process is never half-enabled (patches in while ``is_enabled()`` is False); the
     next ``enable()`` starts as a first one. Each step on its own: one failing stops none."""
-    STATE.enabled = False
+    STATE.runtime.now = Runtime()  # off, the defaults
     steps = (STATE.patches.remove_all, STATE.flusher.stop, STATE.log.close)
     for step in steps:
-        try:
+        with guarded("undoing a failed enable()"):
             step()
-        except Exception as undo_exc:
-            internal_error("undoing a failed enable()", undo_exc)
     STATE.config = Config()
-    STATE.runtime.now = Runtime()
     if isinstance(exc, Exception):
         exc.add_note("fusionguard.enable() failed and undid itself: nothing of fusionguard is installed (is_enabled() is False)")
 
@@ -168,16 +160,13 @@ def stop() -> None:
     if not STATE.enabled and not STATE.patches.entries():
         crash.tidy()  # a SIGTERM handler left by a disable() from another thread
         return
-    STATE.enabled = False
+    STATE.runtime.now = Runtime()  # off, and nothing of this enable()'s options stays behind
     STATE.enabled_by = None
     STATE.patches.remove_all()  # every patch, hook, handler, callback, session and the crash file, newest first
-    STATE.runtime.now = Runtime()  # (nothing of this enable()'s options stays behind)
     STATE.log.mirror = None
     STATE.flusher.stop()
-    try:
+    with guarded("shutdown event"):
         _torch_side().final_events("disable")
-    except Exception as exc:
-        internal_error("shutdown event", exc)
     STATE.log.close()
 
 

@@ -4,6 +4,8 @@ none of them (issue #33)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from fusionguard import torch_internals as ti
 from fusionguard.core.state import STATE
 from fusionguard.watching import hooks
@@ -16,8 +18,9 @@ def reset_for_tests() -> None:
 
 def set_guarding(on: bool) -> None:
     """Benchmarks: switch every installed wrapper to a pass-through (False) and back, patches left
-    in place: the paired on/off timing of one and the same installed graph."""
-    STATE.enabled = on
+    in place: the paired on/off timing of one and the same installed graph. The running settings
+    stay; only their ``enabled`` changes (what every wrapper reads first)."""
+    STATE.runtime.now = dataclasses.replace(STATE.runtime.now, enabled=on)
 
 
 def keep_out_of_sight(on: bool) -> None:

@@ -29,7 +29,7 @@ from fusionguard.fused import inductor
 from fusionguard import torch_internals as ti, watching
 from fusionguard.eventlog.messages import LOGGER_NAME
 from fusionguard._summary import log_summary
-from fusionguard.core.state import STATE, emit, internal_error
+from fusionguard.core.state import STATE, emit, guarded, internal_error
 from fusionguard.dense.dynamo_signals import SIGNALS
 from fusionguard.core.registry import PatchRegistry
 
@@ -154,7 +154,7 @@ def install_patches() -> List[str]:
 
 def live_graphs() -> Tuple[List[Any], float]:
     """Compiled graphs holding FlexAttention made before this enable() (see inductor)."""
-    try:
+    try:  # (not guarded(): a fresh list per call)
         return inductor.live_flex_graphs()
     except Exception as exc:
         internal_error("search for graphs compiled before enable()", exc)
@@ -167,11 +167,9 @@ def unseen_fields(graphs: List[Any]) -> dict:
     return {"unseen_graphs": unseen, "unseen_graphs_fix": inductor.UNSEEN_FIX if unseen else None}
 
 
+@guarded("graphs compiled before enable()")
 def adopt_live_graphs(graphs: List[Any], search_ms: float) -> None:
-    try:
-        inductor.adopt_live_graphs(graphs, search_ms)
-    except Exception as exc:
-        internal_error("graphs compiled before enable()", exc)
+    inductor.adopt_live_graphs(graphs, search_ms)
 
 
 def new_log_stats() -> None:

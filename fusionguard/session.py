@@ -22,20 +22,19 @@ when fusionguard is off (``FUSIONGUARD=off``, ``disable()``) and says so instead
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Tuple
+from typing import Any, ContextManager, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import fusionguard
 from fusionguard import torch_internals as ti
 from fusionguard._summary import Summary
 from fusionguard.activate import switched_off
 from fusionguard.core.config import UNSET, Config, check_log_path, check_options
-from fusionguard.core.state import STATE, internal_error
+from fusionguard.core.state import STATE, guarded, internal_error
 from fusionguard.core.tables import NO_LAYER
 from fusionguard.eventlog.messages import say
 
@@ -150,11 +149,9 @@ def unwrap(model: Any) -> Any:
     return model
 
 
+@guarded("session watch exit")
 def _end_watch(watch: Any) -> None:
-    try:
-        watch.__exit__(None, None, None)
-    except Exception as exc:
-        internal_error("session watch exit", exc)
+    watch.__exit__(None, None, None)
 
 
 class Session:
@@ -312,12 +309,10 @@ class Session:
         if self.off is not None:
             return {}
         out = (counts or self.counts()).metrics()
-        try:
+        with guarded("session metrics"):
             peaks = [r["peak_delta_max"] for r in STATE.stats.summary() if r.get("peak_delta_max") is not None]
             if self._h.watch is not None and peaks:
                 out[PEAK] = float(max(peaks))
-        except Exception as exc:
-            internal_error("session metrics", exc)
         return out
 
     def verdict(self, label: str, counts: Optional[Counts] = None) -> Verdict:
@@ -326,7 +321,7 @@ class Session:
         what never ran flex; or why fusionguard is off."""
         if self.off is not None:
             return Verdict(f"fusionguard: {label}: no verdict: {self.off}; FlexAttention calls are not checked", True)
-        try:
+        try:  # (not guarded(): the fallback names the label)
             return _verdict(label, counts or self.pending(), self.model)
         except Exception as exc:
             internal_error("session verdict", exc)
@@ -378,16 +373,10 @@ class Session:
                 self._mine = STATE.config
             self.start()
 
-    @contextlib.contextmanager
-    def guarded(self, where: str) -> Iterator[None]:
+    def guarded(self, where: str) -> ContextManager[None]:
         """For an integration's own bookkeeping: an unexpected error inside is logged once
         (``internal_error``) and the host program goes on; ``DenseFallbackError`` passes."""
-        try:
-            yield
-        except fusionguard.DenseFallbackError:
-            raise
-        except Exception as exc:
-            internal_error(f"{self.name} {where}", exc)
+        return guarded(f"{self.name} {where}", passes=(fusionguard.DenseFallbackError,))
 
     def crashed(self, exc: BaseException, where: str) -> None:
         """The run ends on ``exc``: the ``crash`` record (with ``where``) and the pending counts,
@@ -407,7 +396,7 @@ class Session:
 
         if not process_group_ready():
             return [0] if dense else []
-        try:
+        try:  # (not guarded(): the fallback depends on dense)
             import torch  # lazy: as above
             import torch.distributed as dist  # lazy: as above
 
@@ -478,7 +467,7 @@ class Session:
                 f"{running}: the program's settings stand (pass them to that enable(), or leave them out of {self.name})\n")
 
     def _follow(self, model: Any, regain: bool = False) -> None:
-        try:
+        with guarded("session watch"):
             import torch  # lazy: torch loads with the first watched model, never when this module is imported
 
             inner = unwrap(model)
@@ -501,8 +490,6 @@ class Session:
                     _OWNERS[id(inner)] = (weakref.ref(inner), weakref.ref(self))
                 except TypeError:
                     pass
-        except Exception as exc:
-            internal_error("session watch", exc)
 
     def _unwatch(self, give_back: bool = True) -> None:
         """Hooks off; ``give_back``: the running session this one took the model over from
@@ -571,7 +558,7 @@ class Session:
         over, self._over = self._over, None
         if not fusionguard.is_enabled():
             return
-        try:
+        with guarded("session stop"):
             if mine is not None and STATE.config is mine:
                 if not others:
                     fusionguard.disable()
@@ -594,8 +581,6 @@ class Session:
                     back["log_path"] = before.log_path if before.log_path is not None else False
                 fusionguard._enable_as(by, **back)
                 _renamed(put, STATE.config)
-        except Exception as exc:
-            internal_error("session stop", exc)
 
 
 def _renamed(old: Any, new: Any) -> None:
@@ -705,7 +690,7 @@ def _never_ran(layers: List[str], model: Any) -> List[str]:
     """Modules of the same classes as the layers that ran flex, which did not."""
     if model is None:
         return []
-    try:
+    try:  # (not guarded(): a fresh list per call)
         from fusionguard.watching import clean_name  # lazy: it imports torch
 
         named = {clean_name(n): m for n, m in model.named_modules()}

@@ -283,6 +283,28 @@ def test_uninstall_restores_the_exact_previous_hooks(clean_hooks):
     assert not crash.is_installed()
 
 
+def test_ours_put_back_by_a_trainer_after_disable_never_breaks_the_next_disable(tmp_path):
+    """Lightning saves the SIGTERM handler at fit start (ours) and puts it back at teardown, after
+    the callback's disable() restored the previous one: the next enable() finds ours installed,
+    and its disable() raised TypeError (signal.signal(SIGTERM, None)) before #33."""
+    import fusionguard
+    from fusionguard import _testing
+
+    before = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        fusionguard.enable(log_path=str(tmp_path / "a.jsonl"))
+        saved = signal.getsignal(signal.SIGTERM)  # the trainer's signal connector at fit start
+        assert saved is crash._on_sigterm
+        fusionguard.disable()
+        signal.signal(signal.SIGTERM, saved)  # its teardown: ours is back
+        fusionguard.enable(log_path=str(tmp_path / "b.jsonl"))
+        fusionguard.disable()
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, before)
+        _testing.reset_for_tests()
+
+
 def test_uninstall_leaves_a_hook_installed_after_ours(clean_hooks):
     seen = []
 

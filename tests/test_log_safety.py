@@ -289,3 +289,33 @@ def test_switching_log_path_writes_the_old_file_s_pending_counts_before_its_shut
     rc, out, _ = run_cli(capsys, a, "--format", "json")
     rep = json.loads(out)
     assert rep["totals"]["dense_calls"] == 5 and [e["ending"] for e in rep["endings"]] == ["log_path changed"]
+
+
+def test_guarded_swallows_and_logs_an_exception_but_lets_the_intended_ones_through(guard):
+    """#33: the one shape of fusionguard's own error handling. An Exception is logged once per
+    (where, type) and swallowed (the decorator returns its fallback); KeyboardInterrupt and the types
+    in ``passes`` (the strict-mode error) propagate untouched."""
+    guard()
+    ran = []
+    with _state.guarded("probe block"):
+        raise ValueError("a bug")
+    ran.append("after")
+
+    @_state.guarded("probe call", fallback=(None, None))
+    def call(kind: type) -> tuple:
+        raise kind("boom")
+
+    assert call(KeyError) == (None, None) and call(KeyError) == (None, None) and call.__name__ == "call"
+    with pytest.raises(KeyboardInterrupt):
+        call(KeyboardInterrupt)
+    with pytest.raises(fusionguard.DenseFallbackError):
+        with _state.guarded("probe pass", passes=(fusionguard.DenseFallbackError,)):
+            raise fusionguard.DenseFallbackError("strict")
+    with pytest.raises(KeyboardInterrupt):
+        with _state.guarded("probe interrupt"):
+            raise KeyboardInterrupt
+    assert ran == ["after"]
+    assert [(e["where"], e["error"]) for e in fusionguard.events("internal_error")] == [
+        ("probe block", "ValueError: a bug"),
+        ("probe call", "KeyError: 'boom'"),
+    ]

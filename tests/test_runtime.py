@@ -38,7 +38,7 @@ def test_enable_builds_one_frozen_runtime_that_the_wrappers_close_over(guard):
     holder = _state.STATE.runtime
     guard(strict=True, mask_limit=123, recompile_warn_at=5, fsync="always")
     first = holder.now
-    assert first == Runtime(strict=True, mode="strict", fsync="always", rescue=False, mask_limit=123, recompile_warn_at=5)
+    assert first == Runtime(enabled=True, strict=True, mode="strict", fsync="always", rescue=False, mask_limit=123, recompile_warn_at=5)
     with pytest.raises(dataclasses.FrozenInstanceError):
         first.strict = False  # type: ignore[misc]
     wrapper = _dense_wrapper()
@@ -65,6 +65,30 @@ def test_enable_builds_one_frozen_runtime_that_the_wrappers_close_over(guard):
     assert len(fusionguard.events()) == logged
     _testing.reset_for_tests()
     assert _state.STATE.runtime is holder and holder.now == Runtime()
+
+
+def test_on_or_off_is_part_of_the_one_runtime_read(guard):
+    """#33: a wrapper reads on/off and the settings from one object (``runtime.now``): switching the
+    runtime's ``enabled`` (the benchmarks' ``set_guarding``) turns every wrapper into a pass-through,
+    settings kept, and ``is_enabled()`` follows it."""
+    holder = _state.STATE.runtime
+    assert not holder.now.enabled and not fusionguard.is_enabled()
+    guard(strict=True)
+    assert holder.now.enabled and fusionguard.is_enabled()
+    q, k, v = qkv()
+    _testing.set_guarding(False)
+    try:
+        assert not holder.now.enabled and holder.now.strict and not fusionguard.is_enabled()
+        with torch.no_grad():
+            flex_attention(q, k, v)  # strict, but off: PyTorch's own call, nothing checked
+        assert fusionguard.events("flex_call") == []
+    finally:
+        _testing.set_guarding(True)
+    assert holder.now.enabled and holder.now.strict and fusionguard.is_enabled()
+    with torch.no_grad(), pytest.raises(DenseFallbackError):
+        flex_attention(q, k, v)
+    fusionguard.disable()
+    assert holder.now == Runtime() and not holder.now.enabled and not fusionguard.is_enabled()
 
 
 STRICT = {"strict": True, "mask_limit": 0}  # every mask build over the limit: blocked

@@ -357,3 +357,30 @@ def test_where_things_go_names_paths_that_exist():
     named = set(re.findall(r"`((?:fusionguard|tests|docs|examples|benchmarks)/[\w/.]*|pyproject\.toml)`", _section("Where things go")))
     assert len(named) >= 10
     assert sorted(p for p in named if not os.path.exists(os.path.join(ROOT, p))) == []
+
+
+def _plain_internal_error_trys(path: str) -> List[str]:
+    """``try: ... except Exception as exc: internal_error(...)`` blocks whose ``try:`` line gives no
+    reason for not being ``guarded()`` (core/state.py)."""
+    with open(path, encoding="utf-8") as f:
+        src = f.read()
+    lines = src.splitlines()
+    bare = []
+    for node in ast.walk(ast.parse(src)):
+        if not isinstance(node, ast.Try) or len(node.handlers) != 1:
+            continue
+        (h,) = node.handlers
+        calls = {n.func.id for n in ast.walk(h) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+        if isinstance(h.type, ast.Name) and h.type.id == "Exception" and "internal_error" in calls and "#" not in lines[node.lineno - 1]:
+            bare.append(f"{path}:{node.lineno}")
+    return bare
+
+
+def test_internal_errors_go_through_guarded_or_say_why_not(tmp_path):
+    """#33: one shape, ``guarded()``; a plain try/except that logs an internal error stays only with
+    a reason on its ``try:`` line (a per-call path, where a try is free and a ``with`` is not; a
+    fallback built per call)."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f():\n    try:\n        g()\n    except Exception as exc:\n        internal_error('f', exc)\n")
+    assert _plain_internal_error_trys(str(probe)) == [f"{probe}:2"]  # the check finds one
+    assert [b for path in _modules().values() for b in _plain_internal_error_trys(path)] == []

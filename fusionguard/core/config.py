@@ -95,8 +95,10 @@ class Runtime:
     """What the installed wrappers read on a call, fixed for one ``enable()``: built from the
     checked ``Config``, never changed, replaced whole by the next ``enable()``. A wrapper reads
     it once per call and hands it down, so one call decides by one option set (a second
-    ``enable()`` from another thread cannot give it the old ``strict`` and the new ``mode``)."""
+    ``enable()`` from another thread cannot give it the old ``strict`` and the new ``mode``).
+    ``enabled`` is in it too (#33): the wrappers' first test and the settings are one read."""
 
+    enabled: bool = False
     strict: bool = False
     mode: str = "warn"
     fsync: Union[bool, str] = True
@@ -105,14 +107,14 @@ class Runtime:
     recompile_warn_at: Optional[int] = None
 
     @classmethod
-    def of(cls, config: Config) -> "Runtime":
-        return cls(**{f.name: getattr(config, f.name) for f in fields(cls)})
+    def of(cls, config: Config, enabled: bool) -> "Runtime":
+        return cls(enabled=enabled, **{f.name: getattr(config, f.name) for f in fields(cls) if f.name != "enabled"})
 
 
 class RuntimeRef:
     """The one holder the wrappers close over (``STATE.runtime``, one per process): ``now`` is
     swapped by a single assignment (``enable()``: the new settings; ``disable()``, ``reset()``:
-    the defaults), atomic under the GIL: a reader gets the old object or the new one."""
+    the defaults, ``enabled`` False), atomic under the GIL: a reader gets the old object or the new one."""
 
     __slots__ = ("now",)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 from fusionguard.eventlog.formatting import escape, human_bytes
-from fusionguard.core.state import internal_error
+from fusionguard.core.state import guarded
 from fusionguard.torch_internals import profiler_check
 
 #: True while a ``torch.profiler`` (or ``torch.autograd.profiler``) records.
@@ -60,23 +60,19 @@ def in_range(name: Callable[[], str], fn: Callable[..., Any], *args: Any, **kwar
     open the range is logged once and ``fn`` runs as it would; ``fn``'s own result or
     exception passes through untouched."""
     rf = None
-    try:
+    with guarded("profiler range"):
         from torch.autograd.profiler import record_function  # lazy: torch loads on first use, never when this module is imported
 
-        rf = record_function(name())
-        rf.__enter__()
-    except Exception as exc:
-        internal_error("profiler range", exc)
-        rf = None
+        opening = record_function(name())
+        opening.__enter__()
+        rf = opening  # (only once open: a range that failed to open is not closed)
     if rf is None:
         return fn(*args, **kwargs)
     try:
         return fn(*args, **kwargs)
     finally:
-        try:
+        with guarded("profiler range end"):
             rf.__exit__(None, None, None)
-        except Exception as exc:
-            internal_error("profiler range end", exc)
 
 
 def _nothing() -> None:

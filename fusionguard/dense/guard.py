@@ -33,7 +33,7 @@ from fusionguard.eventlog.formatting import human_bytes, site_text
 from fusionguard.eventlog.kinds import CAUSES
 from fusionguard.eventlog.messages import dense_text
 from fusionguard.core.tensors import tensor_fields
-from fusionguard.core.state import STATE, count, dense_allowed_here, internal_error, write_stderr
+from fusionguard.core.state import STATE, count, dense_allowed_here, guarded, internal_error, write_stderr
 from fusionguard.dense.dynamo_signals import SIGNALS
 from fusionguard.errors import DenseFallbackError
 from fusionguard.torch_internals import debug_flag_on, dynamo_skips_frames, eval_frame_callback, is_concrete, is_fullgraph_hook, nested_flex_codes
@@ -94,11 +94,9 @@ def _make_note(phase: str) -> Callable[[], int]:
     # No arguments: Dynamo calls an assume_constant_result function at trace time and bakes in
     # the result, so the phase is closed over, not passed.
     def note() -> int:
-        try:
+        with guarded("inlined dense note"):
             return _note_inlined(phase)
-        except Exception as exc:
-            internal_error("inlined dense note", exc)
-            return 0
+        return 0
 
     note.__name__ = f"fusionguard_note_inlined_{phase}"
     return note
@@ -140,11 +138,9 @@ def _device_name(index: int) -> str:
 _ALLOWED_FORWARDS: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
+@guarded("allowed forward mark")
 def _mark_allowed(result: Any) -> None:
-    try:
-        _ALLOWED_FORWARDS.add(result[1].untyped_storage())
-    except Exception as exc:
-        internal_error("allowed forward mark", exc)
+    _ALLOWED_FORWARDS.add(result[1].untyped_storage())
 
 
 def _of_allowed_forward(args: tuple, kwargs: dict) -> bool:
@@ -263,30 +259,24 @@ def _foreign_thread() -> bool:
     return isinstance(threading.current_thread(), _DUMMY_THREAD)
 
 
+@guarded("dense memory prediction", fallback=(None, None))
 def _memory(rt: Runtime, phase: str, args: tuple, kwargs: dict, q: Any, k: Any) -> Tuple[Optional[int], Optional[int]]:
     """(predicted extra peak bytes of this dense call, what this process's CUDA allocator can still give)."""
-    try:
-        if phase == "forward":
-            v, score_mod = _arg(args, kwargs, 2, "value"), _arg(args, kwargs, 3, "score_mod")
-            buffers, mask_buffers = _arg(args, kwargs, 7, "score_mod_other_buffers"), _arg(args, kwargs, 8, "mask_mod_other_buffers")
-        else:
-            v, score_mod = _arg(args, kwargs, 2, "value"), _arg(args, kwargs, 7, "fw_graph")
-            buffers, mask_buffers = _arg(args, kwargs, 12, "score_mod_other_buffers"), _arg(args, kwargs, 13, "mask_mod_other_buffers")
-        predicted = dense_memory.predict_dense(phase, q, k, v, score_mod, buffers or (), mask_buffers or ())
-        # (asking the driver, cudaMemGetInfo, costs about 0.8 ms on the H200: done here only where
-        # the oom mode decides by it; otherwise only for the events written whole, below)
-        return predicted, dense_memory.free_bytes(q.device) if rt.mode == "oom" else None
-    except Exception as exc:
-        internal_error("dense memory prediction", exc)
-        return None, None
+    if phase == "forward":
+        v, score_mod = _arg(args, kwargs, 2, "value"), _arg(args, kwargs, 3, "score_mod")
+        buffers, mask_buffers = _arg(args, kwargs, 7, "score_mod_other_buffers"), _arg(args, kwargs, 8, "mask_mod_other_buffers")
+    else:
+        v, score_mod = _arg(args, kwargs, 2, "value"), _arg(args, kwargs, 7, "fw_graph")
+        buffers, mask_buffers = _arg(args, kwargs, 12, "score_mod_other_buffers"), _arg(args, kwargs, 13, "mask_mod_other_buffers")
+    predicted = dense_memory.predict_dense(phase, q, k, v, score_mod, buffers or (), mask_buffers or ())
+    # (asking the driver, cudaMemGetInfo, costs about 0.8 ms on the H200: done here only where
+    # the oom mode decides by it; otherwise only for the events written whole, below)
+    return predicted, dense_memory.free_bytes(q.device) if rt.mode == "oom" else None
 
 
+@guarded("dense free memory")
 def _free(q: Any) -> Optional[int]:
-    try:
-        return dense_memory.free_bytes(q.device)
-    except Exception as exc:
-        internal_error("dense free memory", exc)
-        return None
+    return dense_memory.free_bytes(q.device)
 
 
 def _wont_fit(rt: Runtime, predicted: Optional[int], free: Optional[int]) -> bool:
@@ -418,16 +408,14 @@ def _while_ending(rt: Runtime, phase: str, original: Callable[..., Any], args: t
     """A dense call while SIGTERM is handled: the ``shutdown`` event is (being) written with the
     counts so far, and no event may follow it (docs/guarantees.md), so the call is neither counted
     nor logged; strict mode still blocks what nothing allowed, before it allocates."""
-    try:
+    blocked = False
+    with guarded(f"dense {phase} check (SIGTERM pending)"):
         origin = _BACKWARD_ORIGIN.get() if phase == "backward" else None
-        blocked = (
+        blocked = bool(
             rt.strict
             and is_concrete(_arg(args, kwargs, 0, "query"))
             and not (_allowed(origin) or debug_flag_on() or (phase == "backward" and origin is None and _of_allowed_forward(args, kwargs)))
         )
-    except Exception as exc:
-        internal_error(f"dense {phase} check (SIGTERM pending)", exc)
-        blocked = False
     if blocked:
         raise DenseFallbackError(
             f"fusionguard: dense FlexAttention {phase} blocked before it allocated (strict mode); the process is "
@@ -449,15 +437,16 @@ def make_dense_wrapper(phase: str, runtime: RuntimeRef, original: Callable[..., 
             if token and _dense_out_of_graph_disabled is not None:
                 return _dense_out_of_graph_disabled(token, phase, *args, **kwargs)
             return original(*args, **kwargs)
-        if _is_compiling() or not STATE.enabled or lse.measuring():
+        rt = runtime.now  # one read per call: on/off and the settings together
+        if not rt.enabled or _is_compiling() or lse.measuring():
             return original(*args, **kwargs)
         if sigterm_pending():  # the process is ending: its shutdown event has the last counts
-            return _while_ending(runtime.now, phase, original, args, kwargs)
+            return _while_ending(rt, phase, original, args, kwargs)
         blocked = warning = site = lse_warning = None
         mark = False
         event: Optional[Dict[str, Any]] = None
-        try:  # the messages are built in here too: a bug in them must not reach the user's call
-            event, site = _check_dense(runtime.now, phase, args, kwargs, sys._getframe(1))
+        try:  # (plain try: every eager call) the messages are built in here too: a bug in them must not reach the user's call
+            event, site = _check_dense(rt, phase, args, kwargs, sys._getframe(1))
             if event is not None:
                 action = event.get("action")
                 mark = phase == "forward" and action == "allow"
@@ -493,11 +482,9 @@ def make_dense_wrapper(phase: str, runtime: RuntimeRef, original: Callable[..., 
     return fusionguard_dense_kernel
 
 
+@guarded("Dynamo frame skip")
 def _skip_frames(fn: Callable[..., Any], nested: bool) -> None:
-    try:
-        dynamo_skips_frames(fn, nested)
-    except Exception as exc:
-        internal_error("Dynamo frame skip", exc)
+    dynamo_skips_frames(fn, nested)
 
 
 def _hook_free(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -514,12 +501,13 @@ _frame_hook = eval_frame_callback()
 def make_autograd_forward(original: staticmethod) -> wrapt.FunctionWrapper:
     """The autograd op's ``forward`` (a staticmethod: wrapt binds it as one, so ``fn`` gets
     ``(ctx, query, ...)``), its verdict linked to ``ctx`` for the backward."""
+    runtime = STATE.runtime
 
     def forward(fn: Callable[..., Any], _instance: Any, args: tuple, kwargs: dict) -> Any:
         hook = _frame_hook()  # PyTorch's own fullgraph wrapper runs uncompiled above (torch 2.7):
         if hook and is_fullgraph_hook(hook):  # run as its graph would, with the hook off
             return _hook_free(forward, fn, _instance, args, kwargs)
-        if _is_compiling() or not STATE.enabled or len(args) < 2 or not is_concrete(args[1]):
+        if not runtime.now.enabled or _is_compiling() or len(args) < 2 or not is_concrete(args[1]):
             return fn(*args, **kwargs)
         slot: List[dict] = []
         token = _FORWARD_SLOT.set(slot)
@@ -528,10 +516,8 @@ def make_autograd_forward(original: staticmethod) -> wrapt.FunctionWrapper:
         finally:
             _FORWARD_SLOT.reset(token)
         if slot:
-            try:
+            with guarded("autograd forward link"):
                 args[0]._fusionguard = slot[-1]  # (args[0]: ctx)
-            except Exception as exc:
-                internal_error("autograd forward link", exc)
         return out
 
     _skip_frames(forward, nested=False)  # compiling it alone gains nothing: a graph break at fn

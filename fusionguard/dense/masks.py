@@ -23,7 +23,7 @@ from fusionguard.core import frames
 from fusionguard.core.config import Runtime, RuntimeRef
 from fusionguard.eventlog.formatting import human_bytes, site_text
 from fusionguard.eventlog.messages import dense_text
-from fusionguard.core.state import STATE, count, dense_allowed_here, internal_error
+from fusionguard.core.state import STATE, count, dense_allowed_here, guarded
 from fusionguard.dense.memory import default_mask_limit, free_bytes, mask_build_bytes
 from fusionguard.dense.guard import oom_cannot_act
 from fusionguard.errors import DenseFallbackError
@@ -40,13 +40,11 @@ _fix: Optional[str] = None  # fix_text(), worked out once per process (the torch
 def _note_compiled() -> int:
     """Runs at *trace time*, once per compile of a frame that builds a mask (``torch.compile(
     create_block_mask)``, ``_compile=True``): the compiled build is recorded, the graph untouched."""
-    try:
+    with guarded("compiled mask note"):
         if STATE.enabled:
             count("mask_build_compiled")
             site = frames.user_call_site(sys._getframe(1))
             STATE.log.emit("info", "mask_build", path="compiled", traced=True, call_site=site)
-    except Exception as exc:
-        internal_error("compiled mask note", exc)
     return 0
 
 
@@ -211,6 +209,9 @@ def _check(rt: Runtime, frame: Any, args: tuple, kwargs: dict) -> Tuple[Optional
     return event, site_frame
 
 
+_MASK_CHECK = guarded("mask build check")
+
+
 def make_create_mask_wrapper(runtime: RuntimeRef, original: Callable[..., Any]) -> Callable[..., Any]:
     """``create_mask``'s wrapper; ``runtime`` is ``STATE.runtime``, read once per build."""
 
@@ -218,11 +219,12 @@ def make_create_mask_wrapper(runtime: RuntimeRef, original: Callable[..., Any]) 
         if _is_dynamo_compiling():
             _NOTE()  # a compiled build: recorded at trace time, nothing in the graph
             return original(*args, **kwargs)
-        if _is_compiling() or not STATE.enabled:
+        rt = runtime.now  # one read per build: on/off and the settings together
+        if not rt.enabled or _is_compiling():
             return original(*args, **kwargs)
         blocked = warning = site = None
-        try:
-            event, site = _check(runtime.now, sys._getframe(1), args, kwargs)
+        with _MASK_CHECK:  # (a mask build costs milliseconds: the with's 0.1 us is nothing to it)
+            event, site = _check(rt, sys._getframe(1), args, kwargs)
             if event is not None and event.get("action") in ("raise", "warn"):
                 text = message(event)
                 if event["action"] == "raise":
@@ -230,8 +232,6 @@ def make_create_mask_wrapper(runtime: RuntimeRef, original: Callable[..., Any]) 
                 else:
                     warning = text
                 dense_text(text, 40 if blocked else 30)
-        except Exception as exc:
-            internal_error("mask build check", exc)
         if blocked is not None:
             raise blocked
         if warning is not None:

@@ -30,7 +30,7 @@ import wrapt
 
 from fusionguard import torch_internals as ti
 from fusionguard.core.config import Runtime, RuntimeRef
-from fusionguard.core.state import STATE, internal_error
+from fusionguard.core.state import STATE, guarded, internal_error
 from fusionguard.eventlog.kinds import FIXES
 from fusionguard.core.frames import defer_warning, first_user_frame, frame_site, warn_at_user_line, warning_at
 from fusionguard.dense.dynamo_signals import SIGNALS, break_counts, churning, latest_reasons, reason_fix, reason_varies
@@ -61,11 +61,12 @@ def make_trace_wrapper(runtime: RuntimeRef, original: Callable[..., Any]) -> wra
         finally:  # (also when Dynamo cannot capture the call: the break of this frame's call)
             if before is not None:
                 _flex_traced(before)
-        if STATE.enabled:
+        rt = runtime.now
+        if rt.enabled:
             try:
                 found = ti.compiling_frame()
                 if found is not None:
-                    check(runtime.now, found[1], found[0])
+                    check(rt, found[1], found[0])
             except Warning:  # (a backstop: check() defers its own warning) never into Dynamo's trace
                 pass
             except Exception as exc:
@@ -75,23 +76,18 @@ def make_trace_wrapper(runtime: RuntimeRef, original: Callable[..., Any]) -> wra
     return wrapt.FunctionWrapper(original, traced)
 
 
+@guarded("graph breaks before a FlexAttention trace")
 def _break_counts() -> Optional[Dict[str, int]]:
-    try:
-        return break_counts() if STATE.enabled else None
-    except Exception as exc:
-        internal_error("graph breaks before a FlexAttention trace", exc)
-        return None
+    return break_counts() if STATE.enabled else None
 
 
 def _flex_traced(before: Dict[str, int]) -> None:
     """Dynamo's graph breaks while it traced this FlexAttention call, kept for its frame: the
     evidence a dense call inlined from this frame names (``dense/guard.py``)."""
-    try:
+    with guarded("graph breaks of a FlexAttention trace"):
         found = ti.compiling_frame()
         if found is not None:
             SIGNALS.flex_traced(found[1], before)
-    except Exception as exc:
-        internal_error("graph breaks of a FlexAttention trace", exc)
 
 
 def compiles_of(code: Any, f_locals: Any = None) -> Tuple[int, int]:

@@ -28,7 +28,7 @@ from fusionguard.core import frames
 from fusionguard.core.config import Runtime, RuntimeRef
 from fusionguard.dense import causes
 from fusionguard import torch_internals as ti
-from fusionguard.core.state import STATE, count, dense_allowed_here, internal_error
+from fusionguard.core.state import STATE, count, dense_allowed_here, guarded
 from fusionguard.core.tensors import tensor_fields
 from fusionguard.watching.naming import flex_layer
 import copy
@@ -161,12 +161,10 @@ def _rescue_env(rt: Runtime, original: Callable[..., Any], args: tuple, kwargs: 
     ``rescue_backend`` when the eager call is one to rescue."""
     with original(*args, **kwargs) as backend:
         decision = None
-        if STATE.enabled and rt.rescue:
-            try:
+        if rt.enabled and rt.rescue:
+            with guarded("rescue decision"):
                 if backend is _eager_backend():
                     decision = decide(rt, _caller(sys._getframe(0)))
-            except Exception as exc:
-                internal_error("rescue decision", exc)
         if decision is None:
             yield backend
             return
@@ -185,10 +183,8 @@ def _rescue_env(rt: Runtime, original: Callable[..., Any], args: tuple, kwargs: 
                 yield rescue_backend
         finally:
             RESCUING.reset(token)
-            try:
+            with guarded("rescue event"):
                 _log_rescue(record, _caller(sys._getframe(0)))
-            except Exception as exc:
-                internal_error("rescue event", exc)
 
 
 def _log_rescue(record: dict, frame: Any) -> None:

@@ -418,8 +418,11 @@ def _uninstall_sigterm() -> None:
         return  # cannot touch signals here; ours stays and passes the signal straight on
     try:
         if signal.getsignal(signal.SIGTERM) is _on_sigterm:
-            signal.signal(signal.SIGTERM, CRASH.prev_sigterm)
-            CRASH.prev_sigterm = None
+            # prev_sigterm is kept: a trainer's teardown may put ours back after this (Lightning
+            # restores the handlers it saved at fit start), and the next install finds it and
+            # must restore the same; None (never known) is restored as SIG_DFL, as _hand_over reads it
+            prev = CRASH.prev_sigterm
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if prev is None else prev)
         CRASH.sigterm_installed = False
     except (ValueError, OSError):
         pass

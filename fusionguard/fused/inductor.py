@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import wrapt
 
 from fusionguard import torch_internals as ti
-from fusionguard.core.state import STATE, internal_error
+from fusionguard.core.state import STATE, guarded
 from fusionguard.core.frames import user_call_site
 from fusionguard.core.frames import is_torch_file
 from fusionguard.core.tensors import scores_bytes
@@ -131,7 +131,7 @@ def make_lowering_wrapper(phase: str, original: Callable[..., Any]) -> Callable[
             result = original(*args, **kwargs)
         finally:
             _TL.current = previous
-        try:
+        with guarded("inductor lowering record"):
             ir = _buffer_class(result)
             device = _device_type(args)
             if record["template"] is None:
@@ -147,8 +147,6 @@ def make_lowering_wrapper(phase: str, original: Callable[..., Any]) -> Callable[
             record["call_site"] = _node_call_site()
             record["layer"] = _node_layer()
             _pending().append(record)
-        except Exception as exc:
-            internal_error("inductor lowering record", exc)
         return result
 
     fusionguard_flex_lowering.__wrapped__ = original  # type: ignore[attr-defined]
@@ -339,10 +337,8 @@ def make_post_compile_wrapper(original: Callable[..., Any]) -> wrapt.FunctionWra
     def post_compile(wrapped: Callable[..., Any], graph: Any, args: tuple, kwargs: dict) -> Any:
         result = wrapped(*args, **kwargs)
         if STATE.enabled:
-            try:
+            with guarded("inductor post_compile record"):
                 count_runs(graph, *record_compiled_graph(graph))
-            except Exception as exc:
-                internal_error("inductor post_compile record", exc)
         return result
 
     return wrapt.FunctionWrapper(original, post_compile)

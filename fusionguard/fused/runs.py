@@ -359,16 +359,17 @@ def count_runs(compiled: Any, records: List[Dict[str, Any]], namer: Optional[Nam
     # Warnings an error filter raised while Dynamo traced this compile (recompile pressure): issued
     # at the graph's first run, where the filter raises them at the user's call; the graph stays.
     deferred = take_deferred(ti.current_compile_id())
+    runtime = STATE.runtime  # (the holder: its ``now`` is read per run, one object)
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         while deferred:
             warnings.warn_explicit(*deferred.pop(0))  # (popped first: issued once, whatever the filter does)
-        if profiling.recording() and STATE.enabled:  # a range in the profiler's timeline, every run
+        if profiling.recording() and runtime.now.enabled:  # a range in the profiler's timeline, every run
             out = profiling.in_range(range_name, fn, *args, **kwargs)
         else:
             out = fn(*args, **kwargs)
-        if STATE.enabled:
-            try:
+        if runtime.now.enabled:  # (read after the run: a disable() meanwhile counts nothing)
+            try:  # a plain try, not guarded(): it costs nothing per run when nothing raises
                 for key, n, fields, names, cache in runs:
                     count(key, n)
                     names = run_names(n, names)

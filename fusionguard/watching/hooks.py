@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from fusionguard import torch_internals as ti
-from fusionguard.core.state import STATE, internal_error
+from fusionguard.core.state import STATE, guarded, internal_error
 from fusionguard.core.frames import warn_at_user_line
 from fusionguard.watching.memory import Measure, tensors
 
@@ -215,13 +215,11 @@ OUT_OF_SIGHT = "torch._dynamo.callback: watch() hooks out of sight while compili
 def out_of_sight() -> None:
     """Register the compile callbacks that hide watch()'s hooks (at each hook attach: cheap, and
     ``torch._dynamo.reset()`` clears them); ``disable()`` removes them (the registry)."""
-    try:
-        if ti.compile_callback_registered(_compile_started) or not ti.add_compile_callbacks(_compile_started, _compile_ended):
-            return
-    except Exception as exc:
-        internal_error("watch hooks out of sight (register)", exc)
-        return
-    STATE.patches.add_hook(OUT_OF_SIGHT, _unregister, lambda: not ti.compile_callback_registered(_compile_started))
+    added = False
+    with guarded("watch hooks out of sight (register)"):
+        added = not ti.compile_callback_registered(_compile_started) and ti.add_compile_callbacks(_compile_started, _compile_ended)
+    if added:
+        STATE.patches.add_hook(OUT_OF_SIGHT, _unregister, lambda: not ti.compile_callback_registered(_compile_started))
 
 
 def _unregister() -> None:
@@ -231,30 +229,26 @@ def _unregister() -> None:
     ti.remove_compile_callbacks(_compile_started, _compile_ended)
 
 
+@guarded("watch hooks out of sight")
 def _compile_started(*args: Any) -> None:
-    try:
-        w = STATE.watch
-        with w.lock:
-            _SIGHT.depth += 1
-            # (other triggers, where the callbacks carry one: AOTAutograd's backward compiled at
-            # its first run, a CUDA graph recorded; Dynamo traces nothing there)
-            trigger = ti.compile_trigger(args)
-            if _SIGHT.depth == 1 and trigger == "DYNAMO" and _SIGHT.on and w.hooked and ti.hook_guards_skipped():
-                _hide(list(w.hooked.values()))
-    except Exception as exc:
-        internal_error("watch hooks out of sight", exc)
+    w = STATE.watch
+    with w.lock:
+        _SIGHT.depth += 1
+        # (other triggers, where the callbacks carry one: AOTAutograd's backward compiled at
+        # its first run, a CUDA graph recorded; Dynamo traces nothing there)
+        trigger = ti.compile_trigger(args)
+        if _SIGHT.depth == 1 and trigger == "DYNAMO" and _SIGHT.on and w.hooked and ti.hook_guards_skipped():
+            _hide(list(w.hooked.values()))
 
 
+@guarded("watch hooks put back")
 def _compile_ended(*_: Any) -> None:
-    try:
-        with STATE.watch.lock:
-            if _SIGHT.depth == 0:  # (registered during this compile)
-                return
-            _SIGHT.depth -= 1
-            if _SIGHT.depth == 0:
-                _put_back()
-    except Exception as exc:
-        internal_error("watch hooks put back", exc)
+    with STATE.watch.lock:
+        if _SIGHT.depth == 0:  # (registered during this compile)
+            return
+        _SIGHT.depth -= 1
+        if _SIGHT.depth == 0:
+            _put_back()
 
 
 def _hook_dicts(slot: "Hooks") -> Optional[List[Dict[Any, Any]]]:
@@ -274,7 +268,7 @@ def _hide(slots: List["Hooks"]) -> None:
     for s in slots:
         modules.setdefault(id(s.home()), []).append(s)
     for group in modules.values():
-        try:
+        with guarded("watch hooks out of sight"):
             dicts = _hook_dicts(group[0])
             if dicts is None or any(s.calls for s in group):
                 continue
@@ -285,8 +279,6 @@ def _hide(slots: List["Hooks"]) -> None:
             for d, items in saved:
                 for k, _ in items:
                     del d[k]
-        except Exception as exc:
-            internal_error("watch hooks out of sight", exc)
 
 
 def _put_back() -> None:

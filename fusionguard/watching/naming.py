@@ -15,7 +15,7 @@ import torch
 import wrapt
 
 from fusionguard import torch_internals as ti
-from fusionguard.core.state import STATE, internal_error
+from fusionguard.core.state import STATE, guarded
 
 
 # The stack of (qualified name, module class) of the watched modules whose forward is running.
@@ -162,15 +162,13 @@ def make_wrapper_init(original: Callable[..., None]) -> wrapt.FunctionWrapper:
 
     def __init__(wrapped: Callable[..., None], self: Any, args: tuple, kwargs: dict) -> None:
         wrapped(*args, **kwargs)
-        try:
+        with guarded("torch.compile wrapper note"):
             inner = ti.wrapped_module(self)
             if isinstance(inner, torch.nn.Module):
                 ref = weakref.ref(self)
                 inside = STATE.watch.compiled_inside
                 for m in inner.modules():
                     inside[m] = ref
-        except Exception as exc:
-            internal_error("torch.compile wrapper note", exc)
 
     return wrapt.FunctionWrapper(original, __init__)
 

@@ -29,7 +29,7 @@ import torch
 
 from fusionguard import torch_internals as ti
 from fusionguard.eventlog.messages import logger
-from fusionguard.core.state import STATE, internal_error
+from fusionguard.core.state import STATE, guarded
 from fusionguard.core.frames import is_torch_file
 from fusionguard.watching.naming import _WRAPPER_ATTRS, clean_name
 
@@ -181,11 +181,9 @@ def module_path(module: Any) -> Optional[str]:
     if _alive(entry, module):
         assert entry is not None
         return entry[1]
-    try:
+    with guarded("module path"):
         return _find(module)
-    except Exception as exc:
-        internal_error("module path", exc)
-        return None
+    return None
 
 
 def _find(module: torch.nn.Module) -> Optional[str]:

@@ -204,7 +204,7 @@ class Watch:
         frame.dense_before = dense_count(name, "forward")
         frame.flex_before = -1
         frame.root = None
-        try:
+        try:  # (here and below a plain try, not guarded(): the hooks run on every layer call, and a try is free)
             if self._roots and not frame.recompute:
                 root = self._roots.get(id(slot))
                 if root is not None and not told_no_flex(root):
@@ -226,7 +226,7 @@ class Watch:
         except ValueError:  # reset from another context (should not happen): fall back
             cur = LAYER.get()
             LAYER.set(cur[:-1] if cur and cur[-1][0] == name else cur)
-        try:
+        try:  # (plain try: per layer call)
             if frame.flex_before >= 0 and sys.exc_info()[0] is None and flex_calls() == frame.flex_before:
                 no_flex_calls(frame.root)  # (a forward that raised is not a completed one)
             if frame.measure is not None or self._is_layer(mod, name):
@@ -254,7 +254,7 @@ class Watch:
         pending = self._bw_handles
 
         def start(*_: Any) -> None:
-            try:
+            try:  # (plain try: per layer backward)
                 if "started" not in box:
                     box["started"] = True
                     bw_push(name)
@@ -264,7 +264,7 @@ class Watch:
                 internal_error("watch backward start", exc)
 
         def end(*_: Any) -> None:
-            try:
+            try:  # (plain try: per layer backward)
                 if box.pop("started", None):
                     bw_pop(name)
                     alloc, peak = measure_stop(box.pop("m", None))
