@@ -27,7 +27,7 @@ from fusionguard.core.state import STATE, count, dense_allowed_here, internal_er
 from fusionguard.dense.memory import default_mask_limit, free_bytes, mask_build_bytes
 from fusionguard.dense.guard import oom_cannot_act
 from fusionguard.errors import DenseFallbackError
-from fusionguard.torch_internals import MASK_COMPILE_FLAG, block_sizes, create_block_mask_code, mask_home
+from fusionguard.torch_internals import MASK_COMPILE_FLAG, block_sizes, create_block_mask_code, mask_home, tracing_here
 from fusionguard.watching import naming
 
 _is_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", lambda: False)
@@ -218,7 +218,8 @@ def make_create_mask_wrapper(runtime: RuntimeRef, original: Callable[..., Any]) 
         if _is_dynamo_compiling():
             _NOTE()  # a compiled build: recorded at trace time, nothing in the graph
             return original(*args, **kwargs)
-        if _is_compiling() or not STATE.enabled:
+        # (is_compiling() is process-wide: another thread's compile must not hide this build)
+        if (_is_compiling() and tracing_here()) or not STATE.enabled:
             return original(*args, **kwargs)
         blocked = warning = site = None
         try:
