@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 import threading
 import warnings
@@ -14,7 +16,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import fusionguard
 
-from conftest import flex_events, in_own_process, op_call, qkv, read_jsonl
+from conftest import PUBLIC, causal, child_env, flex_events, in_own_process, op_call, qkv, read_jsonl
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -214,6 +216,119 @@ def test_two_threads_at_once(guard):
     assert len(events) == 10
     assert {e["thread"] for e in events} == {"worker-0", "worker-1"}
     assert len({e["seq"] for e in events}) == 10
+
+
+def test_a_compile_on_another_thread_hides_no_dense_call(guard, dynamo_reset, math_spy):
+    """``torch.compiler.is_compiling()`` is one process-wide flag, held True by Dynamo for the whole
+    of a compile (2.13+) whatever thread compiles: the guard must not step aside on it. A compile
+    held open on one thread (its backend waits) while this thread runs dense: still blocked."""
+    log = guard(strict=True, mask_limit=1)
+    q, k, v = qkv()
+    with fusionguard.allow_dense(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        flex_attention(q, k, v)  # flex's internal compile done here: the call below needs no compile
+    math_spy.clear()
+    inside, release = threading.Event(), threading.Event()
+
+    def held(gm, example_inputs):
+        inside.set()
+        release.wait(60)
+        return gm.forward
+
+    compiled = torch.compile(lambda x: x * 2, backend=held)
+    other = threading.Thread(target=compiled, args=(torch.ones(3),), name="compiling")
+    other.start()
+    try:
+        assert inside.wait(60), "the other thread's compile never reached its backend"
+        with pytest.raises(fusionguard.DenseFallbackError) as err:
+            flex_attention(q, k, v)
+        with pytest.raises(fusionguard.DenseFallbackError) as mask_err:
+            PUBLIC.create_block_mask(causal, 1, 1, 64, 64, device="cpu")
+    finally:
+        release.set()
+        other.join(60)
+    assert math_spy == [], "the dense math ran although strict mode blocks it"
+    assert err.value.event["cause"] == "eager_call" and err.value.event["thread"] == "MainThread"
+    assert mask_err.value.event["action"] == "raise"
+    on_disk = read_jsonl(log)
+    assert [e["action"] for e in on_disk if e["event"] == "flex_call"] == ["allow", "raise"]
+    assert [e["action"] for e in on_disk if e["event"] == "mask_build"] == ["raise"]
+
+
+# Threads behind a barrier making their first eager call at once, each round in a fresh Dynamo
+# (torch._dynamo.reset()): every thread compiles flex's internal wrapper, one after the other under
+# Dynamo's compile lock, while the others already run dense. One line per round on stdout.
+_FIRST_CALLS = r"""
+import json, os, sys, threading, warnings
+import torch
+from torch.nn.attention.flex_attention import flex_attention
+import fusionguard
+
+hop = sys.modules["torch._higher_order_ops.flex_attention"]  # (the module: its package re-exports the operator by that name)
+
+warnings.simplefilter("ignore")  # (not thread-safe to filter per thread; the log is what counts)
+math = []
+inner = hop._math_attention_inner
+
+def spy(*args, **kwargs):  # counts real runs of the dense math; PyTorch's own function runs
+    math.append(1)
+    return inner(*args, **kwargs)
+
+hop._math_attention_inner = spy
+THREADS, CALLS = 2, {"warn": 5, "strict": 3}
+for n, mode in enumerate(sys.argv[2:]):
+    torch._dynamo.reset()
+    log = os.path.join(sys.argv[1], f"{n}-{mode}.jsonl")
+    fusionguard.enable(strict=mode == "strict", log_path=log)
+    barrier = threading.Barrier(THREADS)
+    outcomes = []
+
+    def work(seed):
+        g = torch.Generator().manual_seed(seed)
+        q, k, v = (torch.randn(1, 2, 16, 8, generator=g) for _ in range(3))
+        barrier.wait()
+        for _ in range(CALLS[mode]):
+            try:
+                flex_attention(q, k, v)
+                outcomes.append("ran")
+            except fusionguard.DenseFallbackError:
+                outcomes.append("blocked")
+
+    threads = [threading.Thread(target=work, args=(i,), name=f"worker-{i}") for i in range(THREADS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    fusionguard.disable()
+    print(json.dumps({"mode": mode, "log": log, "outcomes": sorted(outcomes), "math": len(math)}), flush=True)
+    math.clear()
+"""
+
+
+def test_threads_making_their_first_dense_calls_at_once_are_all_logged_and_blocked(tmp_path):
+    """The first eager call of each thread compiles flex's internal wrapper; a guard that stepped
+    aside while *any* thread compiled (``is_compiling()``, process-wide) lost the other threads'
+    calls meanwhile: missing from the log in warn mode, run dense in strict mode. Every round
+    failed that way before the fix (2 threads, 5 or 3 calls each)."""
+    rounds = ["warn", "strict"] * 3
+    p = subprocess.run(
+        [sys.executable, "-c", _FIRST_CALLS, str(tmp_path), *rounds],
+        capture_output=True, text=True, env=child_env(), timeout=300,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    results = [json.loads(line) for line in p.stdout.splitlines()]
+    assert [r["mode"] for r in results] == rounds
+    for r in results:
+        calls = [e for e in read_jsonl(r["log"]) if e["event"] == "flex_call"]
+        if r["mode"] == "warn":
+            assert r["outcomes"] == ["ran"] * 10 and r["math"] == 10
+            assert [e["action"] for e in calls] == ["warn"] * 10, f"{len(calls)} of 10 dense calls logged"
+        else:
+            assert r["outcomes"] == ["blocked"] * 6, "a dense call ran in strict mode"
+            assert r["math"] == 0
+            assert [e["action"] for e in calls] == ["raise"] * 6
+        assert {e["thread"] for e in calls} == {"worker-0", "worker-1"}
+        assert len({e["seq"] for e in calls}) == len(calls)
 
 
 def test_nested_tensor_inputs_get_torchs_own_error_unchanged(guard):

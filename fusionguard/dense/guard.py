@@ -6,8 +6,14 @@ on purpose is ``DenseFallbackError`` (strict mode), and we raise it *before* cal
 kernel, so nothing of the score matrix has been allocated yet.
 
 The wrappers are plain functions. When Dynamo happens to trace one (it inlines a higher-order
-operator's Python implementation in a few fallback cases), ``torch.compiler.is_compiling()`` is a
-constant ``True`` for it and the wrapper reduces to the original call: no graph break, no guard.
+operator's Python implementation in a few fallback cases), ``torch.compiler.is_dynamo_compiling()``
+is a constant ``True`` for it and the wrapper reduces to the original call: no graph break, no guard.
+
+Whether a call is a real execution is decided by its tensors (``is_concrete``), per call, never by
+``torch.compiler.is_compiling()``: that is one process-wide flag, which Dynamo holds ``True`` for the
+whole of a compile (torch 2.13+; export sets it too), whatever thread compiles. A guard that stepped
+aside on it let every dense call of the *other* threads run unseen (and unblocked in strict mode)
+meanwhile: the first eager call of two threads at once, each compiling flex's internal wrapper.
 """
 
 from __future__ import annotations
@@ -49,8 +55,8 @@ _BACKWARD_ORIGIN: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVa
     "fusionguard_backward_origin", default=None
 )
 
-_is_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", lambda: False)
-_is_dynamo_compiling: Callable[[], bool] = getattr(torch.compiler, "is_dynamo_compiling", _is_compiling)
+# (a constant True only inside Dynamo's trace; never is_compiling(), a process-wide flag: see above)
+_is_dynamo_compiling: Callable[[], bool] = getattr(torch.compiler, "is_dynamo_compiling", lambda: False)
 
 # The original dense kernels, by phase, for calls routed out of a Dynamo graph (see below).
 # Set while a dense call that Dynamo tried to inline runs out of graph: the trace-time note.
@@ -438,7 +444,7 @@ def make_dense_wrapper(phase: str, runtime: RuntimeRef, original: Callable[..., 
                 return _dense_out_of_graph_disabled(token, phase, *args, **kwargs)
             return original(*args, **kwargs)
         rt = runtime.now  # one read per call: on/off and the settings together
-        if not rt.enabled or _is_compiling() or lse.measuring():
+        if not rt.enabled or lse.measuring():  # (tracing: told by the tensors, in _check_dense)
             return original(*args, **kwargs)
         if sigterm_pending():  # the process is ending: its shutdown event has the last counts
             return _while_ending(rt, phase, original, args, kwargs)
@@ -507,7 +513,7 @@ def make_autograd_forward(original: staticmethod) -> wrapt.FunctionWrapper:
         hook = _frame_hook()  # PyTorch's own fullgraph wrapper runs uncompiled above (torch 2.7):
         if hook and is_fullgraph_hook(hook):  # run as its graph would, with the hook off
             return _hook_free(forward, fn, _instance, args, kwargs)
-        if not runtime.now.enabled or _is_compiling() or len(args) < 2 or not is_concrete(args[1]):
+        if not runtime.now.enabled or len(args) < 2 or not is_concrete(args[1]):
             return fn(*args, **kwargs)
         slot: List[dict] = []
         token = _FORWARD_SLOT.set(slot)
@@ -526,7 +532,7 @@ def make_autograd_forward(original: staticmethod) -> wrapt.FunctionWrapper:
 
 def make_autograd_backward(original: staticmethod) -> wrapt.FunctionWrapper:
     def backward(fn: Callable[..., Any], _instance: Any, args: tuple, kwargs: dict) -> Any:
-        if _is_compiling() or not args:
+        if not args:
             return fn(*args, **kwargs)
         origin = getattr(args[0], "_fusionguard", None)  # (args[0]: ctx)
         if origin is None:

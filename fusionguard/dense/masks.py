@@ -27,7 +27,7 @@ from fusionguard.core.state import STATE, count, dense_allowed_here, guarded
 from fusionguard.dense.memory import default_mask_limit, free_bytes, mask_build_bytes
 from fusionguard.dense.guard import oom_cannot_act
 from fusionguard.errors import DenseFallbackError
-from fusionguard.torch_internals import MASK_COMPILE_FLAG, block_sizes, create_block_mask_code, mask_home
+from fusionguard.torch_internals import MASK_COMPILE_FLAG, block_sizes, create_block_mask_code, mask_home, tracing_here
 from fusionguard.watching import naming
 
 _is_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", lambda: False)
@@ -220,7 +220,8 @@ def make_create_mask_wrapper(runtime: RuntimeRef, original: Callable[..., Any]) 
             _NOTE()  # a compiled build: recorded at trace time, nothing in the graph
             return original(*args, **kwargs)
         rt = runtime.now  # one read per build: on/off and the settings together
-        if not rt.enabled or _is_compiling():
+        # (is_compiling() is process-wide: another thread's compile must not hide this build)
+        if not rt.enabled or (_is_compiling() and tracing_here()):
             return original(*args, **kwargs)
         blocked = warning = site = None
         with _MASK_CHECK:  # (a mask build costs milliseconds: the with's 0.1 us is nothing to it)

@@ -133,6 +133,19 @@ def current_compile() -> Any:
         return None
 
 
+def tracing_here() -> bool:
+    """This thread is inside a compile or an export trace: a ``CompileContext`` (Dynamo) or a
+    ``TracingContext`` (Dynamo, AOTAutograd, export), both per thread. ``torch.compiler.is_compiling()``
+    cannot say it: one process-wide flag, held ``True`` by any thread's compile (2.13+) or export."""
+    if current_compile() is not None:
+        return True
+    context = _dynamo_attr("torch._guards", "TracingContext")
+    try:
+        return context is not None and context.try_get() is not None
+    except Exception:
+        return False
+
+
 def entry_compile_id(entry: Any) -> Any:
     """The compile id of one of Dynamo's cache entries (2.5+), or None."""
     return getattr(entry, "compile_id", None)
