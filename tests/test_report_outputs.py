@@ -88,6 +88,55 @@ def test_an_output_beside_the_input_is_still_written(tmp_path, capsys):
     assert (tmp_path / "run" / "report.html").read_text().startswith("<!DOCTYPE html>")
 
 
+def test_two_outputs_naming_one_file_exit_2_and_write_nothing(tmp_path, capsys):
+    """``-o x --html x`` (the page replaced the text report, exit 0), ``--plot x.png --html x.png``,
+    ``--plot x`` (x.png) with ``--html x.png``, and one file named through a symlink."""
+    log = small_log(tmp_path / "fg.jsonl")
+    (tmp_path / "there.txt").write_text("keep")
+    os.symlink(tmp_path / "there.txt", tmp_path / "alias")
+    pairs = [("-o", "same.out", "--html", "same.out"), ("-o", "alias", "--html", "there.txt")]
+    try:
+        import matplotlib  # noqa: F401
+
+        pairs += [("--plot", "p.png", "--html", "p.png"), ("--plot", "p", "--html", "p.png"), ("-o", "q.png", "--plot", "q")]
+    except ImportError:
+        pass
+    for a, x, b, y in pairs:
+        rc, out, err = run_cli(capsys, log, a, tmp_path / x, b, tmp_path / y)
+        assert rc == 2 and "name the same file" in err and out == "", (a, x, b, y, err)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["alias", "fg.jsonl", "there.txt"], (a, x, b, y)
+        assert (tmp_path / "there.txt").read_text() == "keep"
+    rc, _, err = run_cli(capsys, log, "-o", os.devnull, "--html", os.devnull)
+    assert rc == 0, err
+
+
+FAULTHANDLER_TEXT = (
+    "Fatal Python error: Segmentation fault\n\nCurrent thread 0x00007f01 (most recent call first):\n"
+    '  File "/home/me/--password=hunter2hunter2/train.py", line 3 in step\n\n'
+)
+
+
+def test_a_native_crash_file_the_logs_name_is_never_written_over_and_its_text_is_redacted(tmp_path, capsys):
+    """The faulthandler file is the only record of a segfault; the logs name it (not ``PATH``).
+    Its frames are written by faulthandler, never redacted by fusionguard: the report redacts them."""
+    run = tmp_path / "run"
+    crash = run / "fg.pid100.crash"
+    log = write(run / "fg.jsonl", [dict(header(), crash_file=str(crash)),
+                                   dict(ev("flex_call", 2, layer="a", phase="forward", path="dense", cause="eager_call"), level="warning")])
+    crash.write_text(FAULTHANDLER_TEXT)
+    for inputs in ([log], [run]):
+        for flag in ("-o", "--html"):
+            rc, out, err = run_cli(capsys, *inputs, flag, crash)
+            assert rc == 2 and "crash file" in err and out == "", (inputs, flag, err)
+            assert crash.read_text() == FAULTHANDLER_TEXT
+    page = tmp_path / "r.html"
+    for fmt in ("text", "json", "csv"):
+        rc, out, err = run_cli(capsys, log, "--format", fmt, "--html", page)
+        assert rc == 0, err
+        assert "hunter2hunter2" not in out and "hunter2hunter2" not in page.read_text(), fmt
+    assert "native crash (SIGSEGV)" in run_cli(capsys, log)[1]
+
+
 def test_an_empty_html_path_is_a_usage_error(tmp_path, capsys):
     rc, out, err = run_cli(capsys, small_log(tmp_path / "fg.jsonl"), "--html", "")
     assert rc == 2 and "--html" in err and out == "", err
