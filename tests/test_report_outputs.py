@@ -221,9 +221,18 @@ SECRETS = {
     "gcp": "AIzaSyA1234567890abcdefghijklmnopqrstuv",
     "option": "--password=hunter2hunter2",
     "option2": "--api-key hunter3hunter3",
+    "quoted": "--password 'hunter4hunter4'",  # quoted values, a query parameter, a variable, Basic, no user
+    "quoted2": '--api-key "hunter5 hunter5"',
+    "query": "https://example.com/x?a=1&token=hunter6hunter6",
+    "sas": "https://acct.blob.core.windows.net/c/b?sv=2020&sig=hunter7hunter7",
+    "env": "AWS_SECRET_ACCESS_KEY=hunter8hunter8",
+    "yaml": "password: hunter9hunter9",
+    "basic": "Authorization: Basic aHVudGVyMTA6aHVudGVyMTA=",
+    "nouser": "https://:hunter11hunter11@example.com/",
 }
 LEAKS = ["abcdefghijklmnopqrstuvwxyz0123", "s3cr3tPassw0rd", "eyJhbGciOiJIUzI1NiJ9abcdef", "abcdef0123456789ABCDEF", "AKIAABCDEFGHIJKLMNOP",
-         "AIzaSyA1234567890abcdefghijklmnopqrstuv", "hunter2hunter2", "hunter3hunter3"]
+         "AIzaSyA1234567890abcdefghijklmnopqrstuv", "hunter2hunter2", "hunter3hunter3", "hunter4", "hunter5", "hunter6", "hunter7", "hunter8",
+         "hunter9", "aHVudGVyMTA6", "hunter11"]
 
 
 def test_redact_text_covers_every_secret_shape_and_keeps_ordinary_text():
@@ -234,7 +243,8 @@ def test_redact_text_covers_every_secret_shape_and_keeps_ordinary_text():
         assert not any(leak in out for leak in LEAKS), (name, out)
         assert "<redacted>" in out and out.startswith("failed: ") and out.endswith(" (while loading)"), out
     for ordinary in ("KeyError: 'layers.0.self_attn'", "tensor 'q' size mismatch at index 2. expected 2048, actual 1536",
-                     "/home/me/train.py:7 in attention", "https://example.com/a:b", "--lr 3e-4 --steps 512"):
+                     "/home/me/train.py:7 in attention", "https://example.com/a:b", "--lr 3e-4 --steps 512",
+                     "num_key_value_heads=8 key=layers.0 max_tokens=512", "unexpected token: ')' in score_mod", "basic block"):
         assert redact_text(ordinary) == ordinary
 
 
