@@ -145,6 +145,21 @@ def test_an_empty_html_path_is_a_usage_error(tmp_path, capsys):
 # -- smaller: invisible characters, a run ended by SIGTERM ------------------------------------------------
 
 INVISIBLE = ["\u200f", "\u061c", "\u200b", "\u2028", "\ufeff", "\u202e"]  # RLM, ALM, ZWSP, LINE SEPARATOR, BOM, RLO
+# soft hyphen, Mongolian vowel separator, invisible separator, variation selector, Hangul filler, tag characters (hidden ASCII)
+MORE_INVISIBLE = ["\xad", "\u180e", "\u2063", "\ufe0f", "\u3164", "\U000e0041", "\U000e007f"]
+
+
+def test_every_invisible_format_character_is_escaped_and_the_json_stays_json(tmp_path, capsys):
+    name = "layers.0" + "".join(MORE_INVISIBLE) + "x"
+    log = write(tmp_path / "fg.jsonl", [header(), dict(ev("flex_call", 2, layer=name, phase="forward", path="dense", cause="eager_call",
+                                                             action="warn"), level="warning"), ev("shutdown", 3, reason="exit")])
+    page = tmp_path / "r.html"
+    for fmt in ("text", "json", "csv"):
+        rc, out, err = run_cli(capsys, log, "--format", fmt, "--html", page)
+        assert rc == 0, err
+        assert not [hex(ord(c)) for c in MORE_INVISIBLE if c in out or c in page.read_text(encoding="utf-8")], fmt
+        if fmt == "json":
+            assert [r["layer"] for r in json.loads(out)["rows"]] == [name]  # (escaped, the same data)
 
 
 def test_invisible_and_direction_characters_are_shown_escaped_in_every_output(tmp_path, capsys):
