@@ -8,8 +8,8 @@ Exit status, the same contract for every command (``docs/cli.md``):
   ``--fail-on-recompile-pressure``: a frame holding FlexAttention near the recompile limit;
   ``--expect-fused`` / ``--expect-calls N``: fewer fused calls than expected); 2 usage or input
   error (a bad option, a missing path, no fusionguard event in the input, an unwritable
-  ``-o`` / ``--plot`` / ``--html`` path, an empty one, one that is an input (nothing is written
-  then), a ``--plot`` format matplotlib cannot write, ``--plot`` without matplotlib).
+  ``-o`` / ``--plot`` / ``--html`` path, an empty one, one that is an input or a crash file a log
+  names, two naming one file (nothing is written then), a ``--plot`` format matplotlib cannot write, ``--plot`` without matplotlib).
 - ``doctor``: 0 every compiled case ran fused; 1 something ran dense or an experiment failed;
   2 usage error (a bad ``--shape``, ``--device``, ``--backend``).
 - ``run``: the command's own status (it is exec-ed); 2 usage error before anything starts (no
