@@ -8,8 +8,8 @@ Exit status, the same contract for every command (``docs/cli.md``):
   ``--fail-on-recompile-pressure``: a frame holding FlexAttention near the recompile limit;
   ``--expect-fused`` / ``--expect-calls N``: fewer fused calls than expected); 2 usage or input
   error (a bad option, a missing path, no fusionguard event in the input, an unwritable
-  ``-o`` / ``--plot`` / ``--html`` path, an empty one, one that is an input (nothing is written
-  then), a ``--plot`` format matplotlib cannot write, ``--plot`` without matplotlib).
+  ``-o`` / ``--plot`` / ``--html`` path, an empty one, one that is an input or a crash file a log
+  names, two naming one file (nothing is written then), a ``--plot`` format matplotlib cannot write, ``--plot`` without matplotlib).
 - ``doctor``: 0 every compiled case ran fused; 1 something ran dense or an experiment failed;
   2 usage error (a bad ``--shape``, ``--device``, ``--backend``).
 - ``run``: the command's own status (it is exec-ed); 2 usage error before anything starts (no
@@ -201,6 +201,33 @@ def _clobbers(args: argparse.Namespace) -> Optional[str]:
             hit = input_named(out, args.paths)
             if hit is not None:
                 return f"{flag} {out} is an input ({hit}): writing it would destroy the log; nothing written"
+    written = [(flag, out) for flag, out in outputs[:2] + outputs[3:] if out]  # (--plot: the file it writes)
+    for i, (flag, out) in enumerate(written):
+        for other_flag, other in written[i + 1 :]:
+            if _same_file(out, other):
+                return f"{flag} {out} and {other_flag} {other} name the same file: one would replace the other; nothing written"
+    return None
+
+
+def _same_file(a: str, b: str) -> bool:
+    """Two output paths that name one regular file (by any name), or one path that does not exist
+    yet; a terminal, a pipe or ``/dev/null`` named twice is not a file one write replaces."""
+    try:
+        sa, sb = os.stat(a), os.stat(b)
+    except OSError:
+        return os.path.realpath(a) == os.path.realpath(b)
+    return stat.S_ISREG(sa.st_mode) and (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
+def _crash_file_written(args: argparse.Namespace) -> Optional[str]:
+    """Why an output would replace a native crash file the report read (None: none would): the
+    only record of a segfault, named by a log's header, not by ``PATH``."""
+    from fusionguard.report.crashfile import CRASH_FILES_READ  # lazy: each subcommand loads only what it runs
+
+    for flag, out in (("-o", args.output), ("--html", args.html), ("--plot", args.plot_file)):
+        for crash in CRASH_FILES_READ if out else ():
+            if _same_file(out, crash):
+                return f"{flag} {out} is an input (a crash file the logs name): writing it would destroy it; nothing written"
     return None
 
 
@@ -229,10 +256,17 @@ def _report(args: argparse.Namespace) -> int:
             plot_file = plot_target(args.plot)[0]
         except ValueError as exc:
             return _fail("report", f"--plot {args.plot}: {exc}")
+    from fusionguard.report.crashfile import CRASH_FILES_READ  # lazy: each subcommand loads only what it runs
+
+    CRASH_FILES_READ.clear()  # (the crash files this report reads: never written over)
     try:
         rep = build_report_dict(args.paths, last=args.last)
     except ReportError as exc:
         return _fail("report", str(exc))
+    args.plot_file = plot_file
+    problem = _crash_file_written(args)
+    if problem:
+        return _fail("report", problem)
     text = {"text": render_text, "json": render_json, "csv": render_csv}[args.format](rep)
     mode = _input_mode(rep)
     if args.output:

@@ -88,6 +88,55 @@ def test_an_output_beside_the_input_is_still_written(tmp_path, capsys):
     assert (tmp_path / "run" / "report.html").read_text().startswith("<!DOCTYPE html>")
 
 
+def test_two_outputs_naming_one_file_exit_2_and_write_nothing(tmp_path, capsys):
+    """``-o x --html x`` (the page replaced the text report, exit 0), ``--plot x.png --html x.png``,
+    ``--plot x`` (x.png) with ``--html x.png``, and one file named through a symlink."""
+    log = small_log(tmp_path / "fg.jsonl")
+    (tmp_path / "there.txt").write_text("keep")
+    os.symlink(tmp_path / "there.txt", tmp_path / "alias")
+    pairs = [("-o", "same.out", "--html", "same.out"), ("-o", "alias", "--html", "there.txt")]
+    try:
+        import matplotlib  # noqa: F401
+
+        pairs += [("--plot", "p.png", "--html", "p.png"), ("--plot", "p", "--html", "p.png"), ("-o", "q.png", "--plot", "q")]
+    except ImportError:
+        pass
+    for a, x, b, y in pairs:
+        rc, out, err = run_cli(capsys, log, a, tmp_path / x, b, tmp_path / y)
+        assert rc == 2 and "name the same file" in err and out == "", (a, x, b, y, err)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["alias", "fg.jsonl", "there.txt"], (a, x, b, y)
+        assert (tmp_path / "there.txt").read_text() == "keep"
+    rc, _, err = run_cli(capsys, log, "-o", os.devnull, "--html", os.devnull)
+    assert rc == 0, err
+
+
+FAULTHANDLER_TEXT = (
+    "Fatal Python error: Segmentation fault\n\nCurrent thread 0x00007f01 (most recent call first):\n"
+    '  File "/home/me/--password=hunter2hunter2/train.py", line 3 in step\n\n'
+)
+
+
+def test_a_native_crash_file_the_logs_name_is_never_written_over_and_its_text_is_redacted(tmp_path, capsys):
+    """The faulthandler file is the only record of a segfault; the logs name it (not ``PATH``).
+    Its frames are written by faulthandler, never redacted by fusionguard: the report redacts them."""
+    run = tmp_path / "run"
+    crash = run / "fg.pid100.crash"
+    log = write(run / "fg.jsonl", [dict(header(), crash_file=str(crash)),
+                                   dict(ev("flex_call", 2, layer="a", phase="forward", path="dense", cause="eager_call"), level="warning")])
+    crash.write_text(FAULTHANDLER_TEXT)
+    for inputs in ([log], [run]):
+        for flag in ("-o", "--html"):
+            rc, out, err = run_cli(capsys, *inputs, flag, crash)
+            assert rc == 2 and "crash file" in err and out == "", (inputs, flag, err)
+            assert crash.read_text() == FAULTHANDLER_TEXT
+    page = tmp_path / "r.html"
+    for fmt in ("text", "json", "csv"):
+        rc, out, err = run_cli(capsys, log, "--format", fmt, "--html", page)
+        assert rc == 0, err
+        assert "hunter2hunter2" not in out and "hunter2hunter2" not in page.read_text(), fmt
+    assert "native crash (SIGSEGV)" in run_cli(capsys, log)[1]
+
+
 def test_an_empty_html_path_is_a_usage_error(tmp_path, capsys):
     rc, out, err = run_cli(capsys, small_log(tmp_path / "fg.jsonl"), "--html", "")
     assert rc == 2 and "--html" in err and out == "", err
@@ -96,6 +145,21 @@ def test_an_empty_html_path_is_a_usage_error(tmp_path, capsys):
 # -- smaller: invisible characters, a run ended by SIGTERM ------------------------------------------------
 
 INVISIBLE = ["\u200f", "\u061c", "\u200b", "\u2028", "\ufeff", "\u202e"]  # RLM, ALM, ZWSP, LINE SEPARATOR, BOM, RLO
+# soft hyphen, Mongolian vowel separator, invisible separator, variation selector, Hangul filler, tag characters (hidden ASCII)
+MORE_INVISIBLE = ["\xad", "\u180e", "\u2063", "\ufe0f", "\u3164", "\U000e0041", "\U000e007f"]
+
+
+def test_every_invisible_format_character_is_escaped_and_the_json_stays_json(tmp_path, capsys):
+    name = "layers.0" + "".join(MORE_INVISIBLE) + "x"
+    log = write(tmp_path / "fg.jsonl", [header(), dict(ev("flex_call", 2, layer=name, phase="forward", path="dense", cause="eager_call",
+                                                             action="warn"), level="warning"), ev("shutdown", 3, reason="exit")])
+    page = tmp_path / "r.html"
+    for fmt in ("text", "json", "csv"):
+        rc, out, err = run_cli(capsys, log, "--format", fmt, "--html", page)
+        assert rc == 0, err
+        assert not [hex(ord(c)) for c in MORE_INVISIBLE if c in out or c in page.read_text(encoding="utf-8")], fmt
+        if fmt == "json":
+            assert [r["layer"] for r in json.loads(out)["rows"]] == [name]  # (escaped, the same data)
 
 
 def test_invisible_and_direction_characters_are_shown_escaped_in_every_output(tmp_path, capsys):
@@ -172,9 +236,18 @@ SECRETS = {
     "gcp": "AIzaSyA1234567890abcdefghijklmnopqrstuv",
     "option": "--password=hunter2hunter2",
     "option2": "--api-key hunter3hunter3",
+    "quoted": "--password 'hunter4hunter4'",  # quoted values, a query parameter, a variable, Basic, no user
+    "quoted2": '--api-key "hunter5 hunter5"',
+    "query": "https://example.com/x?a=1&token=hunter6hunter6",
+    "sas": "https://acct.blob.core.windows.net/c/b?sv=2020&sig=hunter7hunter7",
+    "env": "AWS_SECRET_ACCESS_KEY=hunter8hunter8",
+    "yaml": "password: hunter9hunter9",
+    "basic": "Authorization: Basic aHVudGVyMTA6aHVudGVyMTA=",
+    "nouser": "https://:hunter11hunter11@example.com/",
 }
 LEAKS = ["abcdefghijklmnopqrstuvwxyz0123", "s3cr3tPassw0rd", "eyJhbGciOiJIUzI1NiJ9abcdef", "abcdef0123456789ABCDEF", "AKIAABCDEFGHIJKLMNOP",
-         "AIzaSyA1234567890abcdefghijklmnopqrstuv", "hunter2hunter2", "hunter3hunter3"]
+         "AIzaSyA1234567890abcdefghijklmnopqrstuv", "hunter2hunter2", "hunter3hunter3", "hunter4", "hunter5", "hunter6", "hunter7", "hunter8",
+         "hunter9", "aHVudGVyMTA6", "hunter11"]
 
 
 def test_redact_text_covers_every_secret_shape_and_keeps_ordinary_text():
@@ -185,7 +258,8 @@ def test_redact_text_covers_every_secret_shape_and_keeps_ordinary_text():
         assert not any(leak in out for leak in LEAKS), (name, out)
         assert "<redacted>" in out and out.startswith("failed: ") and out.endswith(" (while loading)"), out
     for ordinary in ("KeyError: 'layers.0.self_attn'", "tensor 'q' size mismatch at index 2. expected 2048, actual 1536",
-                     "/home/me/train.py:7 in attention", "https://example.com/a:b", "--lr 3e-4 --steps 512"):
+                     "/home/me/train.py:7 in attention", "https://example.com/a:b", "--lr 3e-4 --steps 512",
+                     "num_key_value_heads=8 key=layers.0 max_tokens=512", "unexpected token: ')' in score_mod", "basic block"):
         assert redact_text(ordinary) == ordinary
 
 

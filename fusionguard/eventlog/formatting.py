@@ -9,17 +9,23 @@ from typing import Any, Dict, Iterable, List, Optional
 # C0 (except newline, handled by the caller), DEL, C1, the bidirectional overrides and marks
 # (RLM / LRM, ALM) that can make a terminal or a page show text other than what is there, and the
 # invisible ones: zero-width spaces and joiners, the line / paragraph separators, the BOM.
-UNSAFE_ABOVE_C0 = "\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff"  # (JSON escapes C0 itself)
+# Also the other invisible format characters: soft hyphen, combining grapheme joiner, Hangul
+# fillers, Mongolian vowel separator, variation selectors, interlinear annotation, and the tag
+# characters (U+E0000-U+E007F: invisible ASCII, hidden text).
+UNSAFE_ABOVE_C0 = (
+    "\x7f-\x9f\xad\u034f\u061c\u115f\u1160\u17b4\u17b5\u180b-\u180f\u200b-\u200f\u2028-\u202e\u2060-\u206f\u3164"
+    "\ufe00-\ufe0f\ufeff\uffa0\ufff9-\ufffb\U000e0000-\U000e007f\U000e0100-\U000e01ef"
+)  # (JSON escapes C0 itself)
 _CONTROL = re.compile(f"[\x00-\x1f{UNSAFE_ABOVE_C0}]")
 
 
 def escape(text: str) -> str:
-    """``text`` with control characters (ESC, newline, ...) written as ``\\xNN`` / ``\\uNNNN``:
-    a log's strings never move the cursor, recolour or forge lines in a terminal."""
+    """``text`` with control characters (ESC, newline, ...) written as ``\\xNN`` / ``\\uNNNN`` /
+    ``\\UNNNNNNNN``: a log's strings never move the cursor, recolour or forge lines in a terminal."""
 
     def sub(m: "re.Match[str]") -> str:
         c = ord(m.group())
-        return f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}"
+        return f"\\x{c:02x}" if c < 0x100 else (f"\\u{c:04x}" if c < 0x10000 else f"\\U{c:08x}")
 
     return _CONTROL.sub(sub, text)
 

@@ -19,15 +19,28 @@ _TOKEN_RE = re.compile(
 )
 #: ``Bearer <token>`` (an HTTP Authorization header in an error message).
 _BEARER_RE = re.compile(r"(?i)\b(bearer)\s+[A-Za-z0-9\-._~+/]{8,}=*")
-#: An option named like a secret inside free text: ``--password=v``, ``--api-key v``.
+#: A value: quoted (``"two words"``, ``'x'``) or up to the next space, quote, comma or semicolon.
+_VALUE = r"(?:\"[^\"\n]*\"|'[^'\n]*'|(?![-\s])[^\s'\",;&]+)"
+#: An option named like a secret inside free text: ``--password=v``, ``--api-key v``, ``--password "v"``.
 _TEXT_OPTION_RE = re.compile(
-    r"(?i)(?<![\w-])(--?[A-Za-z0-9_.\-]*(?:token|key|secret|password|passwd|auth|credential)[A-Za-z0-9_.\-]*)(=|\s+)(?![-\s])[^\s'\",;]+"
+    r"(?i)(?<![\w-])(--?[A-Za-z0-9_.\-]*(?:token|key|secret|password|passwd|auth|credential)[A-Za-z0-9_.\-]*)(=|\s+)" + _VALUE
 )
+#: ``NAME=v`` / ``name: v`` without dashes (an environment variable, a config line): only names
+#: that end like a secret (``PASSWORD``, ``aws_secret_access_key``, ``hf_token``, ``credentials``),
+#: never a bare ``key`` / ``token`` (``key=layers.0``, "unexpected token: ')'") nor ``num_key_value_heads=8``.
+_TEXT_ASSIGN_RE = re.compile(
+    r"(?i)(?<![\w\-.])([A-Za-z0-9_.]*(?:password|passwd|secret|[a-z0-9]_?(?:api|access|secret|private|auth)_?key|[a-z0-9]_?token"
+    r"|credentials?))(\s*[=:]\s*)" + _VALUE
+)
+#: A URL's query parameter named like a secret: ``?token=v``, ``&api_key=v``, ``&sig=v`` (a signed URL).
+_QUERY_RE = re.compile(r"(?i)([?&][A-Za-z0-9_.\-]*(?:token|key|secret|password|passwd|auth|credential|signature|sig)[A-Za-z0-9_.\-]*=)[^&#\s'\"]+")
+#: An HTTP ``Authorization`` header's credentials (``Basic dXNlcjpw...``, ``Digest ...``, a bare token).
+_AUTH_HEADER_RE = re.compile(r"(?i)\b(authorization\s*[:=]\s*(?:(?:basic|bearer|digest|token)\s+)?)[^\s'\",;]+")
 #: Something that may hold a secret, lower-cased: the cheap first look (substring tests: a few
 #: microseconds an event; most strings hold none of these).
 _MARKERS = ("hf_", "sk-", "gh", "glpat-", "xox", "akia", "asia", "eyj", "aiza", "bearer", "://", "token", "key", "secret", "passw",
-            "auth", "credential")
-_URL_PASSWORD_RE = re.compile(r"(?<=://)([^/@:\s]+):[^/@\s]+@")
+            "auth", "credential", "sig")
+_URL_PASSWORD_RE = re.compile(r"(?<=://)([^/@:\s]*):[^/@\s]+@")
 _OPTION_RE = re.compile(r"^([-+]{0,2}[A-Za-z0-9_.\-]+)=(.*)$", re.S)  # --x=v, x=v, Hydra +x=v / ++x=v
 
 
@@ -71,7 +84,10 @@ def redact_text(text: str) -> str:
     text = _TOKEN_RE.sub(REDACTED, text)
     text = _BEARER_RE.sub(lambda m: f"{m.group(1)} {REDACTED}", text)
     text = _URL_PASSWORD_RE.sub(lambda m: f"{m.group(1)}:{REDACTED}@", text)
-    return _TEXT_OPTION_RE.sub(lambda m: f"{m.group(1)}{'=' if m.group(2) == '=' else ' '}{REDACTED}", text)
+    text = _AUTH_HEADER_RE.sub(lambda m: f"{m.group(1)}{REDACTED}", text)
+    text = _QUERY_RE.sub(lambda m: f"{m.group(1)}{REDACTED}", text)
+    text = _TEXT_OPTION_RE.sub(lambda m: f"{m.group(1)}{'=' if m.group(2) == '=' else ' '}{REDACTED}", text)
+    return _TEXT_ASSIGN_RE.sub(lambda m: f"{m.group(1)}{m.group(2)}{REDACTED}", text)
 
 
 def redact_value(value: Any) -> Any:

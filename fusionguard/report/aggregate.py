@@ -145,22 +145,31 @@ class SeqSpan:
     """One process's ``seq`` numbers in one log path (its rotated parts together): what was seen
     tells how many lines are missing. Files are read oldest part first and a process writes its
     lines in ``seq`` order, so rotation's pruned parts leave a gap before the first line seen
-    (``before``) and nothing else does; a failed write leaves one between lines (``between``)."""
+    (``before``) and nothing else does; a failed write leaves one between lines (``between``).
+    A process's ``seq`` runs on across ``enable()`` calls, so a gap that a header ends (a
+    notebook's enable / disable cycles, another log path in between) may hold lines that went to
+    another log or none: ``elsewhere`` (see ``Stream.missing_lines``)."""
 
-    __slots__ = ("first", "last", "between", "rotated")
+    __slots__ = ("first", "last", "between", "rotated", "elsewhere")
 
     def __init__(self) -> None:
         self.first: Optional[int] = None
         self.last: Optional[int] = None
         self.between = 0
         self.rotated = False  # a rotated part of the path was read, or a header copy seen
+        self.elsewhere = 0  # of before + between: the gaps that a header of this process ends
 
-    def add(self, seq: int) -> None:
+    def add(self, seq: int, opens: bool = False) -> None:
+        """``opens``: the line is a header (``enable()``): a session of its own in this path."""
         last = self.last
         if last is None:
             self.first = self.last = seq
+            if opens:
+                self.elsewhere += max(seq - 1, 0)
         elif seq > last:
             self.between += seq - last - 1
+            if opens:
+                self.elsewhere += seq - last - 1
             self.last = seq
         elif self.first is not None and seq < self.first:  # (never in order; counted, not trusted)
             self.between += self.first - seq - 1
@@ -195,8 +204,13 @@ class Stream:
 
     @property
     def missing_lines(self) -> int:
-        """Lines of this process missing from the logs read: gaps in its ``seq`` numbers."""
-        return sum(sp.before + sp.between for sp in self.spans.values())
+        """Lines of this process missing from the logs read: gaps in its ``seq`` numbers. A gap
+        that a header ends is not missing when no log of the process rotated: its lines went to
+        another log path, or to none (``log_path=False``); rotation could have pruned them."""
+        gaps = sum(sp.before + sp.between for sp in self.spans.values())
+        if any(sp.rotated for sp in self.spans.values()):
+            return gaps
+        return gaps - sum(sp.elsewhere for sp in self.spans.values())
 
     def count(self, key: Tuple[str, str]) -> Counts:
         c = self.counts.get(key)
@@ -332,7 +346,7 @@ class Aggregator:
                 if e.get("rotated") is True:  # a header copied at the top of a rotated part: not a line of its own
                     span.rotated = True
                 else:
-                    span.add(seq)
+                    span.add(seq, opens=kind == "header")
                     span.rotated = span.rotated or rotated_part
             try:
                 self._event(stream, kind, e)

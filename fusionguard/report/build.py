@@ -289,8 +289,8 @@ def _missing_text(endings: List[Dict[str, Any]], missing: int) -> str:
     if rest:
         pids = ", ".join(str(e["pid"]) for e in rest[:5]) + (", ..." if len(rest) > 5 else "")
         parts.append(
-            f"pid {pids}: not explained by rotation (a failed write, a file missing from the input): "
-            "the counts hold only the lines that are there"
+            f"pid {pids}: no final summary covers them (rotation's pruned parts of a process killed before its summary, "
+            "a failed write, a file missing from the input): the counts hold only the lines that are there"
         )
     return "; ".join(parts)
 

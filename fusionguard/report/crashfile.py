@@ -9,11 +9,14 @@ import stat
 from typing import Any, Dict, Iterable, List, Optional
 
 from fusionguard.eventlog.diagnosis import DENSE_FUNCTIONS, MAX_MESSAGE, compact_flex, flex_text, last_flex
+from fusionguard.eventlog.redact import redact_text
 
 _SIGNALS = {
     "segmentation fault": "SIGSEGV", "aborted": "SIGABRT", "floating point exception": "SIGFPE",
     "bus error": "SIGBUS", "illegal instruction": "SIGILL",
 }
+#: The crash files ``native_crash`` read in this process (``report`` never writes over one).
+CRASH_FILES_READ: List[str] = []
 _FH_FRAME = re.compile(r'^\s*File "(?P<file>.*)", line (?P<line>\d+|\?\?\?) in (?P<name>.*)$')
 
 
@@ -44,6 +47,7 @@ def native_crash(crash_file: Any, log_files: Iterable[str] = (), recent: Iterabl
             with open_for_reading(path) as fh:
                 text = fh.read(256 * 1024).decode("utf-8", "replace")
             mtime: Optional[float] = os.path.getmtime(path)
+            CRASH_FILES_READ.append(path)
             break
         except OSError:
             continue
@@ -65,7 +69,7 @@ def native_crash(crash_file: Any, log_files: Iterable[str] = (), recent: Iterabl
             if ln.strip():
                 break
             continue
-        frames.append(f"{m.group('file')}:{m.group('line')} in {m.group('name')}")
+        frames.append(redact_text(f"{m.group('file')}:{m.group('line')} in {m.group('name')}"))  # (written by faulthandler: never redacted)
     frames.reverse()  # faulthandler prints the innermost call first
     flex = last_flex(recent)
     in_dense = any(f.rsplit(" in ", 1)[-1] in DENSE_FUNCTIONS for f in frames)
@@ -75,11 +79,11 @@ def native_crash(crash_file: Any, log_files: Iterable[str] = (), recent: Iterabl
         "event": "crash",
         "ts": mtime,
         "exc_type": f"native crash ({sig})",
-        "message": message[:MAX_MESSAGE],
+        "message": redact_text(message[:MAX_MESSAGE]),
         "where": "faulthandler",
         "thread": None,
         "last_flex": compact_flex(flex),
         "diagnosis": f"the process died of {sig}{where}{tail}",
         "frames": frames[-8:],
-        "crash_file": path,
+        "crash_file": redact_text(path),
     }

@@ -403,5 +403,13 @@ def render_json(rep: Dict[str, Any]) -> str:
     """JSON; C1 controls, DEL, direction and invisible characters written as ``\\uXXXX`` escapes (the
     decoded data is the same; a terminal showing it is never driven by a log's strings)."""
     text = json.dumps(rep, indent=1, ensure_ascii=False, default=str)
-    return _JSON_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", text) + "\n"
+    return _JSON_UNSAFE.sub(lambda m: _json_escape(ord(m.group())), text) + "\n"
+
+
+def _json_escape(c: int) -> str:
+    """``\\uXXXX``, or a surrogate pair past the BMP (a tag character): JSON has no longer escape."""
+    if c < 0x10000:
+        return f"\\u{c:04x}"
+    c -= 0x10000
+    return f"\\u{0xD800 + (c >> 10):04x}\\u{0xDC00 + (c & 0x3FF):04x}"
 
