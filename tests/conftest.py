@@ -224,19 +224,24 @@ os.environ.setdefault("PYTHONPATH", str(ROOT))
 
 
 def in_own_process(test):
-    """Run ``test`` in a child pytest process: it leaves process-wide PyTorch state behind that
+    """Run ``test`` in a child pytest process (forked from tests/forkserver.py): it leaves process-wide PyTorch state behind that
     later tests must not inherit (torch 2.7 runs flex_attention's internal compile uncompiled for
     the rest of the process after one call with Dynamo disabled). The child must report a pass."""
 
     @functools.wraps(test)
     def run(*args, **kwargs):
+        import forkserver  # (imports this module back: child_env)
+
         if os.environ.get("FUSIONGUARD_TEST_CHILD"):
             return test(*args, **kwargs)
         node = os.environ["PYTEST_CURRENT_TEST"].rsplit(" ", 1)[0]
         node = re.sub(r"@[\w.-]+$", "", node)  # (xdist's --dist loadgroup suffixes the id with its group)
         env = dict(os.environ, FUSIONGUARD_TEST_CHILD="1")
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n0", node]  # one test: no workers
-        out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        # one test, no workers, in a grandchild of tests/forkserver.py: a process with only torch imported
+        # (as `python -m pytest` in a fresh interpreter would have, without its start)
+        main = "import sys, pytest; sys.exit(pytest.console_main())"
+        cmd = [sys.executable, "-c", main, "-q", "-p", "no:cacheprovider", "-n0", node]
+        out = forkserver.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
         passed = any(line.startswith("1 passed") for line in out.stdout.splitlines())  # not skipped
         assert out.returncode == 0 and passed, out.stdout[-4000:] + out.stderr[-2000:]
 
