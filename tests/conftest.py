@@ -222,6 +222,8 @@ def math_spy(monkeypatch):
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("PYTHONPATH", str(ROOT))
 
+import forkserver  # noqa: E402  (its server's environment is this one, before any test's monkeypatch)
+
 
 def in_own_process(test):
     """Run ``test`` in a child pytest process (forked from tests/forkserver.py): it leaves process-wide PyTorch state behind that
@@ -230,8 +232,6 @@ def in_own_process(test):
 
     @functools.wraps(test)
     def run(*args, **kwargs):
-        import forkserver  # (imports this module back: child_env)
-
         if os.environ.get("FUSIONGUARD_TEST_CHILD"):
             return test(*args, **kwargs)
         node = os.environ["PYTEST_CURRENT_TEST"].rsplit(" ", 1)[0]
@@ -247,6 +247,23 @@ def in_own_process(test):
 
     return run
 
+
+def run_forked(pytester, *args):
+    """``pytester.runpytest_subprocess(*args)`` with the inner session forked from tests/forkserver.py:
+    a process of its own with only torch imported (no fusionguard, no outer pytest state), without a
+    fresh interpreter's 3.5 CPU s start. The same arguments, cwd and environment as pytester's."""
+
+    def popen(cmdargs, stdout, stderr, stdin=None, **kw):
+        env = os.environ.copy()
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH", "")]))
+        proc = forkserver.popen(cmdargs, env=env, cwd=os.getcwd(), stdin=subprocess.PIPE, stdout=stdout, stderr=stderr)
+        proc.stdin.close()
+        return proc
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pytester, "_getpytestargs", lambda: (sys.executable, "-c", "import sys, pytest; sys.exit(pytest.console_main())"))
+        mp.setattr(pytester, "popen", popen)
+        return pytester.runpytest_subprocess(*args)
 
 
 def child_env(**extra):

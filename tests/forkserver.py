@@ -172,10 +172,17 @@ CHILD_CPU = 0.0  # CPU seconds of the server's start and of the finished grandch
 _server: dict = {}
 
 
-def _base_env() -> dict:
-    from conftest import child_env  # (the tests' own child environment; conftest imports this module lazily)
+_START_ENV = dict(os.environ)  # (conftest imports this module at its start: no test's monkeypatch in it)
 
-    return child_env()
+
+def _base_env() -> dict:
+    """The server's environment: the session's, as conftest.child_env makes it for a child."""
+    env = dict(_START_ENV)
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    for name in ("FUSIONGUARD_LOG", "FUSIONGUARD"):
+        env.pop(name, None)
+    return env
 
 
 def _start() -> dict | None:
@@ -205,10 +212,13 @@ def _start() -> dict | None:
 
 
 def _stop() -> None:
+    import shutil
+
     server = _server.get("ok")
     if server:
         server["proc"].stdin.close()
         server["proc"].wait(30)
+        shutil.rmtree(os.path.dirname(server["sock"]), ignore_errors=True)
         _server["ok"] = None
 
 
