@@ -1,5 +1,5 @@
 """A pytest plugin that writes each test's CPU seconds, its own process's and its waited-for
-children's (subprocesses, torchrun workers, pytester sessions), to FUSIONGUARD_TEST_CPU (a JSON
+children's (subprocesses, torchrun workers, pytester sessions, tests/forkserver.py's grandchildren and its start), to FUSIONGUARD_TEST_CPU (a JSON
 lines file; one per xdist worker, suffixed with the worker's name). CPU seconds barely change
 with the machine's load, unlike wall time: the share of each test in the suite's work.
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import sys
 import time
 
 import pytest
@@ -18,7 +19,8 @@ import pytest
 
 def _cpu() -> tuple:
     s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return s.ru_utime + s.ru_stime, c.ru_utime + c.ru_stime
+    forked = getattr(sys.modules.get("forkserver"), "CHILD_CPU", 0.0)  # (tests/forkserver.py's grandchildren are not our children)
+    return s.ru_utime + s.ru_stime, c.ru_utime + c.ru_stime + forked
 
 
 @pytest.hookimpl(hookwrapper=True)

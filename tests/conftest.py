@@ -222,9 +222,11 @@ def math_spy(monkeypatch):
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("PYTHONPATH", str(ROOT))
 
+import forkserver  # noqa: E402  (its server's environment is this one, before any test's monkeypatch)
+
 
 def in_own_process(test):
-    """Run ``test`` in a child pytest process: it leaves process-wide PyTorch state behind that
+    """Run ``test`` in a child pytest process (forked from tests/forkserver.py): it leaves process-wide PyTorch state behind that
     later tests must not inherit (torch 2.7 runs flex_attention's internal compile uncompiled for
     the rest of the process after one call with Dynamo disabled). The child must report a pass."""
 
@@ -235,13 +237,33 @@ def in_own_process(test):
         node = os.environ["PYTEST_CURRENT_TEST"].rsplit(" ", 1)[0]
         node = re.sub(r"@[\w.-]+$", "", node)  # (xdist's --dist loadgroup suffixes the id with its group)
         env = dict(os.environ, FUSIONGUARD_TEST_CHILD="1")
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n0", node]  # one test: no workers
-        out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        # one test, no workers, in a grandchild of tests/forkserver.py: a process with only torch imported
+        # (as `python -m pytest` in a fresh interpreter would have, without its start)
+        main = "import sys, pytest; sys.exit(pytest.console_main())"
+        cmd = [sys.executable, "-c", main, "-q", "-p", "no:cacheprovider", "-n0", node]
+        out = forkserver.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
         passed = any(line.startswith("1 passed") for line in out.stdout.splitlines())  # not skipped
         assert out.returncode == 0 and passed, out.stdout[-4000:] + out.stderr[-2000:]
 
     return run
 
+
+def run_forked(pytester, *args):
+    """``pytester.runpytest_subprocess(*args)`` with the inner session forked from tests/forkserver.py:
+    a process of its own with only torch imported (no fusionguard, no outer pytest state), without a
+    fresh interpreter's 3.5 CPU s start. The same arguments, cwd and environment as pytester's."""
+
+    def popen(cmdargs, stdout, stderr, stdin=None, **kw):
+        env = os.environ.copy()
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH", "")]))
+        proc = forkserver.popen(cmdargs, env=env, cwd=os.getcwd(), stdin=subprocess.PIPE, stdout=stdout, stderr=stderr)
+        proc.stdin.close()
+        return proc
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pytester, "_getpytestargs", lambda: (sys.executable, "-c", "import sys, pytest; sys.exit(pytest.console_main())"))
+        mp.setattr(pytester, "popen", popen)
+        return pytester.runpytest_subprocess(*args)
 
 
 def child_env(**extra):

@@ -16,7 +16,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 import fusionguard
 
-from conftest import flex_events, qkv
+from conftest import flex_events, qkv, run_forked
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 pytest_plugins = ["pytester"]
@@ -222,6 +222,6 @@ def test_pytest_fixtures_and_the_marker_keep_today_s_rule(pytester):
     the plugin's marker (a pluggy hookwrapper) too; a test with neither is blocked."""
     pytest.importorskip("anyio")
     pytester.makepyfile(test_inner=FIXTURE_TESTS)
-    result = pytester.runpytest_subprocess("-p", "fusionguard.pytest_plugin", "--fusionguard=strict", "-p", "no:cacheprovider")
+    result = run_forked(pytester, "-p", "fusionguard.pytest_plugin", "--fusionguard=strict", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=3, failed=1)
     result.stdout.fnmatch_lines(["*FAILED test_inner.py::test_blocked*"])

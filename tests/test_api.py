@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import textwrap
 
@@ -14,6 +13,7 @@ import fusionguard
 from fusionguard.core import state as _state
 from fusionguard import torch_internals as ti
 
+import forkserver  # (a child that needs a process, not a fresh interpreter: tests/forkserver.py)
 from conftest import HOP_MODULE, ROOT, flex_events, lacks, op_call, qkv, read_jsonl
 
 
@@ -146,7 +146,7 @@ def test_permutations_in_a_fresh_process(tmp_path):
         print("PERMUTATIONS-OK")
         """
     ).format(root=str(ROOT), tests=str(ROOT / "tests"))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    out = forkserver.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert "PERMUTATIONS-OK" in out.stdout, out.stderr[-3000:]
 
 

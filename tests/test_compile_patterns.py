@@ -7,7 +7,6 @@ tests/gpu/test_compile_patterns_cuda.py, per-block under FSDP2 in tests/test_dis
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import textwrap
 
@@ -22,6 +21,7 @@ from fusionguard.core.tables import NO_LAYER
 from fusionguard.report.build import build as build_report_dict
 
 from compile_models import Model, tokens
+import forkserver  # (a child that needs a process, not a fresh interpreter: tests/forkserver.py)
 from conftest import ROOT, flex_events, needs, read_jsonl
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -233,7 +233,7 @@ def test_graphs_compiled_before_enable_are_found_and_counted(tmp_path):
     own: earlier tests' graphs would be found too.)"""
     script, log, out = tmp_path / "before.py", tmp_path / "fg.jsonl", tmp_path / "out.json"
     script.write_text(_BEFORE.format(root=str(ROOT), tests=str(ROOT / "tests")))
-    proc = subprocess.run([sys.executable, str(script), str(log), str(out)], capture_output=True, text=True, timeout=600)
+    proc = forkserver.run([sys.executable, str(script), str(log), str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     events = read_jsonl(log)
     header = events[0]

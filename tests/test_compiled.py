@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import textwrap
 
@@ -13,6 +12,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 import fusionguard
 
+import forkserver  # (a child that needs a process, not a fresh interpreter: tests/forkserver.py)
 from conftest import ROOT, flex_events, op_args, qkv, read_jsonl
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -121,7 +121,7 @@ def test_fused_record_survives_inductor_caches_across_processes(tmp_path):
     records = []
     for i in range(2):
         log = tmp_path / f"run{i}.jsonl"
-        proc = subprocess.run([sys.executable, str(script), str(log)], env=env, capture_output=True, text=True, timeout=600)
+        proc = forkserver.run([sys.executable, str(script), str(log)], env=env, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         events = read_jsonl(log)
         assert not [e for e in events if e["event"] == "flex_call"]

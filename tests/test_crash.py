@@ -20,6 +20,7 @@ import pytest
 from fusionguard.eventlog import crash, diagnosis
 from fusionguard.report import crashfile
 
+import forkserver  # (a child that needs a process, not a fresh interpreter: tests/forkserver.py)
 from conftest import ROOT, child_env, read_jsonl, run_cli
 
 PY = sys.executable
@@ -108,7 +109,7 @@ class Runs:
             script = base / f"{name}.py"
             script.write_text(textwrap.dedent(code))
             log = base / f"{name}.jsonl"
-            proc = subprocess.Popen(
+            proc = forkserver.popen(
                 [PY, str(script), str(log)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(), cwd=base
             )
             self.procs[name] = (proc, log)

@@ -14,6 +14,7 @@ import time
 import pytest
 
 import fusionguard
+import forkserver  # (a child that needs a process, not a fresh interpreter: tests/forkserver.py)
 from conftest import child_env, qkv, read_jsonl, run_cli
 from torch.nn.attention.flex_attention import flex_attention
 
@@ -45,7 +46,7 @@ def test_calls_before_a_pause_survive_sigkill_and_os_exit(tmp_path, capsys):
     script = tmp_path / "s.py"
     script.write_text(textwrap.dedent(SCRIPT % {"n": N}))
     procs = {
-        how: subprocess.Popen([PY, str(script), str(tmp_path / f"{how}.jsonl"), how], stderr=subprocess.PIPE, text=True, env=child_env())
+        how: forkserver.popen([PY, str(script), str(tmp_path / f"{how}.jsonl"), how], stderr=subprocess.PIPE, text=True, env=child_env())
         for how in ("sigkill", "os_exit")
     }
     for how, proc in procs.items():

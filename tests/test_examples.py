@@ -4,11 +4,11 @@ prints the verdicts that its own log confirms."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
 
+import forkserver  # (a child that needs a process, not a fresh interpreter: tests/forkserver.py)
 from conftest import ROOT, read_jsonl
 
 pytestmark = pytest.mark.slow
@@ -18,7 +18,7 @@ EXAMPLES = ROOT / "examples"
 def run(script, *args, cwd, expect_rc=0):
     env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
     env.pop("FUSIONGUARD_LOG", None)
-    proc = subprocess.run([sys.executable, str(EXAMPLES / script), *args], cwd=cwd, env=env,
+    proc = forkserver.run([sys.executable, str(EXAMPLES / script), *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == expect_rc, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout

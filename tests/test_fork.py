@@ -12,6 +12,7 @@ import textwrap
 
 import pytest
 
+import forkserver  # (a child that needs a process, not a fresh interpreter: tests/forkserver.py)
 from conftest import child_env, read_jsonl, run_cli
 
 PY = sys.executable
@@ -103,7 +104,7 @@ print(json.dumps({"parent": os.getpid(), "child": pid, "status": status, "hung":
 def _start(code, tmp_path, name, arg):
     script = tmp_path / f"{name}.py"
     script.write_text(textwrap.dedent(code))
-    return subprocess.Popen([PY, str(script), str(arg)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(), cwd=tmp_path)
+    return forkserver.popen([PY, str(script), str(arg)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(), cwd=tmp_path)
 
 
 def _finish(proc, timeout=180):

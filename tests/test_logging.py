@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -20,6 +19,7 @@ import fusionguard
 from fusionguard.core import state as _state
 from fusionguard.eventlog import log as L
 from fusionguard import torch_internals as ti
+import forkserver  # (a child that needs a process, not a fresh interpreter: tests/forkserver.py)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -81,7 +81,7 @@ print(json.dumps({"host": out.getvalue().splitlines(), "context": ours_kept}))
 def test_a_host_structlog_setup_and_contextvars_are_not_shared(tmp_path):
     log = tmp_path / "fg.jsonl"
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", HOST, str(log)], capture_output=True, text=True, env=env, timeout=300)
+    proc = forkserver.run([sys.executable, "-c", HOST, str(log)], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.splitlines()[-1])
     assert result["context"] == {"request_id": "r1", "api_token": "hf_secret"}, "our events left the host's context alone"
@@ -222,7 +222,7 @@ def test_torch_logs_sets_our_level(tmp_path, setting, level):
         args.append(str(level))
     else:
         env["TORCH_LOGS"] = setting
-    proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
+    proc = forkserver.run(args, capture_output=True, text=True, env=env, timeout=300)  # (TORCH_LOGS set: a real subprocess, forkserver.why_not)
     assert proc.returncode == 0, proc.stderr
     level_seen, handlers, level_after, propagate = json.loads(proc.stdout.splitlines()[-1])
     assert level_seen == level
@@ -252,6 +252,6 @@ def test_a_logger_configured_before_the_import_stays_as_configured(tmp_path):
     )
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     env.pop("TORCH_LOGS", None)
-    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "fg.jsonl")], capture_output=True, text=True, env=env, timeout=300)
+    proc = forkserver.run([sys.executable, "-c", code, str(tmp_path / "fg.jsonl")], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == [str(logging.ERROR), "True"] and "fusionguard: logging" not in proc.stderr

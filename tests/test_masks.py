@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import PUBLIC, causal, op_args, qkv, read_jsonl
+from conftest import PUBLIC, causal, op_args, qkv, read_jsonl, run_forked
 
 import fusionguard
 from fusionguard.core import state as _state
@@ -319,10 +319,10 @@ pytest_plugins = ["pytester"]
 def test_pytest_option_and_ini_spell_oom(pytester):
     """In any case, as FUSIONGUARD= and enable(mode=) take it."""
     pytester.makepyfile(test_inner="import fusionguard\nfrom fusionguard.core.state import STATE\n\ndef test_mode():\n    assert STATE.config.mode == 'oom' and not STATE.config.strict\n")
-    result = pytester.runpytest_subprocess("-p", "fusionguard.pytest_plugin", "--fusionguard=OOM", "-p", "no:cacheprovider")
+    result = run_forked(pytester, "-p", "fusionguard.pytest_plugin", "--fusionguard=OOM", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
     pytester.makeini("[pytest]\nfusionguard = Oom\n")
-    result = pytester.runpytest_subprocess("-p", "fusionguard.pytest_plugin", "-p", "no:cacheprovider")
+    result = run_forked(pytester, "-p", "fusionguard.pytest_plugin", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
 
 

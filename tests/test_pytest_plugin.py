@@ -1,4 +1,5 @@
-"""The pytest plugin, run in real inner pytest sessions (pytester, one subprocess per session).
+"""The pytest plugin, run in real inner pytest sessions (pytester, one process per session: forked
+from tests/forkserver.py, or a fresh interpreter where what the plugin imports is checked).
 
 Inner tests are tiny: eager flex_attention on 1x2x16x8 CPU tensors, inference only.
 """
@@ -8,7 +9,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from conftest import read_jsonl
+from conftest import read_jsonl, run_forked
 
 pytest_plugins = ["pytester"]
 
@@ -70,7 +71,7 @@ def section(stdout: str, title: str) -> str:
 
 def test_strict_fails_dense_tests_with_the_verdict(pytester):
     pytester.makepyfile(test_inner=STRICT_TESTS)
-    result = pytester.runpytest_subprocess(*PLUGIN, "--fusionguard=strict", "-p", "no:cacheprovider")
+    result = run_forked(pytester, *PLUGIN, "--fusionguard=strict", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=3, failed=3)
     out = "\n".join(result.outlines)
     result.stdout.fnmatch_lines(["fusionguard: strict mode, log: *fusionguard.jsonl"])
@@ -132,8 +133,8 @@ def test_clean():
     )
     log = pytester.path / "logs" / "fg.jsonl"
     junit = pytester.path / "junit.xml"
-    result = pytester.runpytest_subprocess(
-        *PLUGIN, "--fusionguard=warn", f"--fusionguard-log={log}", f"--junitxml={junit}", "-p", "no:cacheprovider"
+    result = run_forked(
+        pytester, *PLUGIN, "--fusionguard=warn", f"--fusionguard-log={log}", f"--junitxml={junit}", "-p", "no:cacheprovider"
     )
     result.assert_outcomes(passed=2)
     result.stdout.fnmatch_lines(["*DenseFallbackWarning: fusionguard: dense FlexAttention forward is materialising a 2.05 KB score matrix"])
@@ -208,7 +209,7 @@ def test_a_blocked_call_fails_the_test_whatever_its_marks(pytester):
     """Under strict mode an xfail / unittest.expectedFailure test that runs dense FlexAttention
     must not report XFAIL (that hides the verdict); fusionguard_allow_dense is the way to allow it."""
     pytester.makepyfile(test_inner=MARKED_TESTS)
-    result = pytester.runpytest_subprocess(*PLUGIN, "--fusionguard=strict", "-p", "no:cacheprovider", "-rfx")
+    result = run_forked(pytester, *PLUGIN, "--fusionguard=strict", "-p", "no:cacheprovider", "-rfx")
     result.assert_outcomes(failed=3, xfailed=2)
     result.stdout.fnmatch_lines(
         [
@@ -227,7 +228,7 @@ def test_junitxml_property_is_json_and_the_ini_option_turns_it_on(pytester):
     pytester.makepyfile(test_inner=HELPERS + "\n\ndef test_dense():\n    attend()\n")
     pytester.makeini("[pytest]\nfusionguard = warn\nfusionguard_log = logs/fg.jsonl\n")
     junit = pytester.path / "junit.xml"
-    result = pytester.runpytest_subprocess(*PLUGIN, f"--junitxml={junit}", "-p", "no:cacheprovider")
+    result = run_forked(pytester, *PLUGIN, f"--junitxml={junit}", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["fusionguard: warn mode, log: *fg.jsonl"])
     import xml.etree.ElementTree as ET
@@ -238,10 +239,10 @@ def test_junitxml_property_is_json_and_the_ini_option_turns_it_on(pytester):
     assert (pytester.path / "logs" / "fg.jsonl").exists()
 
     # the command line wins over the ini file; a bad ini value is a usage error
-    result = pytester.runpytest_subprocess(*PLUGIN, "--fusionguard=strict", "-p", "no:cacheprovider")
+    result = run_forked(pytester, *PLUGIN, "--fusionguard=strict", "-p", "no:cacheprovider")
     result.assert_outcomes(failed=1)
     pytester.makeini("[pytest]\nfusionguard = loud\n")
-    result = pytester.runpytest_subprocess(*PLUGIN, "-p", "no:cacheprovider")
+    result = run_forked(pytester, *PLUGIN, "-p", "no:cacheprovider")
     assert result.ret == 4 and "fusionguard = 'loud': use one of strict, warn, oom, off" in "\n".join(result.errlines)
 
 
@@ -263,7 +264,7 @@ def test_clean():
 """
     )
     log = pytester.path / "fg.jsonl"
-    result = pytester.runpytest_subprocess(*PLUGIN, "--fusionguard=strict", f"--fusionguard-log={log}", "-p", "no:cacheprovider")
+    result = run_forked(pytester, *PLUGIN, "--fusionguard=strict", f"--fusionguard-log={log}", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=2)
     summary = section(result.outlines, "fusionguard")
     assert (
@@ -286,7 +287,7 @@ def test_under_xdist_the_summary_points_at_the_log_the_workers_wrote(pytester):
 
     pytester.makepyfile(test_inner=HELPERS + "\n\ndef test_a():\n    attend()\n\n\ndef test_b():\n    attend()\n")
     log = pytester.path / "logs" / "fg.jsonl"
-    result = pytester.runpytest_subprocess(*PLUGIN, "-n", "2", "--fusionguard=warn", f"--fusionguard-log={log}", "-p", "no:cacheprovider")
+    result = run_forked(pytester, *PLUGIN, "-n", "2", "--fusionguard=warn", f"--fusionguard-log={log}", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=2)
     out = "\n".join(result.outlines)
     assert "base temporary" not in out, out
@@ -297,7 +298,7 @@ def test_under_xdist_the_summary_points_at_the_log_the_workers_wrote(pytester):
     assert [e["event"] for e in events].count("flex_call") == 2 and len({e["pid"] for e in events}) == 2, "both workers wrote it"
 
     # no --fusionguard-log: each worker's own file, named
-    result = pytester.runpytest_subprocess(*PLUGIN, "-n", "2", "--fusionguard=warn", "-p", "no:cacheprovider")
+    result = run_forked(pytester, *PLUGIN, "-n", "2", "--fusionguard=warn", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=2)
     line = next(x for x in section(result.outlines, "fusionguard").splitlines() if "log: " in x)
     named = line.split("log: ", 1)[1].split(", ")
@@ -308,7 +309,7 @@ def test_under_xdist_the_summary_points_at_the_log_the_workers_wrote(pytester):
 def test_the_kill_switch_wins_over_the_option_and_the_summary_says_so(pytester, monkeypatch):
     pytester.makepyfile(test_inner=HELPERS + "\n\ndef test_dense():\n    attend()\n    assert not fusionguard.is_enabled()\n")
     monkeypatch.setenv("FUSIONGUARD", "off")
-    result = pytester.runpytest_subprocess(*PLUGIN, "--fusionguard=strict", "-p", "no:cacheprovider")
+    result = run_forked(pytester, *PLUGIN, "--fusionguard=strict", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)  # the dense call ran: nothing was guarded
     out = "\n".join(result.outlines)
     assert "no dense FlexAttention calls" not in out, out
@@ -326,7 +327,7 @@ def test_the_documented_ini_block_copied_verbatim_writes_logs_fusionguard_jsonl(
     pytester.makepyfile(test_inner=HELPERS + "\n\ndef test_ok():\n    assert True\n")
     for ini in (block, "[pytest]\nfusionguard = warn   ; a comment\nfusionguard_log = logs/fusionguard.jsonl   ; optional\n"):
         pytester.makeini(ini)
-        result = pytester.runpytest_subprocess(*PLUGIN, "-p", "no:cacheprovider")
+        result = run_forked(pytester, *PLUGIN, "-p", "no:cacheprovider")
         result.assert_outcomes(passed=1)
         assert (pytester.path / "logs" / "fusionguard.jsonl").is_file(), result.stdout.lines
         assert [p.name for p in (pytester.path / "logs").iterdir()] == ["fusionguard.jsonl"]

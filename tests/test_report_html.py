@@ -346,6 +346,7 @@ ENDINGS = {
 
 def test_the_banner_says_how_real_runs_ended(tmp_path, capsys):
     """Real processes: a clean exit, an uncaught exception, a real SIGSEGV, a SIGKILL."""
+    import forkserver  # (processes of their own, not fresh interpreters: tests/forkserver.py)
     from conftest import child_env
 
     procs = {}
@@ -353,7 +354,7 @@ def test_the_banner_says_how_real_runs_ended(tmp_path, capsys):
         log = tmp_path / kind / "fg.jsonl"
         log.parent.mkdir()
         cmd = [sys.executable, "-c", ENDING_SCRIPT + tail, str(log)]
-        procs[kind] = (log, subprocess.Popen(cmd, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs[kind] = (log, forkserver.popen(cmd, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     for kind, (log, p) in procs.items():
         _, err = p.communicate(timeout=300)
         page = tmp_path / f"{kind}.html"

@@ -218,12 +218,13 @@ def test_after_rotation_each_process_counts_its_own_calls_and_the_missing_lines_
     import subprocess
     import sys
 
+    import forkserver  # (processes of their own, not fresh interpreters: tests/forkserver.py)
     from conftest import child_env
 
     procs, calls = 2, 150
     log = tmp_path / "logs" / "fg.jsonl"
     log.parent.mkdir()
-    ps = [subprocess.Popen([sys.executable, "-c", ROTATING_WORKER, str(log), str(calls), "16384"], env=child_env(),
+    ps = [forkserver.popen([sys.executable, "-c", ROTATING_WORKER, str(log), str(calls), "16384"], env=child_env(),
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(procs)]
     for p in ps:
         _, err = p.communicate(timeout=300)

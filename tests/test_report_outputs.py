@@ -280,13 +280,13 @@ def test_a_crash_with_secrets_is_redacted_in_the_log_and_the_report_outputs_keep
     """A real process: its crash message holds a Hugging Face token, a URL with a password and a
     bearer token. None reaches the log or the page; the page, CSV, text and plot are as private as
     the log (0600 by default), whatever the umask."""
-    import subprocess
     import sys
 
+    import forkserver  # (a process of its own, not a fresh interpreter: tests/forkserver.py)
     from conftest import child_env
 
     log = tmp_path / "fg.jsonl"
-    p = subprocess.run([sys.executable, "-c", CRASH_SCRIPT, str(log), SECRETS["url"], SECRETS["hf"], SECRETS["bearer"]],
+    p = forkserver.run([sys.executable, "-c", CRASH_SCRIPT, str(log), SECRETS["url"], SECRETS["hf"], SECRETS["bearer"]],
                        env=child_env(), capture_output=True, text=True, timeout=300)
     assert p.returncode == 1 and "RuntimeError" in p.stderr, p.stderr[-2000:]
     text = log.read_text()

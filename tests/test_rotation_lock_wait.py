@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+import forkserver  # (a child that needs a process, not a fresh interpreter: tests/forkserver.py)
 from conftest import child_env, read_jsonl
 
 fcntl = pytest.importorskip("fcntl")
@@ -70,7 +71,7 @@ def test_a_held_lock_file_costs_one_bounded_wait_and_one_message(tmp_path, how):
     log = tmp_path / "fg.jsonl"
     holder = _hold(tmp_path / "fg.jsonl.lock", how)
     try:
-        run = subprocess.run([sys.executable, "-c", WRITER, str(log)], capture_output=True, text=True, timeout=120, env=child_env())
+        run = forkserver.run([sys.executable, "-c", WRITER, str(log)], capture_output=True, text=True, timeout=120, env=child_env())
     except subprocess.TimeoutExpired:
         pytest.fail("enable() and the writes hung on the held lock file")
     finally:
@@ -99,7 +100,7 @@ def test_a_lock_released_in_time_is_taken_and_nothing_is_said(tmp_path):
     taken, no message)."""
     log = tmp_path / "fg.jsonl"
     holder = _hold(tmp_path / "fg.jsonl.lock", "reader")
-    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(log)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
+    writer = forkserver.popen([sys.executable, "-c", WRITER, str(log)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
     time.sleep(0.2)  # (the writer is still importing torch: the lock is released before its first write or during its wait)
     holder.stdin.close()
     holder.wait(30)

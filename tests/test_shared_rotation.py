@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+import forkserver  # (a child that needs a process, not a fresh interpreter: tests/forkserver.py)
 from conftest import child_env, read_jsonl, run_cli
 from fusionguard.eventlog.sink import FileSink
 
@@ -122,7 +123,7 @@ def _run_writers(tmp_path: Path, processes: int, n: int, how: str, max_bytes: in
     script = _script(tmp_path, "writer", WRITER, max_bytes, backups)
     log = logs / "fg.jsonl"
     procs = [
-        subprocess.Popen([PY, str(script), str(log), str(n), how, str(barrier), str(processes if together else 0)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        forkserver.popen([PY, str(script), str(log), str(n), how, str(barrier), str(processes if together else 0)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, env=child_env(), cwd=tmp_path)
         for _ in range(processes)
     ]
@@ -207,7 +208,7 @@ def test_forked_children_in_file_mode_share_the_rotating_log(tmp_path, capsys):
     logs = tmp_path / "logs"
     logs.mkdir()
     script = _script(tmp_path, "forked", FORKED)
-    proc = subprocess.run([PY, str(script), str(logs / "fg.jsonl"), str(n), str(children)], capture_output=True, text=True,
+    proc = forkserver.run([PY, str(script), str(logs / "fg.jsonl"), str(n), str(children)], capture_output=True, text=True,
                           env=child_env(), cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -297,7 +298,7 @@ sink.close()
 """
 
 
-def _wait_for(path: Path, proc: subprocess.Popen) -> None:
+def _wait_for(path: Path, proc) -> None:
     deadline = time.monotonic() + 120
     while not path.exists():
         assert proc.poll() is None, proc.communicate()[1][-3000:]
@@ -318,7 +319,7 @@ def test_a_lock_file_removed_mid_run_is_locked_again_by_every_process(tmp_path):
     procs = []
     try:
         for who in ("a", "b"):
-            procs.append(subprocess.Popen([PY, str(script), str(log), who, str(n), str(barrier), str(max_bytes)],
+            procs.append(forkserver.popen([PY, str(script), str(log), who, str(n), str(barrier), str(max_bytes)],
                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(), cwd=tmp_path))
             _wait_for(barrier / f"ready.{who}", procs[-1])
             if who == "a":
@@ -385,7 +386,7 @@ def test_a_lock_file_only_where_several_processes_may_share_the_path(tmp_path, m
     logs = tmp_path / "logs"
     logs.mkdir()
     target = str(logs) + os.sep if mode == "directory" else str(logs / "fg.jsonl")
-    proc = subprocess.run([PY, "-c", ROTATING_ENABLE, target], capture_output=True, text=True, env=child_env(), cwd=tmp_path, timeout=120)
+    proc = forkserver.run([PY, "-c", ROTATING_ENABLE, target], capture_output=True, text=True, env=child_env(), cwd=tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     names = sorted(f.name for f in logs.iterdir())
     assert any(name.endswith(".jsonl.3") for name in names), names  # it rotated
@@ -419,7 +420,7 @@ def test_a_passing_failure_to_open_the_lock_file_is_tried_again(tmp_path):
     """EMFILE (or ENOSPC) opening ``<log>.lock`` is a moment: the next write locks; only a
     symlink or a non-regular file there gives the lock up for good (see the planted link test)."""
     path = tmp_path / "fg.jsonl"
-    proc = subprocess.run([PY, "-c", EMFILE_THEN_FREE, str(path)], capture_output=True, text=True, env=child_env(), cwd=tmp_path, timeout=120)
+    proc = forkserver.run([PY, "-c", EMFILE_THEN_FREE, str(path)], capture_output=True, text=True, env=child_env(), cwd=tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split("\n")[:2] == ["after EMFILE: False", "after freeing: True True"], proc.stdout
     assert [e["i"] for e in read_jsonl(path)] == [0, 1]

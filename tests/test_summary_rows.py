@@ -7,7 +7,6 @@ on CPU (inference: CPU FlexAttention has no backward)."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import textwrap
 
@@ -18,6 +17,7 @@ from torch.nn.attention.flex_attention import flex_attention
 import fusionguard
 from fusionguard.core.tables import NO_LAYER
 
+import forkserver  # (a child that needs a process, not a fresh interpreter: tests/forkserver.py)
 from conftest import ROOT, child_env, needs, qkv, read_jsonl, run_cli
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile", "ignore::fusionguard.DenseFallbackWarning")
@@ -84,7 +84,7 @@ def test_fused_calls_without_a_layer_are_a_summary_row_as_in_the_report(tmp_path
     (A process of its own: graphs of earlier tests would be found by enable() too.)"""
     script, before, after, out = tmp_path / "s.py", tmp_path / "before.jsonl", tmp_path / "after.jsonl", tmp_path / "rows.json"
     script.write_text(_SCRIPT)
-    proc = subprocess.run([sys.executable, str(script), str(before), str(after), str(out)], capture_output=True, text=True,
+    proc = forkserver.run([sys.executable, str(script), str(before), str(after), str(out)], capture_output=True, text=True,
                           timeout=600, cwd=ROOT, env=child_env(OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())

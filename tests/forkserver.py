@@ -1,0 +1,399 @@
+"""A fork server for the tests' child Pythons (#34): one process per pytest worker imports torch,
+Dynamo and Inductor once (about 3.5 CPU s, nothing compiled, no fusionguard), then forks a fresh
+grandchild per request that runs a script or a ``python -c`` body with the request's argv, env and
+cwd, its stdio on the caller's pipes. ``run()`` and ``popen()`` read like ``subprocess.run`` and
+``subprocess.Popen``.
+
+Use it where the child only needs to be a separate process (fusionguard's process-wide state, a
+crash, a SIGKILL, several writers at once), never where the interpreter's start is the point: the
+start-up hook, ``fusionguard run``, ``python -m``, import-time behaviour, spawn children, torchrun.
+A request it cannot serve exactly runs as a real subprocess instead: an argv that is not
+``[sys.executable, "-c", code, ...]`` or ``[sys.executable, script, ...]``, or an environment that
+differs from the server's in a variable that Python or torch read while the server started
+(``TORCH_LOGS``, ``OMP_NUM_THREADS``, ``PYTHON*`` but PYTHONPATH, ...). Inductor's cache directory
+and ``CUDA_VISIBLE_DEVICES`` are read later, in the grandchild.
+
+Run as a script, this file is the server; it imports nothing of fusionguard or of the tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PRELOAD = ("torch", "torch._dynamo", "torch._inductor.compile_fx")
+# Read when Python or the preloaded modules start; a request that changes one gets a real subprocess.
+_STARTUP_PREFIXES = ("TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "GOMP", "CUDA", "NCCL", "LD_", "PYTHON", "TRITON", "MALLOC")
+_LATE = {"PYTHONPATH", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "CUDA_VISIBLE_DEVICES"}
+
+
+# --- The server (this file run as a script) --------------------------------------------------
+
+
+def _cpu_self() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def _serve(sock_path: str) -> None:
+    import importlib
+    import threading
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+    threads = len(os.listdir("/proc/self/task"))
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(sock_path)
+    listener.listen(64)
+    base_path = sys.path[1:]  # (sys.path[0] is this file's folder)
+    for entry in filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)):
+        if entry in base_path:
+            base_path.remove(entry)
+    sel = selectors.DefaultSelector()
+    sel.register(listener, selectors.EVENT_READ, "accept")
+    sel.register(sys.stdin, selectors.EVENT_READ, "stdin")  # the client closes it: the server ends
+    conns: set = set()
+    print(json.dumps({"cpu": _cpu_self(), "threads": threads, "threading": threading.active_count()}), flush=True)
+    while True:
+        for key, _ in sel.select():
+            if key.data == "stdin":
+                if not os.read(sys.stdin.fileno(), 4096):
+                    return
+            elif key.data == "accept":
+                conn, _ = listener.accept()
+                _, fds, _, _ = socket.recv_fds(conn, 1, 3)
+                buf = b""
+                while not buf.endswith(b"\n"):
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        break
+                    buf += chunk
+                req = json.loads(buf)
+                sys.stdout.flush()
+                sys.stderr.flush()
+                if len(os.listdir("/proc/self/task")) != 1:  # never fork a process with threads
+                    conn.sendall(b'{"error": "threads"}\n')
+                    conn.close()
+                    for fd in fds:
+                        os.close(fd)
+                    continue
+                pid = os.fork()
+                if pid == 0:
+                    for other in (listener, *conns, conn):
+                        other.close()
+                    sel.close()
+                    _child(req, fds, base_path)  # never returns
+                for fd in fds:
+                    os.close(fd)
+                conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+                pidfd = os.pidfd_open(pid)
+                conns.add(conn)
+                sel.register(pidfd, selectors.EVENT_READ, (conn, pid))
+            else:
+                conn, pid = key.data
+                sel.unregister(key.fd)
+                os.close(key.fd)
+                _, status, ru = os.wait4(pid, 0)
+                conns.discard(conn)
+                try:
+                    conn.sendall(json.dumps({"rc": os.waitstatus_to_exitcode(status), "cpu": ru.ru_utime + ru.ru_stime}).encode() + b"\n")
+                except OSError:
+                    pass  # (the caller went away)
+                conn.close()
+
+
+def _child(req: dict, fds: list, base_path: list) -> None:
+    """In the grandchild: the caller's stdio, env, cwd, argv and sys.path, then the script, then
+    what the interpreter does at exit (join threads, atexit, flush)."""
+    import atexit
+    import threading
+    import types
+
+    code = 1
+    try:
+        for target, fd in zip((0, 1, 2), fds):
+            os.dup2(fd, target)
+        for fd in fds:
+            if fd > 2:
+                os.close(fd)
+        os.chdir(req["cwd"])
+        os.environ.clear()
+        os.environ.update(req["env"])
+        argv = req["argv"]
+        if argv[0] == "-c":
+            source, filename, sys.argv, path0 = argv[1], "<string>", ["-c", *argv[2:]], ""
+        else:
+            filename = argv[0]
+            source, sys.argv, path0 = Path(filename).read_text(), list(argv), os.path.dirname(os.path.realpath(filename))
+        extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        sys.path[:] = [path0, *extra, *base_path]
+        main = types.ModuleType("__main__")
+        main.__dict__["__builtins__"] = __builtins__
+        if argv[0] != "-c":
+            main.__dict__.update(__file__=filename, __cached__=None)
+        sys.modules["__main__"] = main
+        try:
+            exec(compile(source, filename, "exec"), main.__dict__)
+            code = 0
+        except SystemExit as exc:
+            if exc.code is None:
+                code = 0
+            elif isinstance(exc.code, int):
+                code = exc.code
+            else:
+                print(exc.code, file=sys.stderr)
+                code = 1
+        except BaseException:
+            kind, value, tb = sys.exc_info()
+            if value is not None and tb is not None:
+                value.__traceback__ = tb.tb_next  # (the traceback starts in the script, as Python's)
+            sys.excepthook(kind, value, tb.tb_next if tb else tb)
+            code = 1
+        threading._shutdown()  # type: ignore[attr-defined]  # (as Py_FinalizeEx: non-daemon threads, then atexit)
+        atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+    finally:
+        os._exit(code & 0xFF if code >= 0 else 1)
+
+
+# --- The client (imported by the tests) ------------------------------------------------------
+
+CHILD_CPU = 0.0  # CPU seconds of the server's start and of the finished grandchildren (benchmarks/pytest_cpu.py reads it)
+_server: dict = {}
+
+
+_START_ENV = dict(os.environ)  # (conftest imports this module at its start: no test's monkeypatch in it)
+
+
+def _base_env() -> dict:
+    """The server's environment: the session's, as conftest.child_env makes it for a child."""
+    env = dict(_START_ENV)
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    for name in ("FUSIONGUARD_LOG", "FUSIONGUARD"):
+        env.pop(name, None)
+    return env
+
+
+def _start() -> dict | None:
+    global CHILD_CPU
+    if _server:
+        return _server.get("ok")
+    _server["ok"] = None
+    tmp = tempfile.mkdtemp(prefix="fg-forkserver-")
+    sock = os.path.join(tmp, "s")
+    env = _base_env()
+    proc = subprocess.Popen([sys.executable, __file__, sock], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=tmp)
+    line = proc.stdout.readline() if proc.stdout else b""
+    if not line:
+        proc.wait()
+        return None
+    hello = json.loads(line)
+    CHILD_CPU += hello["cpu"]
+    if hello["threads"] != 1:
+        proc.stdin.close()  # type: ignore[union-attr]
+        proc.wait()
+        return None
+    _server["ok"] = {"proc": proc, "sock": sock, "env": env}
+    import atexit
+
+    atexit.register(_stop)
+    return _server["ok"]
+
+
+def _stop() -> None:
+    import shutil
+
+    server = _server.get("ok")
+    if server:
+        server["proc"].stdin.close()
+        server["proc"].wait(30)
+        shutil.rmtree(os.path.dirname(server["sock"]), ignore_errors=True)
+        _server["ok"] = None
+
+
+def why_not(args, env: dict | None) -> str | None:
+    """Why this request runs as a real subprocess (None: the server can fork it)."""
+    args = list(map(str, args))
+    if len(args) < 2 or args[0] != sys.executable:
+        return "not this Python"
+    if args[1].startswith("-") and args[1] != "-c":
+        return f"interpreter option {args[1]}"
+    if args[1] == "-c" and len(args) < 3:
+        return "-c without a body"
+    server = _start()
+    if server is None:
+        return "no fork server"
+    theirs, ours = server["env"], env if env is not None else os.environ
+    for name in set(theirs) | set(ours):
+        if name.startswith(_STARTUP_PREFIXES) and name not in _LATE and theirs.get(name) != ours.get(name):
+            return f"{name} read at start-up"
+    return None
+
+
+class Forked:
+    """A grandchild of the fork server, as much of ``subprocess.Popen`` as the tests use."""
+
+    def __init__(self, args, env, cwd, stdin, stdout, stderr, text):
+        server = _start()
+        assert server is not None
+        self.args, self.returncode = args, None
+        ends, self.stdin, self.stdout, self.stderr = [], None, None, None
+        mode = {"encoding": "utf-8", "errors": "strict"} if text else {}
+        for i, want in enumerate((stdin, stdout, stderr)):
+            if want == subprocess.PIPE:
+                r, w = os.pipe()
+                mine, theirs = (w, r) if i == 0 else (r, w)
+                setattr(self, ("stdin", "stdout", "stderr")[i], open(mine, ("w" if i == 0 else "r") + ("" if text else "b"), **mode))
+                ends.append((theirs, True))
+            elif want == subprocess.STDOUT and i == 2:
+                ends.append((ends[1][0], False))
+            elif want == subprocess.DEVNULL or (want is None and i == 0):
+                ends.append((os.open(os.devnull, os.O_RDWR), True))
+            elif want is None:
+                ends.append((i, False))  # (this process's stdout or stderr, as Popen inherits them)
+            else:
+                ends.append((want if isinstance(want, int) else want.fileno(), False))
+        self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._conn.connect(server["sock"])
+        socket.send_fds(self._conn, [b"x"], [fd for fd, _ in ends])
+        argv = list(map(str, args))[1:]
+        request = {"argv": argv, "env": dict(env if env is not None else os.environ), "cwd": str(cwd or os.getcwd())}
+        self._conn.sendall(json.dumps(request).encode() + b"\n")
+        for fd, own in ends:
+            if own:
+                os.close(fd)
+        self._buf = b""
+        reply = json.loads(self._line(None))
+        if "pid" not in reply:
+            raise OSError(f"fork server: {reply}")
+        self.pid = reply["pid"]
+
+    def _line(self, timeout) -> bytes:
+        self._conn.settimeout(timeout)
+        while b"\n" not in self._buf:
+            try:
+                chunk = self._conn.recv(4096)
+            except (socket.timeout, TimeoutError, BlockingIOError):
+                raise subprocess.TimeoutExpired(self.args, timeout) from None
+            if not chunk:
+                raise OSError("the fork server went away")
+            self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        return line
+
+    def _read_rc(self, timeout):
+        global CHILD_CPU
+        reply = json.loads(self._line(timeout))
+        CHILD_CPU += reply["cpu"]
+        self.returncode = reply["rc"]
+        self._conn.close()
+
+    def poll(self):
+        if self.returncode is None:
+            try:
+                self._read_rc(0.0)
+            except subprocess.TimeoutExpired:
+                pass
+        return self.returncode
+
+    def wait(self, timeout=None):
+        if self.returncode is None:
+            self._read_rc(timeout)
+        return self.returncode
+
+    def communicate(self, input=None, timeout=None):
+        if self.stdin:
+            if input:
+                self.stdin.write(input)
+            self.stdin.close()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        chunks: dict = {}
+        sel = selectors.DefaultSelector()
+        for f in (self.stdout, self.stderr):
+            if f is not None and not f.closed:
+                sel.register(f.fileno(), selectors.EVENT_READ, f)
+                chunks[f] = []
+        while sel.get_map():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            for key, _ in sel.select(left):
+                data = os.read(key.fd, 65536)
+                if data:
+                    chunks[key.data].append(data)
+                else:
+                    sel.unregister(key.fd)
+        sel.close()
+        outs = []
+        for f in (self.stdout, self.stderr):
+            if f is None or f not in chunks:
+                outs.append(None)
+                continue
+            data = b"".join(chunks[f])
+            outs.append(data.decode("utf-8") if "b" not in f.mode else data)
+            f.close()
+        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return tuple(outs)
+
+    def send_signal(self, sig):
+        if self.returncode is None:
+            os.kill(self.pid, sig)
+
+    def kill(self):
+        import signal
+
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self):
+        import signal
+
+        self.send_signal(signal.SIGTERM)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for f in (self.stdout, self.stderr, self.stdin):
+            if f is not None:
+                f.close()
+        self.wait()
+
+
+def popen(args, *, env=None, cwd=None, stdin=None, stdout=None, stderr=None, text=False):
+    """``subprocess.Popen(args, ...)``, forked from the server where it can be."""
+    if why_not(args, env):
+        return subprocess.Popen(args, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr, text=text)
+    return Forked(args, env, cwd, stdin, stdout, stderr, text)
+
+
+def run(args, *, env=None, cwd=None, capture_output=False, text=False, timeout=None, check=False, input=None):
+    """``subprocess.run(args, ...)``, forked from the server where it can be."""
+    if why_not(args, env):
+        return subprocess.run(args, env=env, cwd=cwd, capture_output=capture_output, text=text, timeout=timeout, check=check, input=input)
+    pipe = subprocess.PIPE if capture_output else None
+    proc = Forked(args, env, cwd, subprocess.PIPE if input is not None else None, pipe, pipe, text)
+    try:
+        out, err = proc.communicate(input, timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    result = subprocess.CompletedProcess(args, proc.returncode, out, err)
+    if check:
+        result.check_returncode()
+    return result
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1])
