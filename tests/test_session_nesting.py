@@ -16,6 +16,7 @@ import pytest
 
 import fusionguard
 from conftest import Lines
+from fusionguard import _testing
 from fusionguard import session as _session
 from fusionguard.core import state as _state
 from test_session import Net, hooks, run
@@ -30,7 +31,7 @@ def clean(monkeypatch):
     monkeypatch.delenv("FUSIONGUARD", raising=False)
     yield
     fusionguard.disable()
-    _state.reset_for_tests()
+    _testing.reset_for_tests()
 
 
 @pytest.fixture
