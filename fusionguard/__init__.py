@@ -122,6 +122,9 @@ def enable(
     # leaves the process as it was (also under the kill switch: the call is wrong either way).
     check_options(options)
     named = dict(options) if strict is UNSET else {**options, "strict": strict}
+    for key in ("strict", "mode"):  # (None names nothing: the same rule for both, #32)
+        if key in named and named[key] is None:
+            del named[key]
     Config(**named)  # (checked alone: a bad argument is named, whatever is running)
     if log_path is not UNSET:
         check_log_path(log_path)

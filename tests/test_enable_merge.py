@@ -47,6 +47,18 @@ def test_strict_and_mode_are_one_setting(tmp_path, clean):
     assert (config().mode, config().strict, config().keep_all) == ("oom", False, True)
 
 
+def test_none_names_nothing_for_strict_and_mode_alike(tmp_path, clean):
+    """Hostile review of #32: ``enable(mode=None)`` reset the mode to warn while
+    ``enable(strict=None)`` kept it. None names nothing, for both."""
+    fusionguard.enable(mode="oom", log_path=False)
+    fusionguard.enable(mode=None)
+    assert config().mode == "oom"
+    fusionguard.enable(strict=None)
+    assert config().mode == "oom"
+    fusionguard.enable(strict=True, mode=None)
+    assert (config().mode, config().strict) == ("strict", True)
+
+
 def test_after_disable_enable_starts_from_the_defaults(tmp_path, clean, monkeypatch):
     monkeypatch.chdir(tmp_path)
     fusionguard.enable(strict=True, log_path=str(tmp_path / "a.jsonl"), mask_limit=5)
