@@ -115,6 +115,7 @@ _RULES: list[tuple[str, str]] = [
     (r"\bpid[ =]?\d+", "pid<n>"),                                             # pids
     (r"\d+(\.\d+)+[\w+.-]*", "<v>"),                                          # versions, floats, durations
     (r"(devices:\s+)[^:\s]+:", r"\1<host>:"),                                 # the host's name
+    (r"(fusionguard report: .*?)\b\d[\d,]* events\b", r"\1<n> events"),        # a slow run's periodic counter flush adds one
     (r"-{3,}", "---"),                                                        # table rules
     (r"[ \t]+", " "),                                                         # column padding
 ]

@@ -203,6 +203,11 @@ import fusionguard
 from torch.nn.attention.flex_attention import flex_attention
 fusionguard.enable(log_path=sys.argv[1], keep_all=True, log_max_bytes=int(sys.argv[3]))
 q = torch.randn(1, 1, 8, 4)
+if len(sys.argv) > 4:  # a start line: the processes write at the same time, as the did
+    import os, pathlib, time
+    pathlib.Path(sys.argv[4], f"ready.{os.getpid()}").touch()
+    while not os.path.exists(os.path.join(sys.argv[4], "go")):
+        time.sleep(0.01)
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     for _ in range(int(sys.argv[2])):
@@ -224,8 +229,18 @@ def test_after_rotation_each_process_counts_its_own_calls_and_the_missing_lines_
     procs, calls = 2, 150
     log = tmp_path / "logs" / "fg.jsonl"
     log.parent.mkdir()
-    ps = [forkserver.popen([sys.executable, "-c", ROTATING_WORKER, str(log), str(calls), "16384"], env=child_env(),
+    start = tmp_path / "start"
+    start.mkdir()
+    ps = [forkserver.popen([sys.executable, "-c", ROTATING_WORKER, str(log), str(calls), "16384", str(start)], env=child_env(),
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(procs)]
+    # (together: one process done before the other began would have its every line pruned by the
+    # other's rotation, its summary too, and no log could say it existed; CI's load did that once)
+    import time
+
+    deadline = time.monotonic() + 240
+    while len(list(start.glob("ready.*"))) < procs and time.monotonic() < deadline and all(p.poll() is None for p in ps):
+        time.sleep(0.05)
+    (start / "go").touch()
     for p in ps:
         _, err = p.communicate(timeout=300)
         assert p.returncode == 0, err[-2000:]
