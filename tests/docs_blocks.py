@@ -114,6 +114,7 @@ _RULES: list[tuple[str, str]] = [
     (r"\d[\d,]*(\.\d+)? ?(B|KB|MB|GB|TB|KiB|MiB|GiB)\b", "<size>"),           # sizes
     (r"\bpid[ =]?\d+", "pid<n>"),                                             # pids
     (r"\d+(\.\d+)+[\w+.-]*", "<v>"),                                          # versions, floats, durations
+    (r"\btriton -", "triton <v>"),                                            # CPU builds: triton installed or not
     (r"(devices:\s+)[^:\s]+:", r"\1<host>:"),                                 # the host's name
     (r"(fusionguard report: .*?)\b\d[\d,]* events\b", r"\1<n> events"),        # a slow run's periodic counter flush adds one
     (r"-{3,}", "---"),                                                        # table rules
