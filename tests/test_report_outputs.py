@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import stat
-from pathlib import Path
 
 import pytest
 
@@ -16,24 +15,7 @@ from fusionguard.report import html as report_html
 from fusionguard.report.build import build
 
 from conftest import run_cli
-
-
-def ev(kind, seq, pid=100, rank=0, **fields):
-    return {"event": kind, "level": "info", "ts": 1_800_000_000.0 + seq, "seq": seq, "pid": pid, "rank": rank, "thread": "MainThread", **fields}
-
-
-def header(pid=100, rank=0, host="node1"):
-    return ev("header", 1, pid=pid, rank=rank, schema=1, fusionguard="0.1.0", torch="2.13.0", triton="3.6.0",
-              python="3.11.7", hostname=host, cuda={"available": False}, world_size=1, local_rank=rank)
-
-
-def write(path, events):
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as fh:
-        for e in events:
-            fh.write(json.dumps(e) + "\n")
-    return path
+from test_report_numbers import ev, header, write  # (one copy of the log builders of the report tests added in #32)
 
 
 def small_log(path):
