@@ -410,6 +410,20 @@ class Session:
             internal_error("session ranks_with_dense", exc)
             return [0] if dense else []
 
+    def dense_stop(self, step: "Counts", at: str) -> Optional[str]:
+        """``stop_on_dense`` for a framework's adapter, called by every rank after every training
+        step: the same answer everywhere (``ranks_with_dense``), so every rank stops together or
+        none. The line to say (once, on rank 0) when this step ran dense on some rank, else None."""
+        if not self.active:
+            return None
+        ranks = self.ranks_with_dense(step.dense > 0)
+        if not ranks:
+            return None
+        from fusionguard.eventlog.distributed import process_group_ready  # lazy: as in ranks_with_dense
+
+        on = f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" if process_group_ready() else ""
+        return f"fusionguard: stop_on_dense: dense FlexAttention{on} at {at}: training stops"
+
     # -- inside ---------------------------------------------------------------------------------------
     def _key(self) -> str:
         return f"session {self._id} ({self.name})"

@@ -116,14 +116,12 @@ class _Mixin:
                 said.log(logging.INFO if ok else logging.WARNING, text)
         if on_step:
             step = self.session.step()  # this training step's calls
-            if self.stop_on_dense and not self._stopped and self.session.active:
-                ranks = self.session.ranks_with_dense(step.dense > 0)  # every rank stops, or none
-                if ranks:
-                    self._stopped = True
-                    if trainer.is_global_zero:
-                        on = f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" if trainer.world_size > 1 else ""
-                        said.warning(f"fusionguard: stop_on_dense: dense FlexAttention{on} at step {trainer.global_step}: training stops")
-                    trainer.should_stop = True
+            stop = self.session.dense_stop(step, f"step {trainer.global_step}") if self.stop_on_dense and not self._stopped else None
+            if stop:  # (the same on every rank: every rank stops, or none)
+                self._stopped = True
+                if trainer.is_global_zero:
+                    said.warning(stop)
+                trainer.should_stop = True
         if log:
             with self.session.guarded("log"):
                 for key, value in self.session.metrics().items():  # (empty when fusionguard is off)

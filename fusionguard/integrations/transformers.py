@@ -140,14 +140,12 @@ class FusionGuardCallback(TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         step = self.session.step()  # this step's calls
-        if self.stop_on_dense and not self._stopped and self.session.active:
-            ranks = self.session.ranks_with_dense(step.dense > 0)  # every rank stops, or none
-            if ranks:
-                self._stopped = True
-                if state.is_world_process_zero:
-                    on = f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" if args.world_size > 1 else ""
-                    said.warning(f"fusionguard: stop_on_dense: dense FlexAttention{on} at step {state.global_step}: training stops")
-                control.should_training_stop = True
+        text = self.session.dense_stop(step, f"step {state.global_step}") if self.stop_on_dense and not self._stopped else None
+        if text:  # (the same on every rank: every rank stops, or none)
+            self._stopped = True
+            if state.is_world_process_zero:
+                said.warning(text)
+            control.should_training_stop = True
         return control
 
     def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
