@@ -24,11 +24,12 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-import fusionguard  # noqa: E402
 from compile_models import Model, tokens  # noqa: E402
-from fusionguard.fused import inductor  # noqa: E402
-from fusionguard.core.state import STATE  # noqa: E402
 from paired import paired  # noqa: E402
+
+import fusionguard  # noqa: E402
+from fusionguard.core.state import STATE  # noqa: E402
+from fusionguard.fused import inductor  # noqa: E402
 
 
 def search_cost(n: int) -> None:
@@ -46,7 +47,9 @@ def search_cost(n: int) -> None:
 
     graphs = len(ti.found_compiled_graphs())
     best = min(inductor.live_flex_graphs()[1] for _ in range(5))
-    print(f"search: {graphs} compiled graphs alive, {len(gc.get_objects()):,} gc objects: live_flex_graphs() {best:.1f} ms (best of 5); compiling them took {compile_s:.1f} s")
+    print(
+        f"search: {graphs} compiled graphs alive, {len(gc.get_objects()):,} gc objects: live_flex_graphs() {best:.1f} ms (best of 5); compiling them took {compile_s:.1f} s"
+    )
 
 
 def main() -> None:

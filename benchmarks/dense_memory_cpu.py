@@ -41,7 +41,14 @@ out.backward(g)
 print(status("VmHWM:") - base, predict_dense("backward", q, k, v, score, extra, ()), hq * Q * KV)
 """
 
-CASES = [("float32", 4, 4, "identity"), ("bfloat16", 4, 4, "identity"), ("bfloat16", 8, 2, "identity"), ("bfloat16", 4, 4, "s*2"), ("bfloat16", 4, 4, "bias"), ("float32", 4, 4, "bias")]
+CASES = [
+    ("float32", 4, 4, "identity"),
+    ("bfloat16", 4, 4, "identity"),
+    ("bfloat16", 8, 2, "identity"),
+    ("bfloat16", 4, 4, "s*2"),
+    ("bfloat16", 4, 4, "bias"),
+    ("float32", 4, 4, "bias"),
+]
 
 
 def main() -> None:

@@ -42,8 +42,9 @@ def _causal(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
 
 def measure(shape: tuple, backend: str) -> Dict[str, Any]:
     """One forward and backward of ``shape`` under fusionguard (warn mode, memory-only log)."""
-    import fusionguard
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    import fusionguard
 
     name, b, hq, hkv, q_len, kv_len, d, dtype, mod = shape
     dev = "cuda"

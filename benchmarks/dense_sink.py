@@ -18,10 +18,10 @@ import pstats
 import warnings
 
 import torch
+from paired import paired
 from torch.nn.attention.flex_attention import flex_attention
 
 import fusionguard
-from paired import paired
 
 
 def small_inputs(device: str):
@@ -46,13 +46,19 @@ def main() -> None:
     if args.profile:
         profile(q, k, v, args.calls, os.path.join(args.dir, "fg-dense-profile.jsonl"))
         return
-    sinks = {"file in " + args.dir: os.path.join(args.dir, "fg-dense-sink.jsonl"), "file in /dev/shm": "/dev/shm/fg-dense-sink.jsonl", "no file": False}
+    sinks = {
+        "file in " + args.dir: os.path.join(args.dir, "fg-dense-sink.jsonl"),
+        "file in /dev/shm": "/dev/shm/fg-dense-sink.jsonl",
+        "no file": False,
+    }
     for keep_all in (False, True):
         for label, path in sinks.items():
             if path and not os.path.isdir(os.path.dirname(path)):
                 continue
             rotating = ", rotating" if args.max_bytes and path else ""
-            measure(f"{'keep_all' if keep_all else 'sampled'}, {label}{rotating}", q, k, v, path, keep_all, args.pairs, sync, args.max_bytes)
+            measure(
+                f"{'keep_all' if keep_all else 'sampled'}, {label}{rotating}", q, k, v, path, keep_all, args.pairs, sync, args.max_bytes
+            )
 
 
 def measure(label, q, k, v, path, keep_all, pairs, sync, max_bytes=None) -> None:

@@ -44,10 +44,11 @@ def _mask(L: int) -> Any:
 
 
 def flash() -> Dict[str, Any]:
-    import fusionguard
-    from fusionguard.core import state as _state
-    from fusionguard import _testing
     from torch.nn.attention.flex_attention import flex_attention
+
+    import fusionguard
+    from fusionguard import _testing
+    from fusionguard.core import state as _state
 
     if importlib.util.find_spec("flash_attn.cute") is None:
         return {"skipped": "flash_attn.cute is not importable"}
@@ -88,8 +89,9 @@ def flash() -> Dict[str, Any]:
 
 
 def lse() -> Dict[str, Any]:
-    import fusionguard
     from torch.nn.attention.flex_attention import flex_attention
+
+    import fusionguard
 
     L = 1024
     mask = _mask(L)

@@ -9,12 +9,13 @@ The graph is compiled with fusionguard on, so it carries the per-run counting th
 from __future__ import annotations
 
 import argparse
+
 import torch
+from paired import paired
 from torch.nn.attention.flex_attention import flex_attention
 
 import fusionguard
 from fusionguard.core.state import STATE
-from paired import paired
 
 
 def main() -> None:

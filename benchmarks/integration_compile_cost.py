@@ -39,16 +39,31 @@ def trial(variant: str, device: str, out: str) -> float:
 
     torch._dynamo.reset()
     hf_flex.WrappedFlexAttention._instance = None
-    cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-                      intermediate_size=512, vocab_size=256, attn_implementation="flex_attention")
+    cfg = LlamaConfig(
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        intermediate_size=512,
+        vocab_size=256,
+        attn_implementation="flex_attention",
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     g = torch.Generator().manual_seed(0)
     seq = 512 if device == "cuda" else 64
     rows = [{"input_ids": i, "labels": i.clone()} for i in torch.randint(0, 256, (4, seq), generator=g)]
-    args = TrainingArguments(output_dir=out, max_steps=1, per_device_train_batch_size=1, report_to=[],
-                             save_strategy="no", disable_tqdm=True, torch_compile=True,
-                             use_cpu=device == "cpu", bf16=device == "cuda")
+    args = TrainingArguments(
+        output_dir=out,
+        max_steps=1,
+        per_device_train_batch_size=1,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        torch_compile=True,
+        use_cpu=device == "cpu",
+        bf16=device == "cuda",
+    )
     callbacks = []
     watch = None
     if variant == "callback":
@@ -87,14 +102,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as out:
         trial("none", a.device, out)  # fills Inductor's caches: every timed trial is warm
         for r in range(a.rounds):
-            for v in variants[r % 3:] + variants[: r % 3]:
+            for v in variants[r % 3 :] + variants[: r % 3]:
                 times[v].append(trial(v, a.device, out))
                 print(f"round {r} {v}: {times[v][-1]:.2f} s", file=sys.stderr)
     import transformers
 
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, device {a.device}"
-          f"{' ' + torch.cuda.get_device_name() if a.device == 'cuda' else ''}, {a.rounds} rounds, "
-          f"TORCHINDUCTOR_CACHE_DIR={os.environ.get('TORCHINDUCTOR_CACHE_DIR', '(default)')}")
+    print(
+        f"torch {torch.__version__}, transformers {transformers.__version__}, device {a.device}"
+        f"{' ' + torch.cuda.get_device_name() if a.device == 'cuda' else ''}, {a.rounds} rounds, "
+        f"TORCHINDUCTOR_CACHE_DIR={os.environ.get('TORCHINDUCTOR_CACHE_DIR', '(default)')}"
+    )
     base = statistics.median(times["none"])
     print(f"{'variant':<10} {'median s':>9} {'min':>7} {'max':>7} {'/ none':>7}")
     for v in variants:

@@ -29,9 +29,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-from fusionguard.report.build import build as build_report_dict  # noqa: E402
 from fusionguard.eventlog.log import EventLog  # noqa: E402
 from fusionguard.eventlog.sampler import DEFAULT_FUSED_EVERY, DEFAULT_FUSED_FIRST, Sampler  # noqa: E402
+from fusionguard.report.build import build as build_report_dict  # noqa: E402
 
 LAYERS = 32
 
@@ -40,7 +40,9 @@ def run(path: str, calls: int, sampler: Sampler, max_bytes=None, backups=3) -> d
     log = EventLog()
     log.sampler = sampler
     log.open(path, fsync=True, max_bytes=max_bytes, backups=backups)
-    log.emit("info", "header", schema=1, fusionguard="0.1.0", torch="2.13.0", triton=None, python=platform.python_version(), hostname="bench")
+    log.emit(
+        "info", "header", schema=1, fusionguard="0.1.0", torch="2.13.0", triton=None, python=platform.python_version(), hostname="bench"
+    )
     names = [f"model.layers.{i}.self_attn" for i in range(LAYERS)]
     spike_at = calls // 2 + 7
     t = time.perf_counter()
@@ -52,7 +54,9 @@ def run(path: str, calls: int, sampler: Sampler, max_bytes=None, backups=3) -> d
                 peak = 60_000_000 + (i * 7919) % 5_000_000
                 if i == spike_at:
                     peak = 9_000_000_000  # one outlier, in a call the sampler does not write
-                log.emit("info", "layer_memory", layer=name, phase=phase, path="fused", alloc_delta=peak // 5, peak_delta=peak, recompute=False)
+                log.emit(
+                    "info", "layer_memory", layer=name, phase=phase, path="fused", alloc_delta=peak // 5, peak_delta=peak, recompute=False
+                )
                 i += 1
                 if i >= calls:
                     break

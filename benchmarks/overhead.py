@@ -24,11 +24,11 @@ import time
 import warnings
 
 import torch
+from paired import paired
 from torch import nn
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import fusionguard
-from paired import paired
 
 
 def causal(b, h, q_idx, kv_idx):
@@ -232,7 +232,7 @@ def interleaved(args, shape):
         times = {name: [] for name in names}
         runs = {name: 0 for name in names}  # fused graph runs fusionguard counted, per variant
         for i in range(args.steps * 2):
-            for name in names[i % len(names):] + names[: i % len(names)]:
+            for name in names[i % len(names) :] + names[: i % len(names)]:
                 set_guarding(name in on)
                 before = STATE.counts.get(runs_key, 0)
                 with ctxs[name]():
@@ -253,12 +253,14 @@ def interleaved(args, shape):
     for name in names:
         ratios = [a / b for a, b in zip(times[name], times["off"])]
         q = statistics.quantiles(ratios, n=4)
-        out["rows"].append({
-            "variant": name,
-            "median_ms": statistics.median(times[name]) * 1e3,
-            "step_ratio": statistics.median(ratios),
-            "step_ratio_iqr": (q[0], q[2]),
-        })
+        out["rows"].append(
+            {
+                "variant": name,
+                "median_ms": statistics.median(times[name]) * 1e3,
+                "step_ratio": statistics.median(ratios),
+                "step_ratio_iqr": (q[0], q[2]),
+            }
+        )
     return out
 
 
@@ -342,15 +344,19 @@ def main() -> None:
     }
     print(json.dumps(meta), flush=True)
     variants = (
-        ("none", none), ("enabled", enabled), ("watched", watched), ("watched_c", watched_compiled),
-        ("watch_late", watched_late), ("profiler", profiled),
+        ("none", none),
+        ("enabled", enabled),
+        ("watched", watched),
+        ("watched_c", watched_compiled),
+        ("watch_late", watched_late),
+        ("profiler", profiled),
     )
     summary = []
     if not args.skip_steps:
         run_variant("warm-up", args, shape, none)  # fills Inductor's caches: every variant then compiles warm
         per_round = []
         for r in range(args.rounds):
-            order = variants[r % len(variants):] + variants[: r % len(variants)]
+            order = variants[r % len(variants) :] + variants[: r % len(variants)]
             rows = {name: run_variant(name, args, shape, f) for name, f in order}
             per_round.append(rows)
             print(f"round {r}: " + ", ".join(f"{k} {v['median_ms']:.3f} ms / {v['compile_s']:.2f} s" for k, v in rows.items()), flush=True)
@@ -358,17 +364,23 @@ def main() -> None:
             step_ratios = [rows[name]["median_ms"] / rows["none"]["median_ms"] for rows in per_round]
             compile_ratios = [rows[name]["compile_s"] / rows["none"]["compile_s"] for rows in per_round]
             last = per_round[-1][name]
-            summary.append({
-                "variant": name,
-                "compile_s": statistics.median(rows[name]["compile_s"] for rows in per_round),
-                "compile_ratio": statistics.median(compile_ratios),
-                "compile_ratio_range": (min(compile_ratios), max(compile_ratios)),
-                "median_ms": statistics.median(rows[name]["median_ms"] for rows in per_round),
-                "step_ratio": statistics.median(step_ratios),
-                "step_ratio_range": (min(step_ratios), max(step_ratios)),
-                "graphs": last["graphs"], "breaks": last["breaks"], "frames": last["frames"],
-            })
-        print(f"{'variant':<10} {'compile s':>9} {'x (min-max)':>20} {'step ms':>9} {'x (min-max)':>20} {'graphs':>6} {'breaks':>6} {'frames':>6}")
+            summary.append(
+                {
+                    "variant": name,
+                    "compile_s": statistics.median(rows[name]["compile_s"] for rows in per_round),
+                    "compile_ratio": statistics.median(compile_ratios),
+                    "compile_ratio_range": (min(compile_ratios), max(compile_ratios)),
+                    "median_ms": statistics.median(rows[name]["median_ms"] for rows in per_round),
+                    "step_ratio": statistics.median(step_ratios),
+                    "step_ratio_range": (min(step_ratios), max(step_ratios)),
+                    "graphs": last["graphs"],
+                    "breaks": last["breaks"],
+                    "frames": last["frames"],
+                }
+            )
+        print(
+            f"{'variant':<10} {'compile s':>9} {'x (min-max)':>20} {'step ms':>9} {'x (min-max)':>20} {'graphs':>6} {'breaks':>6} {'frames':>6}"
+        )
         for r in summary:
             cr, sr = r["compile_ratio_range"], r["step_ratio_range"]
             print(
@@ -379,7 +391,9 @@ def main() -> None:
     inter = None
     if not args.skip_steps:
         inter = interleaved(args, shape)
-        print(f"interleaved, step by step ({inter['steps']} steps per variant; Dynamo: {inter['graphs']}; fused runs counted: {inter['counted_runs']}):")
+        print(
+            f"interleaved, step by step ({inter['steps']} steps per variant; Dynamo: {inter['graphs']}; fused runs counted: {inter['counted_runs']}):"
+        )
         print(f"{'variant':<16} {'step ms':>9} {'x off':>7} {'(IQR of per-step ratios)':>26}")
         for r in inter["rows"]:
             lo, hi = r["step_ratio_iqr"]
@@ -397,7 +411,9 @@ def main() -> None:
             d = dense[label]
             print(f"paired, call by call ({label}): guard {d['paired_cost_us']:+.0f} us = {d['paired_share'] * 100:.2f} % of the call")
             p = d["pipelined"]
-            print(f"pipelined, 5 calls per sync ({label}): guard {p['cost_us']:+.0f} us per call = {p['share'] * 100:.2f} % of {p['plain_ms']:.3f} ms")
+            print(
+                f"pipelined, 5 calls per sync ({label}): guard {p['cost_us']:+.0f} us per call = {p['share'] * 100:.2f} % of {p['plain_ms']:.3f} ms"
+            )
         print(
             f"guard's fixed cost per dense call as a share of the seed-shape call: "
             f"{dense['fsync_default_fixed_share'] * 100:.2f} % (fsync=True), {dense['fsync_always_fixed_share'] * 100:.2f} % (fsync='always')"

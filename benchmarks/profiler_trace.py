@@ -123,7 +123,10 @@ def markdown(title: str, rows: List[Dict[str, Any]], steps: int) -> List[str]:
     lines = [f"### {title}", "", f"{steps} profiled steps (forward + backward each).", ""]
     if not rows:
         return lines + ["No fusionguard range in the trace.", ""]
-    lines += ["| range | count | CPU ms (median) | GPU kernel ms inside (median) | kernels inside (launches per range) |", "|---|---:|---:|---:|---|"]
+    lines += [
+        "| range | count | CPU ms (median) | GPU kernel ms inside (median) | kernels inside (launches per range) |",
+        "|---|---:|---:|---:|---|",
+    ]
     for r in rows:
         per = max(1, r["count"])
         top = sorted(r["kernels"].items(), key=lambda kv: -kv[1])[:6]

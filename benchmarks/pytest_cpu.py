@@ -32,5 +32,15 @@ def pytest_runtest_protocol(item, nextitem):
     (s1, c1), t1 = _cpu(), time.perf_counter()
     if path:
         with open(f"{path}.{worker}" if worker else path, "a") as fh:
-            fh.write(json.dumps({"test": item.nodeid, "self": round(s1 - s0, 2), "children": round(c1 - c0, 2),
-                                 "wall": round(t1 - t0, 2), "worker": worker}) + "\n")
+            fh.write(
+                json.dumps(
+                    {
+                        "test": item.nodeid,
+                        "self": round(s1 - s0, 2),
+                        "children": round(c1 - c0, 2),
+                        "wall": round(t1 - t0, 2),
+                        "worker": worker,
+                    }
+                )
+                + "\n"
+            )

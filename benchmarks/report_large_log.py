@@ -39,33 +39,80 @@ def _line(event: dict) -> str:
 def generate(path: str, target_bytes: int) -> dict:
     """Write ~target_bytes of events; returns counts. Fast: templates with %-formatting."""
     header = {
-        "event": "header", "level": "info", "ts": T0, "seq": 1, "pid": 4242, "rank": 0, "thread": "MainThread",
-        "schema": 1, "fusionguard": "0.1.0", "torch": "2.13.0+cu130", "triton": "3.6.0", "python": "3.11.7",
-        "hostname": "gpu-node-17", "argv": ["train.py", "--config", "llama-8b.yaml"],
+        "event": "header",
+        "level": "info",
+        "ts": T0,
+        "seq": 1,
+        "pid": 4242,
+        "rank": 0,
+        "thread": "MainThread",
+        "schema": 1,
+        "fusionguard": "0.1.0",
+        "torch": "2.13.0+cu130",
+        "triton": "3.6.0",
+        "python": "3.11.7",
+        "hostname": "gpu-node-17",
+        "argv": ["train.py", "--config", "llama-8b.yaml"],
         "cuda": {"available": True, "count": 8, "version": "13.0", "devices": ["NVIDIA H200"] * 8},
-        "local_rank": 0, "world_size": 8, "patched": ["flex_attention (dense forward)"], "not_patched": {}, "config": {"strict": False},
+        "local_rank": 0,
+        "world_size": 8,
+        "patched": ["flex_attention (dense forward)"],
+        "not_patched": {},
+        "config": {"strict": False},
     }
     mem = (
         '{"event":"layer_memory","level":"info","ts":%.6f,"seq":%d,"pid":4242,"rank":0,"thread":"MainThread",'
         '"layer":"model.layers.%d.self_attn","phase":"%s","path":"fused","alloc_delta":%d,"peak_delta":%d,"recompute":false}\n'
     )
     dense = {
-        "event": "flex_call", "level": "warning", "pid": 4242, "rank": 0, "thread": "MainThread", "phase": "forward",
-        "path": "dense", "traced": False, "cause": "recompile_limit",
-        "evidence": {"reason": "0/7: tensor 'k' size mismatch at index 2. expected 2048, actual 1536", "function": "attention", "limit": 8,
-                     "frame": "model/attention.py:88 in attention"},
+        "event": "flex_call",
+        "level": "warning",
+        "pid": 4242,
+        "rank": 0,
+        "thread": "MainThread",
+        "phase": "forward",
+        "path": "dense",
+        "traced": False,
+        "cause": "recompile_limit",
+        "evidence": {
+            "reason": "0/7: tensor 'k' size mismatch at index 2. expected 2048, actual 1536",
+            "function": "attention",
+            "limit": 8,
+            "frame": "model/attention.py:88 in attention",
+        },
         "fix": "stop the recompiles: mark the varying dim dynamic (torch._dynamo.mark_dynamic(q, 2) or torch.compile(..., dynamic=True)), "
-               "bucket/pad sequence lengths, build the BlockMask outside the compiled function and reuse mask_mod functions; or raise "
-               "torch._dynamo.config.recompile_limit",
-        "layer": "model.layers.17.self_attn", "allowed": False, "action": "warn",
-        "call_site": {"file": "/home/user/model/attention.py", "line": 88, "function": "attention"}, "autograd": True,
-        "q_shape": [1, 32, 1536, 128], "kv_shape": [1, 8, 1536, 128], "dtype": "bfloat16", "device": "cuda:0",
-        "device_name": "NVIDIA H200", "scores_bytes": 301989888,
+        "bucket/pad sequence lengths, build the BlockMask outside the compiled function and reuse mask_mod functions; or raise "
+        "torch._dynamo.config.recompile_limit",
+        "layer": "model.layers.17.self_attn",
+        "allowed": False,
+        "action": "warn",
+        "call_site": {"file": "/home/user/model/attention.py", "line": 88, "function": "attention"},
+        "autograd": True,
+        "q_shape": [1, 32, 1536, 128],
+        "kv_shape": [1, 8, 1536, 128],
+        "dtype": "bfloat16",
+        "device": "cuda:0",
+        "device_name": "NVIDIA H200",
+        "scores_bytes": 301989888,
     }
     compile_ev = {
-        "event": "flex_compile", "level": "info", "pid": 4242, "rank": 0, "thread": "MainThread", "phase": "forward", "path": "fused",
-        "traced": True, "cause": None, "template": "triton", "source": "cache", "graph": "fxgraph-abc123", "q_shape": [1, 32, 2048, 128],
-        "kv_shape": [1, 8, 2048, 128], "dtype": "bfloat16", "device": "cuda:0", "scores_bytes": 536870912,
+        "event": "flex_compile",
+        "level": "info",
+        "pid": 4242,
+        "rank": 0,
+        "thread": "MainThread",
+        "phase": "forward",
+        "path": "fused",
+        "traced": True,
+        "cause": None,
+        "template": "triton",
+        "source": "cache",
+        "graph": "fxgraph-abc123",
+        "q_shape": [1, 32, 2048, 128],
+        "kv_shape": [1, 8, 2048, 128],
+        "dtype": "bfloat16",
+        "device": "cuda:0",
+        "scores_bytes": 536870912,
         "call_site": {"file": "/home/user/model/attention.py", "line": 88, "function": "attention"},
     }
     counts = {"layer_memory": 0, "flex_call": 0, "flex_compile": 0, "graph_break": 0}
@@ -76,7 +123,10 @@ def generate(path: str, target_bytes: int) -> dict:
         for layer in range(LAYERS):
             for phase in ("forward", "backward"):
                 seq += 1
-                written += fh.write(_line({**compile_ev, "ts": T0 + seq * 1e-4, "seq": seq, "layer": f"model.layers.{layer}.self_attn", "phase": phase}) + "\n")
+                written += fh.write(
+                    _line({**compile_ev, "ts": T0 + seq * 1e-4, "seq": seq, "layer": f"model.layers.{layer}.self_attn", "phase": phase})
+                    + "\n"
+                )
                 counts["flex_compile"] += 1
         step = 0
         chunk = []
@@ -96,9 +146,27 @@ def generate(path: str, target_bytes: int) -> dict:
                 counts["flex_call"] += 1
             if step % 5000 == 0:
                 seq += 1
-                chunk.append(_line({"event": "graph_break", "level": "warning", "ts": T0 + seq * 1e-4, "seq": seq, "pid": 4242, "rank": 0,
-                                    "thread": "MainThread", "function": "forward", "file": "model/block.py", "line": 40,
-                                    "fail_type": "Unsupported", "reason": "call_function print", "break_file": "model/block.py", "break_line": 41}) + "\n")
+                chunk.append(
+                    _line(
+                        {
+                            "event": "graph_break",
+                            "level": "warning",
+                            "ts": T0 + seq * 1e-4,
+                            "seq": seq,
+                            "pid": 4242,
+                            "rank": 0,
+                            "thread": "MainThread",
+                            "function": "forward",
+                            "file": "model/block.py",
+                            "line": 40,
+                            "fail_type": "Unsupported",
+                            "reason": "call_function print",
+                            "break_file": "model/block.py",
+                            "break_line": 41,
+                        }
+                    )
+                    + "\n"
+                )
                 counts["graph_break"] += 1
             if len(chunk) >= 4096:
                 data = "".join(chunk)
@@ -107,10 +175,26 @@ def generate(path: str, target_bytes: int) -> dict:
         if chunk:
             written += fh.write("".join(chunk))
         seq += 1
-        crash = {"event": "crash", "level": "error", "ts": T0 + seq * 1e-4, "seq": seq, "pid": 4242, "rank": 0, "thread": "MainThread",
-                 "exc_type": "torch.OutOfMemoryError", "message": "CUDA out of memory. Tried to allocate 2.50 GiB",
-                 "where": "sys.excepthook", "diagnosis": "OOM inside dense forward of model.layers.17.self_attn; the dense score matrix is 301.99 MB in fp32",
-                 "last_flex": {"event": "flex_call", "layer": "model.layers.17.self_attn", "phase": "forward", "path": "dense", "cause": "recompile_limit"}}
+        crash = {
+            "event": "crash",
+            "level": "error",
+            "ts": T0 + seq * 1e-4,
+            "seq": seq,
+            "pid": 4242,
+            "rank": 0,
+            "thread": "MainThread",
+            "exc_type": "torch.OutOfMemoryError",
+            "message": "CUDA out of memory. Tried to allocate 2.50 GiB",
+            "where": "sys.excepthook",
+            "diagnosis": "OOM inside dense forward of model.layers.17.self_attn; the dense score matrix is 301.99 MB in fp32",
+            "last_flex": {
+                "event": "flex_call",
+                "layer": "model.layers.17.self_attn",
+                "phase": "forward",
+                "path": "dense",
+                "cause": "recompile_limit",
+            },
+        }
         written += fh.write(_line(crash) + "\n")
         written += fh.write('{"event":"flex_call","level":"warning","ts":')  # torn last line
     return {"bytes": os.path.getsize(path), "lines": seq, **counts}
@@ -125,16 +209,20 @@ def run_report(args: list) -> dict:
     # from a fresh helper process, so this is the report command's own peak.
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return {
-        "rc": p.returncode, "wall_s": wall, "cpu_s": usage.ru_utime + usage.ru_stime, "peak_rss_mb": usage.ru_maxrss / 1024,
-        "stdout": p.stdout, "stderr": p.stderr,
+        "rc": p.returncode,
+        "wall_s": wall,
+        "cpu_s": usage.ru_utime + usage.ru_stime,
+        "peak_rss_mb": usage.ru_maxrss / 1024,
+        "stdout": p.stdout,
+        "stderr": p.stderr,
     }
 
 
 def measure(args: list) -> dict:
     """Runs run_report in a fresh helper process so ru_maxrss is this one command's."""
-    helper = (
-        "import json, sys; sys.path.insert(0, %r); import report_large_log as b; "
-        "r = b.run_report(%r); print(json.dumps(r))" % (os.path.dirname(os.path.abspath(__file__)), args)
+    helper = "import json, sys; sys.path.insert(0, %r); import report_large_log as b; r = b.run_report(%r); print(json.dumps(r))" % (
+        os.path.dirname(os.path.abspath(__file__)),
+        args,
     )
     out = subprocess.run([sys.executable, "-c", helper], capture_output=True, text=True, check=True).stdout
     return json.loads(out)

@@ -91,7 +91,16 @@ def main() -> None:
     for _ in range(2):  # first step compiles
         q, k, v, mask = make(q_len, kv_len, hq, hkv, d)
         rfp, rbp, rout, rgrads = step(flex_attention, q, k, v, mask)
-    rows.append(("eager + rescue (step 2)", rfp, rbp, rel(rout, dout), max(rel(a, b) for a, b in zip(rgrads, dgrads)), STATE.counts.get("rescue_compiles", 0)))
+    rows.append(
+        (
+            "eager + rescue (step 2)",
+            rfp,
+            rbp,
+            rel(rout, dout),
+            max(rel(a, b) for a, b in zip(rgrads, dgrads)),
+            STATE.counts.get("rescue_compiles", 0),
+        )
+    )
 
     return slide(rows, meta, q_len, kv_len, hq, hkv, d, args)
 
@@ -115,15 +124,21 @@ def slide(rows, meta, q_len, kv_len, hq, hkv, d, args) -> None:
             slide.append((fp, bp))
     causes = sorted({e.get("cause") for e in fusionguard.events("flex_call") if e.get("path") == "rescued"})
     rows.append(
-        (f"recompile-limit slide + rescue, 20 steps ({len(set(lengths))} lengths), causes {causes}",
-         max(f for f, _ in slide[1:]), max(b for _, b in slide[1:]), None, None,
-         STATE.counts.get("rescue_compiles", 0))
+        (
+            f"recompile-limit slide + rescue, 20 steps ({len(set(lengths))} lengths), causes {causes}",
+            max(f for f, _ in slide[1:]),
+            max(b for _, b in slide[1:]),
+            None,
+            None,
+            STATE.counts.get("rescue_compiles", 0),
+        )
     )
     dense = [e for e in fusionguard.events("flex_call") if e.get("path") == "dense"]
     fusionguard.disable()
 
     print(json.dumps(meta))
     print(f"{'mode':<64} {'fwd GB':>8} {'bwd GB':>8} {'out rel':>9} {'grad rel':>9} {'compiles':>8}")
+
     def fmt(x):
         return "-" if x is None else f"{x:.2e}"
 

@@ -51,8 +51,10 @@ def main() -> None:
     work = tempfile.mkdtemp(dir=args.dir)
     try:
         for label, max_bytes in (("append", None), ("rotating at 1 MiB", 1 << 20), ("rotating at 64 KiB", 1 << 16)):
-            sinks = {name: mod.FileSink(os.path.join(work, f"{name}-{max_bytes}.jsonl"), fsync=False, max_bytes=max_bytes)
-                     for name, mod in mods.items()}
+            sinks = {
+                name: mod.FileSink(os.path.join(work, f"{name}-{max_bytes}.jsonl"), fsync=False, max_bytes=max_bytes)
+                for name, mod in mods.items()
+            }
             times = {name: [] for name in mods}
             for b in range(args.blocks):
                 order = list(mods) if b % 2 == 0 else list(reversed(mods))

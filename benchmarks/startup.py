@@ -114,7 +114,9 @@ def main() -> None:
             k = r % len(names)
             for name in names[k:] + names[:k]:
                 times[name].append(_once(python, envs[name]))
-    pyver = subprocess.run([python, "-c", "import platform; print(platform.python_version())"], capture_output=True, text=True).stdout.strip()
+    pyver = subprocess.run(
+        [python, "-c", "import platform; print(platform.python_version())"], capture_output=True, text=True
+    ).stdout.strip()
     print(f"{time.strftime('%Y-%m-%d %H:%M')} UTC, {platform.node()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
     print(f"timed: {python} (Python {pyver}, wrapt {_version(python, 'wrapt')}); {args.rounds} rounds, interleaved, `python -c pass`")
     print()
@@ -131,16 +133,24 @@ def main() -> None:
     base = envs["plain"]
     runs = [_importtime(python, base, "wrapt") for _ in range(5)]
     print()
-    print("`-X importtime -c 'import wrapt'`, median of 5, cumulative ms: " + ", ".join(
-        f"{m} {statistics.median(r.get(m, 0) for r in runs) / 1e3:.1f}" for m in ("wrapt", "asyncio", "importlib.metadata", "inspect")
-    ))
+    print(
+        "`-X importtime -c 'import wrapt'`, median of 5, cumulative ms: "
+        + ", ".join(
+            f"{m} {statistics.median(r.get(m, 0) for r in runs) / 1e3:.1f}" for m in ("wrapt", "asyncio", "importlib.metadata", "inspect")
+        )
+    )
     code = "import sys, time, torch; a = 'asyncio' in sys.modules; t = time.perf_counter(); import wrapt; print(time.perf_counter() - t, a, torch.__version__)"
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=base)
     if p.returncode == 0:
         after = [p.stdout.split()]
-        after += [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=base, check=True).stdout.split() for _ in range(2)]
+        after += [
+            subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=base, check=True).stdout.split()
+            for _ in range(2)
+        ]
         ms = statistics.median(float(a[0]) for a in after) * 1e3
-        print(f"`import wrapt` after `import torch` (torch {after[0][2]}, which imported asyncio itself: {after[0][1]}), median of 3: {ms:.1f} ms")
+        print(
+            f"`import wrapt` after `import torch` (torch {after[0][2]}, which imported asyncio itself: {after[0][1]}), median of 3: {ms:.1f} ms"
+        )
 
 
 if __name__ == "__main__":

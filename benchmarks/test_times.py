@@ -61,7 +61,10 @@ def main() -> None:
     nb, nc = sum(v[0] for v in b.values()), sum(v[0] for v in c.values())
     wall = [ET.parse(x).getroot().find("testsuite").get("time") for x in (a.before, a.after)]
     print(f"| **wall time of the run** | | | {float(wall[0]):.1f} | {float(wall[1]):.1f} |" + (" | |" if a.cpu else ""))
-    print(f"| **sum over tests** | {nb} | {nc} | {tb:.1f} | {tc:.1f} |" + (f" {sum(cb.values()):.1f} | {sum(ca.values()):.1f} |" if a.cpu else ""))
+    print(
+        f"| **sum over tests** | {nb} | {nc} | {tb:.1f} | {tc:.1f} |"
+        + (f" {sum(cb.values()):.1f} | {sum(ca.values()):.1f} |" if a.cpu else "")
+    )
 
 
 if __name__ == "__main__":

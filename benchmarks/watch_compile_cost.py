@@ -43,11 +43,16 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-import fusionguard  # noqa: E402
 from compile_models import Model, tokens  # noqa: E402
+
+import fusionguard  # noqa: E402
 from fusionguard.watching import hooks  # noqa: E402
 
-PATTERNS = {"a": "watch(model), then torch.compile(model)", "b": "a compiled function calling the model", "c": "watch(model), then model.compile()"}
+PATTERNS = {
+    "a": "watch(model), then torch.compile(model)",
+    "b": "a compiled function calling the model",
+    "c": "watch(model), then model.compile()",
+}
 VARIANTS = ("none", "watch", "traced")
 try:
     from fusionguard._testing import keep_out_of_sight
@@ -59,6 +64,7 @@ def compile_step(pattern: str, model: torch.nn.Module):
     if pattern == "a":
         return torch.compile(model)
     if pattern == "b":
+
         def step(x):
             return model(x)
 
@@ -142,15 +148,19 @@ def main() -> None:
     runs = {k: [] for k in order}
     last = {}
     for r in range(args.rounds):
-        for p, v in order[r % len(order):] + order[: r % len(order)]:
+        for p, v in order[r % len(order) :] + order[: r % len(order)]:
             wall, cpu, calls, dynamo = trial(p, v, args)
             runs[(p, v)].append((wall, cpu, calls))
             last[(p, v)] = dynamo
             print(f"round {r} ({p}) {v}: {wall:.2f} s wall, {cpu:.2f} s CPU", file=sys.stderr, flush=True)
     name = torch.cuda.get_device_name() if cuda else "cpu"
-    print(f"torch {torch.__version__}, {name}, {args.layers} blocks, {'training step' if args.backward else 'inference'}, "
-          f"{args.rounds} rounds, TORCHINDUCTOR_CACHE_DIR={os.environ['TORCHINDUCTOR_CACHE_DIR']}")
-    print(f"{'pattern':<44} {'variant':<7} {'wall s':>7} {'/ none':>7} {'CPU s':>7} {'/ none':>7} {'calls /none':>11}  guards frames graphs breaks")
+    print(
+        f"torch {torch.__version__}, {name}, {args.layers} blocks, {'training step' if args.backward else 'inference'}, "
+        f"{args.rounds} rounds, TORCHINDUCTOR_CACHE_DIR={os.environ['TORCHINDUCTOR_CACHE_DIR']}"
+    )
+    print(
+        f"{'pattern':<44} {'variant':<7} {'wall s':>7} {'/ none':>7} {'CPU s':>7} {'/ none':>7} {'calls /none':>11}  guards frames graphs breaks"
+    )
     for p in args.patterns:
         base = runs[(p, "none")]
         for v in VARIANTS:
@@ -158,8 +168,10 @@ def main() -> None:
             ratio = [statistics.median(a[i] / b[i] for a, b in zip(rs, base)) for i in (0, 1)]
             calls = f"{statistics.median(a[2] / b[2] for a, b in zip(rs, base)):11.3f}" if args.calls else f"{'':>11}"
             d = last[(p, v)]
-            print(f"({p}) {PATTERNS[p]:<40} {v:<7} {statistics.median(x[0] for x in rs):7.2f} {ratio[0]:7.3f} "
-                  f"{statistics.median(x[1] for x in rs):7.2f} {ratio[1]:7.3f} {calls}  {d['guards']:6} {d['frames']:6} {d['graphs']:6} {d['breaks']:6}")
+            print(
+                f"({p}) {PATTERNS[p]:<40} {v:<7} {statistics.median(x[0] for x in rs):7.2f} {ratio[0]:7.3f} "
+                f"{statistics.median(x[1] for x in rs):7.2f} {ratio[1]:7.3f} {calls}  {d['guards']:6} {d['frames']:6} {d['graphs']:6} {d['breaks']:6}"
+            )
 
 
 if __name__ == "__main__":

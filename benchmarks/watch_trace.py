@@ -101,7 +101,7 @@ def main() -> None:
     ratios = {v: [] for v in VARIANTS}
     stats = {}
     for r in range(args.rounds):  # every variant once per round, in rotated order
-        order = VARIANTS[r % len(VARIANTS):] + VARIANTS[: r % len(VARIANTS)]
+        order = VARIANTS[r % len(VARIANTS) :] + VARIANTS[: r % len(VARIANTS)]
         got = {}
         for v in order:
             got[v], stats[v] = trace_once(v)

@@ -63,10 +63,22 @@ class Size:
 
 
 SIZES = {
-    "tiny": Size(hidden=64, heads=4, kv_heads=2, head_dim=16, layers=2, vocab=256,
-                 context=256, anchors=8, block=8, grow=64, dtype=torch.float32),
-    "seed": Size(hidden=4096, heads=32, kv_heads=8, head_dim=128, layers=2, vocab=4096,
-                 context=8192, anchors=128, block=16, grow=512, dtype=torch.bfloat16),
+    "tiny": Size(
+        hidden=64, heads=4, kv_heads=2, head_dim=16, layers=2, vocab=256, context=256, anchors=8, block=8, grow=64, dtype=torch.float32
+    ),
+    "seed": Size(
+        hidden=4096,
+        heads=32,
+        kv_heads=8,
+        head_dim=128,
+        layers=2,
+        vocab=4096,
+        context=8192,
+        anchors=128,
+        block=16,
+        grow=512,
+        dtype=torch.bfloat16,
+    ),
 }
 
 
@@ -110,8 +122,7 @@ def anchor_block_mask(doc_ids: torch.Tensor, anchors: torch.Tensor, block: int) 
         own_block = (~in_context) & ((kv_idx - context) // block == blk)
         return prefix | own_block
 
-    return create_block_mask(mask_mod, B=None, H=None, Q_LEN=q_len, KV_LEN=context + q_len,
-                             device=str(doc_ids.device))
+    return create_block_mask(mask_mod, B=None, H=None, Q_LEN=q_len, KV_LEN=context + q_len, device=str(doc_ids.device))
 
 
 def make_batch(size: Size, context: int, gen: torch.Generator, device: str):
@@ -243,10 +254,12 @@ def main(argv=None) -> int:
     gen = torch.Generator().manual_seed(0)
     model = Drafter(size, make_attend(args.mode)).to(device=device, dtype=size.dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4) if train else None
-    print(f"drafter: mode={args.mode} strict={args.strict} device={device} "
-          f"{'training' if train else 'inference only (CPU: no FlexAttention gradients)'}; "
-          f"{size.layers} layers, {size.heads}/{size.kv_heads} heads, head_dim {size.head_dim}, "
-          f"{size.anchors}x{size.block} draft tokens, log {log}")
+    print(
+        f"drafter: mode={args.mode} strict={args.strict} device={device} "
+        f"{'training' if train else 'inference only (CPU: no FlexAttention gradients)'}; "
+        f"{size.layers} layers, {size.heads}/{size.kv_heads} heads, head_dim {size.head_dim}, "
+        f"{size.anchors}x{size.block} draft tokens, log {log}"
+    )
 
     stopped = None
     with fusionguard.watch(model):
@@ -269,13 +282,17 @@ def main(argv=None) -> int:
                 break
             calls = fusionguard.events("flex_call")[n_dense:]
             verdict = ", ".join(sorted({f"{e['phase']} {e['path']} ({e['cause']})" for e in calls})) or "no dense call"
-            print(f"step {step}: KV={context + draft.shape[1]} loss={loss.item():.3f} "
-                  f"{time.perf_counter() - t0:.2f}s{peak_text(device)}  flex: {verdict}")
+            print(
+                f"step {step}: KV={context + draft.shape[1]} loss={loss.item():.3f} "
+                f"{time.perf_counter() - t0:.2f}s{peak_text(device)}  flex: {verdict}"
+            )
 
     fused = fusionguard.events("flex_compile")
     dense = [e for e in fusionguard.events("flex_call") if e["path"] == "dense"]
-    print(f"verdict: {len(dense)} dense FlexAttention call(s), {len(fused)} fused kernel(s) compiled"
-          + (" (run stopped in strict mode)" if stopped else ""))
+    print(
+        f"verdict: {len(dense)} dense FlexAttention call(s), {len(fused)} fused kernel(s) compiled"
+        + (" (run stopped in strict mode)" if stopped else "")
+    )
     fusionguard.disable()
     print()
     sys.stdout.flush()

@@ -52,7 +52,9 @@ def main() -> None:
         step(q, q, q)
         print(f"  step with L={L}")
     (pressure,) = fusionguard.events("recompile_pressure")
-    print(f"  -> recompile_pressure: {pressure['function']} compiled {pressure['compiles']} of {pressure['limit']} times ({pressure['varies']})")
+    print(
+        f"  -> recompile_pressure: {pressure['function']} compiled {pressure['compiles']} of {pressure['limit']} times ({pressure['varies']})"
+    )
     print(f"     fix: {pressure['fix']}")
 
     print("== the fix: mark the length dim dynamic (one graph for every length) ==")
@@ -63,8 +65,10 @@ def main() -> None:
         q = torch.randn(B, H, L, D)
         torch._dynamo.mark_dynamic(q, 2)
         step(q, q, q)
-    print(f"  6 lengths: {counter.frame_count} compile(s), "
-          f"{len(fusionguard.events('recompile_pressure'))} recompile_pressure event (the one above)")
+    print(
+        f"  6 lengths: {counter.frame_count} compile(s), "
+        f"{len(fusionguard.events('recompile_pressure'))} recompile_pressure event (the one above)"
+    )
 
     print("== 2. a watched model whose attention never reaches FlexAttention ==")
     model = SdpaBlock()

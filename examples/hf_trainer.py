@@ -24,15 +24,31 @@ KEYS = ("fusionguard/dense_calls", "fusionguard/fused_calls", "fusionguard/peak_
 
 def main() -> None:
     cuda = torch.cuda.is_available()
-    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-                      intermediate_size=128, vocab_size=256, attn_implementation="flex_attention")
+    cfg = LlamaConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        vocab_size=256,
+        attn_implementation="flex_attention",
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     ids = torch.randint(0, 256, (4, 128 if cuda else 32), generator=torch.Generator().manual_seed(0))
     rows = [{"input_ids": x, "labels": x.clone()} for x in ids]
-    args = TrainingArguments(output_dir="hf_trainer_out", max_steps=3, per_device_train_batch_size=1,
-                             per_device_eval_batch_size=1, logging_steps=1, report_to=[], save_strategy="no",
-                             disable_tqdm=True, use_cpu=not cuda, torch_compile=cuda)
+    args = TrainingArguments(
+        output_dir="hf_trainer_out",
+        max_steps=3,
+        per_device_train_batch_size=1,
+        per_device_eval_batch_size=1,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        use_cpu=not cuda,
+        torch_compile=cuda,
+    )
     trainer = Trainer(model=model, args=args, train_dataset=rows, eval_dataset=rows[:2])
     # attach(): first among the callbacks, so report_to's loggers (TensorBoard, W&B...) get the keys too
     FusionGuardCallback.attach(trainer, strict=cuda)

@@ -64,8 +64,16 @@ class Net(L.LightningModule):
 
 
 def trainer(cb: FusionGuardCallback) -> L.Trainer:
-    return L.Trainer(max_steps=3, callbacks=[cb], logger=False, enable_progress_bar=False, enable_model_summary=False,
-                     enable_checkpointing=False, num_sanity_val_steps=0, limit_val_batches=2)
+    return L.Trainer(
+        max_steps=3,
+        callbacks=[cb],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=2,
+    )
 
 
 def main() -> None:

@@ -18,10 +18,10 @@ import sys
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Union
 
 from fusionguard import _lifecycle
-from fusionguard.core.config import UNSET, Config, check_log_path, check_options, merged, resolve_log_path
-from fusionguard.core.state import STATE, close_allowance, open_allowance
 from fusionguard._version import __version__
 from fusionguard.activate import switched_off
+from fusionguard.core.config import UNSET, Config, check_log_path, check_options, merged, resolve_log_path
+from fusionguard.core.state import STATE, close_allowance, open_allowance
 from fusionguard.errors import DenseFallbackError, DenseFallbackWarning
 
 if TYPE_CHECKING:  # imported lazily: `import fusionguard` must not import torch (pytest plugin)

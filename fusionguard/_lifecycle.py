@@ -12,9 +12,9 @@ import atexit
 import logging
 from typing import Any, Optional
 
-from fusionguard.eventlog import crash, diagnosis
 from fusionguard.core.config import Config, Runtime
 from fusionguard.core.state import STATE, emit, guarded, on_worker_exit, write_stderr
+from fusionguard.eventlog import crash, diagnosis
 from fusionguard.eventlog.header import header_fields
 from fusionguard.eventlog.log import to_torch_trace
 from fusionguard.eventlog.sampler import Sampler
@@ -46,7 +46,10 @@ def _on_sink_error(exc: BaseException) -> None:
 
 
 def _on_sink_resume(unwritten: int) -> None:
-    write_stderr(f"fusionguard: writing the log {STATE.config.log_path} again; {unwritten} event(s) so far could not be written to it\n", logging.INFO)
+    write_stderr(
+        f"fusionguard: writing the log {STATE.config.log_path} again; {unwritten} event(s) so far could not be written to it\n",
+        logging.INFO,
+    )
 
 
 def _install_once() -> Any:
@@ -70,15 +73,20 @@ def _open_log(config: Config, live: Any) -> None:
     STATE.crash_fields = {}
     if config.log_path is not None:
         try:
-            STATE.log.open(config.log_path, fsync=config.fsync, max_bytes=config.log_max_bytes, backups=config.log_backups, mode=config.log_mode,
-                           shared=STATE.log_dir is None)  # (a log directory: a file per process)
+            STATE.log.open(
+                config.log_path,
+                fsync=config.fsync,
+                max_bytes=config.log_max_bytes,
+                backups=config.log_backups,
+                mode=config.log_mode,
+                shared=STATE.log_dir is None,
+            )  # (a log directory: a file per process)
             STATE.durable_keys.clear()
             _announce(config.log_path)
             STATE.crash_fields = crash.capture_native(config.log_path, config.log_mode, STATE.patches)
         except OSError as exc:
             write_stderr(
-                f"fusionguard: cannot open log file {config.log_path!r} ({exc}); "
-                "events are kept in memory only (fusionguard.events())\n"
+                f"fusionguard: cannot open log file {config.log_path!r} ({exc}); events are kept in memory only (fusionguard.events())\n"
             )
             config.log_path = None
     with guarded("header"):  # the guard must be on even if the header cannot be built

@@ -8,14 +8,25 @@ import json
 import os
 from typing import Any, Dict, List, Optional, Union
 
-from fusionguard.eventlog.formatting import causes_text, count_text, mem_text, table
 from fusionguard.core.state import STATE
 from fusionguard.eventlog.distributed import gather_to_rank0
+from fusionguard.eventlog.formatting import causes_text, count_text, mem_text, table
 from fusionguard.eventlog.header import rank_info
 
 COLUMNS = (
-    "layer", "phase", "calls", "dense", "fused", "recompute", "causes",
-    "alloc_delta_last", "alloc_delta_max", "peak_delta_last", "peak_delta_max", "scores_bytes", "rank",
+    "layer",
+    "phase",
+    "calls",
+    "dense",
+    "fused",
+    "recompute",
+    "causes",
+    "alloc_delta_last",
+    "alloc_delta_max",
+    "peak_delta_last",
+    "peak_delta_max",
+    "scores_bytes",
+    "rank",
 )
 
 

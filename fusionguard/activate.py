@@ -56,7 +56,9 @@ def env_mode() -> Optional[str]:
         return None
     mode = raw.strip().lower()
     if mode not in MODES:
-        _say_once("bad", f"fusionguard: ignoring {ENV}={raw!r} (expected one of {', '.join(MODES)}); fusionguard stays as the code sets it\n")
+        _say_once(
+            "bad", f"fusionguard: ignoring {ENV}={raw!r} (expected one of {', '.join(MODES)}); fusionguard stays as the code sets it\n"
+        )
         return None
     return mode
 
@@ -110,7 +112,9 @@ def _enable(mode: str, launch: Callable[[str], None]) -> None:
     try:
         launch(mode)
     except Exception as exc:
-        _say_once("enable", f"fusionguard: {ENV}={mode}: enable() failed ({type(exc).__name__}: {exc}); the program runs without fusionguard\n")
+        _say_once(
+            "enable", f"fusionguard: {ENV}={mode}: enable() failed ({type(exc).__name__}: {exc}); the program runs without fusionguard\n"
+        )
 
 
 def _ours(name: str) -> bool:

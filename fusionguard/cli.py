@@ -43,12 +43,28 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("paths", nargs="+", metavar="PATH", help="log file or directory (several: ranks, runs)")
     r.add_argument("--format", choices=("text", "json", "csv"), default="text", help="text (default) for people; json / csv for scripts")
     r.add_argument("--plot", metavar="FILE.png", help="also write per-layer forward/backward peak-memory bars (needs matplotlib)")
-    r.add_argument("--html", metavar="FILE.html", help="also write the report as one self-contained HTML page (verdict, layers, memory chart, ranks, timeline, versions)")
+    r.add_argument(
+        "--html",
+        metavar="FILE.html",
+        help="also write the report as one self-contained HTML page (verdict, layers, memory chart, ranks, timeline, versions)",
+    )
     r.add_argument("--last", type=int, default=10, metavar="N", help="events shown before a crash or stop (default 10)")
     r.add_argument("-o", "--output", metavar="FILE", help="write the report here instead of stdout")
-    r.add_argument("--fail-on-dense", action="store_true", help="exit status 1 when the logs hold a dense FlexAttention call that was not allowed (allow_dense() calls never fail it)")
-    r.add_argument("--fail-on-recompile-pressure", action="store_true", help="exit status 1 when the logs hold a recompile_pressure event: a frame holding FlexAttention that Dynamo recompiled up to half its recompile limit (--fail-on-dense does not fail on it)")
-    r.add_argument("--expect-fused", action="store_true", help="exit status 1 unless the logs hold at least one fused FlexAttention call (a gate never passes on silence)")
+    r.add_argument(
+        "--fail-on-dense",
+        action="store_true",
+        help="exit status 1 when the logs hold a dense FlexAttention call that was not allowed (allow_dense() calls never fail it)",
+    )
+    r.add_argument(
+        "--fail-on-recompile-pressure",
+        action="store_true",
+        help="exit status 1 when the logs hold a recompile_pressure event: a frame holding FlexAttention that Dynamo recompiled up to half its recompile limit (--fail-on-dense does not fail on it)",
+    )
+    r.add_argument(
+        "--expect-fused",
+        action="store_true",
+        help="exit status 1 unless the logs hold at least one fused FlexAttention call (a gate never passes on silence)",
+    )
     r.add_argument("--expect-calls", type=int, metavar="N", help="exit status 1 when the logs hold fewer than N fused FlexAttention calls")
     d = sub.add_parser(
         "doctor",
@@ -57,9 +73,17 @@ def _parser() -> argparse.ArgumentParser:
         "with GQA, forward and backward (CPU: inference only); print what fusionguard logged and the "
         "peak memory of each, then FUSED - OK (exit 0) or what failed (exit 1).",
     )
-    d.add_argument("--shape", metavar="B,HQ,HKV,Q,KV,D", help="default: the reference shape 1,32,8,2048,10240,128 on a GPU with room, smaller otherwise")
+    d.add_argument(
+        "--shape",
+        metavar="B,HQ,HKV,Q,KV,D",
+        help="default: the reference shape 1,32,8,2048,10240,128 on a GPU with room, smaller otherwise",
+    )
     d.add_argument("--device", help="cuda, cuda:1, cpu (default: cuda if available)")
-    d.add_argument("--backend", default="inductor", help="torch.compile backend for the compiled cases (default inductor; aot_eager shows a failing stack)")
+    d.add_argument(
+        "--backend",
+        default="inductor",
+        help="torch.compile backend for the compiled cases (default inductor; aot_eager shows a failing stack)",
+    )
     u = sub.add_parser(
         "run",
         help="run a command with fusionguard enabled in every Python process it starts",
@@ -69,9 +93,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     mode = u.add_mutually_exclusive_group()
     mode.add_argument("--strict", dest="mode", action="store_const", const="strict", help="raise before a dense call (FUSIONGUARD=strict)")
-    mode.add_argument("--warn", dest="mode", action="store_const", const="warn", help="warn and log (the default, unless FUSIONGUARD is set)")
     mode.add_argument(
-        "--oom", dest="mode", action="store_const", const="oom", help="let dense calls run, except one predicted not to fit on its GPU (FUSIONGUARD=oom)"
+        "--warn", dest="mode", action="store_const", const="warn", help="warn and log (the default, unless FUSIONGUARD is set)"
+    )
+    mode.add_argument(
+        "--oom",
+        dest="mode",
+        action="store_const",
+        const="oom",
+        help="let dense calls run, except one predicted not to fit on its GPU (FUSIONGUARD=oom)",
     )
     u.add_argument("--log", metavar="PATH", help="FUSIONGUARD_LOG: a file, or a directory (end it with /) for one file per process")
     u.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ...", help="the command and its arguments")
@@ -132,7 +162,9 @@ def _gates(args: argparse.Namespace, totals: Dict[str, Any]) -> List[str]:
     frames = totals.get("recompile_pressure_frames") or 0
     if args.fail_on_recompile_pressure and frames:
         at_least = "at least " if totals.get("recompile_pressure_frames_at_least") else ""
-        failed.append(f"--fail-on-recompile-pressure: {at_least}{frames:,} frame{'s' if frames != 1 else ''} holding FlexAttention near Dynamo's recompile limit")
+        failed.append(
+            f"--fail-on-recompile-pressure: {at_least}{frames:,} frame{'s' if frames != 1 else ''} holding FlexAttention near Dynamo's recompile limit"
+        )
     expected = max(1 if args.expect_fused else 0, args.expect_calls or 0)
     if expected and totals["fused_calls"] < expected:
         flag = f"--expect-calls {args.expect_calls}" if args.expect_calls else "--expect-fused"

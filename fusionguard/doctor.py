@@ -13,12 +13,13 @@ A progress line per experiment goes to stderr as it starts (compiles take second
 from __future__ import annotations
 
 import platform
+import subprocess
 import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
-import fusionguard
-import subprocess
 import warnings
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import fusionguard
 
 REFERENCE_SHAPE = (1, 32, 8, 2048, 10240, 128)  # B, Hq, Hkv, Q, KV, head_dim (the first reports' shape)
 CPU_SHAPE = (1, 4, 2, 256, 256, 16)
@@ -118,8 +119,10 @@ def _peak(fn: Any, cuda: bool) -> Tuple[Optional[int], Any, Optional[BaseExcepti
 
 def run_case(name: str, compiled: bool, masked: bool, shape: Sequence[int], device: str, backend: str = "inductor") -> Dict[str, Any]:
     import torch  # lazy: torch loads on first use, never when this module is imported
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # lazy: torch loads on first use, never when this module is imported
-
+    from torch.nn.attention.flex_attention import (
+        create_block_mask,
+        flex_attention,
+    )  # lazy: torch loads on first use, never when this module is imported
 
     b, hq, hkv, q_len, kv_len, d = shape
     cuda = device.startswith("cuda")
@@ -161,13 +164,15 @@ def _gb(n: Optional[int]) -> str:
 
 
 def main(
-    shape: Optional[Sequence[int]] = None, device: Optional[str] = None, out: Any = None, backend: str = "inductor",
+    shape: Optional[Sequence[int]] = None,
+    device: Optional[str] = None,
+    out: Any = None,
+    backend: str = "inductor",
     progress: Any = sys.stderr,
 ) -> int:
     """Run the experiment, print the table and the verdict; 0 only if compiled is fused both ways,
     1 otherwise (dense, or an experiment failed). ``progress``: a line per experiment as it starts."""
     import torch  # lazy: torch loads on first use, never when this module is imported
-
 
     out = out or sys.stdout
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -190,17 +195,28 @@ def main(
             for i, (masked, compiled) in enumerate(cases, 1):
                 name = f"{'compiled' if compiled else 'eager':<8} {'causal BlockMask' if masked else 'no mask':<16} GQA"
                 if progress is not None:
-                    progress.write(f"fusionguard doctor: [{i}/{len(cases)}] {' '.join(name.split())}{' (compiling)' if compiled else ''} ...\n")
+                    progress.write(
+                        f"fusionguard doctor: [{i}/{len(cases)}] {' '.join(name.split())}{' (compiling)' if compiled else ''} ...\n"
+                    )
                     progress.flush()
                 t0 = time.perf_counter()
                 try:
                     row = run_case(name, compiled, masked, shape, device, backend)
                 except Exception as exc:  # the experiment itself failed: a finding, exit 1
-                    row = {"case": name, "compiled": compiled, "phases": ["forward"], "paths": {}, "fwd_peak": None,
-                           "bwd_peak": None, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+                    row = {
+                        "case": name,
+                        "compiled": compiled,
+                        "phases": ["forward"],
+                        "paths": {},
+                        "fwd_peak": None,
+                        "bwd_peak": None,
+                        "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                    }
                 row["seconds"] = time.perf_counter() - t0
                 rows.append(row)
-                verdict = "; ".join(f"{p}: " + ", ".join(f"{a} ({b})" for a, b in row["paths"].get(p, [])) or f"{p}: nothing logged" for p in row["phases"])
+                verdict = "; ".join(
+                    f"{p}: " + ", ".join(f"{a} ({b})" for a, b in row["paths"].get(p, [])) or f"{p}: nothing logged" for p in row["phases"]
+                )
                 out.write(f"  {name:<34} fwd {_gb(row['fwd_peak']):>9}  bwd {_gb(row['bwd_peak']):>9}  {verdict}\n")
                 out.flush()
                 if row["error"]:

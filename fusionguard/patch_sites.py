@@ -24,14 +24,15 @@ from typing import Any, Callable, List, Tuple
 
 import torch
 
-from fusionguard.dense import guard, masks, pressure, rescue
-from fusionguard.fused import inductor
-from fusionguard import torch_internals as ti, watching
-from fusionguard.eventlog.messages import LOGGER_NAME
+from fusionguard import torch_internals as ti
+from fusionguard import watching
 from fusionguard._summary import log_summary
-from fusionguard.core.state import STATE, emit, guarded, internal_error
-from fusionguard.dense.dynamo_signals import SIGNALS
 from fusionguard.core.registry import PatchRegistry
+from fusionguard.core.state import STATE, emit, guarded, internal_error
+from fusionguard.dense import guard, masks, pressure, rescue
+from fusionguard.dense.dynamo_signals import SIGNALS
+from fusionguard.eventlog.messages import LOGGER_NAME
+from fusionguard.fused import inductor
 
 
 def _dense(reg: PatchRegistry, op_name: str, phase: str) -> None:
@@ -93,7 +94,13 @@ def _pressure(reg: PatchRegistry) -> None:
     """Recompile pressure: Dynamo's FlexAttention tracing method counts the compiles of the frame
     being compiled (compile time only)."""
     cls, name = ti.flex_trace_method()
-    reg.apply(f"FlexAttentionHigherOrderVariable.{name}", vars(cls), name, functools.partial(pressure.make_trace_wrapper, STATE.runtime), owner=cls)
+    reg.apply(
+        f"FlexAttentionHigherOrderVariable.{name}",
+        vars(cls),
+        name,
+        functools.partial(pressure.make_trace_wrapper, STATE.runtime),
+        owner=cls,
+    )
 
 
 def _compile_wrappers(reg: PatchRegistry) -> None:
@@ -103,7 +110,12 @@ def _compile_wrappers(reg: PatchRegistry) -> None:
 
 def _rescue(reg: PatchRegistry) -> None:
     home = ti.setup_compilation_env_home()
-    reg.apply(f"flex_attention.{ti.SETUP_COMPILATION_ENV}", home, ti.SETUP_COMPILATION_ENV, functools.partial(rescue.make_setup_env_wrapper, STATE.runtime))
+    reg.apply(
+        f"flex_attention.{ti.SETUP_COMPILATION_ENV}",
+        home,
+        ti.SETUP_COMPILATION_ENV,
+        functools.partial(rescue.make_setup_env_wrapper, STATE.runtime),
+    )
 
 
 def _mask_build(reg: PatchRegistry) -> None:
@@ -181,4 +193,3 @@ def final_events(reason: str, **extra: Any) -> None:
     """The per-layer summary and the shutdown event that end a log (disable, exit, a new log_path)."""
     log_summary()
     STATE.log.emit("info", "shutdown", reason=reason, **extra, counts=dict(STATE.counts))
-

@@ -40,10 +40,10 @@ import collections
 import contextlib
 import json
 import os
+import tempfile
 from typing import Any, Dict, Generator, Iterator, List, Optional
 
 import pytest
-import tempfile
 
 MODES = ("strict", "warn", "oom", "off")
 PROPERTY = "fusionguard"

@@ -41,8 +41,12 @@ from fusionguard.eventlog.messages import say
 __all__ = ["Counts", "Session", "Verdict", "describe", "track"]
 
 #: The metric names of ``Counts.metrics()`` (and of every framework callback).
-DENSE, FUSED, ALLOWED, PEAK = ("fusionguard/dense_calls", "fusionguard/fused_calls", "fusionguard/allowed_calls",
-                               "fusionguard/peak_layer_bytes")
+DENSE, FUSED, ALLOWED, PEAK = (
+    "fusionguard/dense_calls",
+    "fusionguard/fused_calls",
+    "fusionguard/allowed_calls",
+    "fusionguard/peak_layer_bytes",
+)
 KILL_SWITCH = "FUSIONGUARD=off in the environment (the kill switch)"
 DISABLED = "fusionguard.disable() was called"
 
@@ -158,8 +162,17 @@ class Session:
     """One hold on fusionguard around a model: ``fusionguard.track(...)`` makes one (module
     docstring); ``start()`` / ``stop()`` for callbacks, or ``with``."""
 
-    def __init__(self, model: Any = None, *, strict: Any = UNSET, log_path: Any = UNSET, memory: bool = True,
-                 hooks: bool = True, name: str = "fusionguard.track()", **options: Any) -> None:
+    def __init__(
+        self,
+        model: Any = None,
+        *,
+        strict: Any = UNSET,
+        log_path: Any = UNSET,
+        memory: bool = True,
+        hooks: bool = True,
+        name: str = "fusionguard.track()",
+        **options: Any,
+    ) -> None:
         named = dict(options) if strict is UNSET else {**options, "strict": strict}
         try:  # enable()'s own checks, now, naming the session's maker
             check_options(options)
@@ -401,8 +414,9 @@ class Session:
             import torch.distributed as dist  # lazy: as above
 
             nccl = "nccl" in str(dist.get_backend()) and torch.cuda.is_available()
-            flags = torch.zeros(dist.get_world_size(), dtype=torch.int32,
-                                device=torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu")
+            flags = torch.zeros(
+                dist.get_world_size(), dtype=torch.int32, device=torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
+            )
             flags[dist.get_rank()] = int(dense)
             dist.all_reduce(flags)
             return [r for r, flag in enumerate(flags.tolist()) if flag]
@@ -477,8 +491,10 @@ class Session:
         key = (self.name, wanted, running)
         if key not in _TOLD:
             _TOLD.add(key)
-            say(f"fusionguard: {self.name} asked for {wanted}, but the program's own fusionguard.enable() set "
-                f"{running}: the program's settings stand (pass them to that enable(), or leave them out of {self.name})\n")
+            say(
+                f"fusionguard: {self.name} asked for {wanted}, but the program's own fusionguard.enable() set "
+                f"{running}: the program's settings stand (pass them to that enable(), or leave them out of {self.name})\n"
+            )
 
     def _follow(self, model: Any, regain: bool = False) -> None:
         with guarded("session watch"):
@@ -561,8 +577,10 @@ class Session:
             key = (self.name, other.name, now, was)
             if key not in _TOLD:
                 _TOLD.add(key)
-                say(f"fusionguard: {self.name} sets {now} while {other.name} (still running) asked for {was}: "
-                    f"the newest session's settings apply until it stops, then {other.name}'s come back\n")
+                say(
+                    f"fusionguard: {self.name} sets {now} while {other.name} (still running) asked for {was}: "
+                    f"the newest session's settings apply until it stops, then {other.name}'s come back\n"
+                )
 
     def _hand_over(self, others: List["Session"]) -> None:
         """What this session enabled passes to a running session, else is undone; what it replaced
@@ -641,8 +659,9 @@ def _finalize(held: _Held) -> None:
         pass
 
 
-def track(model: Any = None, *, strict: Any = UNSET, log_path: Any = UNSET, memory: bool = True, hooks: bool = True,
-          **options: Any) -> Session:
+def track(
+    model: Any = None, *, strict: Any = UNSET, log_path: Any = UNSET, memory: bool = True, hooks: bool = True, **options: Any
+) -> Session:
     """A session around ``model`` (module docstring): ``with fusionguard.track(model, strict=True):``,
     or ``fg = fusionguard.track(model).start()`` ... ``fg.stop()``.
 

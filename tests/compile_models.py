@@ -66,7 +66,16 @@ class Model(nn.Module):
         return x
 
 
-def tokens(seed: int = 0, device: str = "cpu", requires_grad: bool = False, l: int = L, h: int = H, d: int = D, dtype: torch.dtype = torch.float32) -> torch.Tensor:  # noqa: E741 (l, h, d: the shape letters of L, H, D)
+# (l, h, d: the shape letters of L, H, D)
+def tokens(
+    seed: int = 0,
+    device: str = "cpu",
+    requires_grad: bool = False,
+    l: int = L,  # noqa: E741
+    h: int = H,
+    d: int = D,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(1, l, h * d, generator=g).to(device=device, dtype=dtype).requires_grad_(requires_grad)
 

@@ -7,8 +7,8 @@ import contextlib
 import functools
 import importlib
 import json
-import math
 import logging
+import math
 import os
 import re
 import subprocess
@@ -27,8 +27,7 @@ import torch  # noqa: E402
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 import fusionguard  # noqa: E402
-from fusionguard import _testing  # noqa: E402
-from fusionguard import torch_internals  # noqa: E402
+from fusionguard import _testing, torch_internals  # noqa: E402
 
 HOP_MODULE = importlib.import_module("torch._higher_order_ops.flex_attention")
 PUBLIC = importlib.import_module("torch.nn.attention.flex_attention")

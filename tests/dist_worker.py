@@ -203,8 +203,9 @@ def _steps(out: Path, rank: int, dev: torch.device, model, opt, compiled: bool, 
     mark(out, rank, "after_steps")  # never written: rank 1 raised in step 2, rank 0 is stopped
 
 
-def context_parallel_flex(out: Path, rank: int, dev: torch.device, seq: int, heads: int, dim: int, dtype: torch.dtype,
-                          steps: Sequence[str], train: bool = False) -> None:
+def context_parallel_flex(
+    out: Path, rank: int, dev: torch.device, seq: int, heads: int, dim: int, dtype: torch.dtype, steps: Sequence[str], train: bool = False
+) -> None:
     """FlexAttention under torch's private context parallelism (torchtitan's path) on a
     2-rank mesh: Q, K, V of ``seq`` tokens sharded along the sequence (head-tail load balancer),
     K and V all-gathered by ``_ContextParallel``'s pre-hook, the causal mask from

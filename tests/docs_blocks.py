@@ -93,7 +93,7 @@ def blocks(files: list[str] | None = None) -> list[Block]:
             j = i + 1
             while j < len(lines) and not lines[j].strip().startswith(fence):
                 j += 1
-            body = "\n".join(line[len(indent):] if line.startswith(indent) else line.lstrip() for line in lines[i + 1:j])
+            body = "\n".join(line[len(indent) :] if line.startswith(indent) else line.lstrip() for line in lines[i + 1 : j])
             mk = MARK.match(lines[i - 1]) if i else None
             b = Block(name, i + 1, lang, body + "\n", mk.group(1) if mk else None)
             if b.mark is not None:
@@ -106,19 +106,19 @@ def blocks(files: list[str] | None = None) -> list[Block]:
 # --- normalising outputs -----------------------------------------------------------------------
 
 _RULES: list[tuple[str, str]] = [
-    (r"\x1b\[[0-9;]*m", ""),                                                  # colours
-    (r"(?m)^[IWEDC]\d{4} \d\d:\d\d:\d\d\.\d+ \d+ ", "<glog> "),               # PyTorch's log prefix
-    (r"\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(\.\d+)?( UTC)?", "<time>"),          # times
-    (r"(?<![\w.])/(?:[\w.@+~-]+/)+", ""),                                      # absolute directories
-    (r"(fusionguard/[\w/]+\.py):\d+", r"\1:<n>"),                             # fusionguard's own lines
-    (r"\d[\d,]*(\.\d+)? ?(B|KB|MB|GB|TB|KiB|MiB|GiB)\b", "<size>"),           # sizes
-    (r"\bpid[ =]?\d+", "pid<n>"),                                             # pids
-    (r"\d+(\.\d+)+[\w+.-]*", "<v>"),                                          # versions, floats, durations
-    (r"\btriton -", "triton <v>"),                                            # CPU builds: triton installed or not
-    (r"(devices:\s+)[^:\s]+:", r"\1<host>:"),                                 # the host's name
-    (r"(fusionguard report: .*?)\b\d[\d,]* events\b", r"\1<n> events"),        # a slow run's periodic counter flush adds one
-    (r"-{3,}", "---"),                                                        # table rules
-    (r"[ \t]+", " "),                                                         # column padding
+    (r"\x1b\[[0-9;]*m", ""),  # colours
+    (r"(?m)^[IWEDC]\d{4} \d\d:\d\d:\d\d\.\d+ \d+ ", "<glog> "),  # PyTorch's log prefix
+    (r"\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(\.\d+)?( UTC)?", "<time>"),  # times
+    (r"(?<![\w.])/(?:[\w.@+~-]+/)+", ""),  # absolute directories
+    (r"(fusionguard/[\w/]+\.py):\d+", r"\1:<n>"),  # fusionguard's own lines
+    (r"\d[\d,]*(\.\d+)? ?(B|KB|MB|GB|TB|KiB|MiB|GiB)\b", "<size>"),  # sizes
+    (r"\bpid[ =]?\d+", "pid<n>"),  # pids
+    (r"\d+(\.\d+)+[\w+.-]*", "<v>"),  # versions, floats, durations
+    (r"\btriton -", "triton <v>"),  # CPU builds: triton installed or not
+    (r"(devices:\s+)[^:\s]+:", r"\1<host>:"),  # the host's name
+    (r"(fusionguard report: .*?)\b\d[\d,]* events\b", r"\1<n> events"),  # a slow run's periodic counter flush adds one
+    (r"-{3,}", "---"),  # table rules
+    (r"[ \t]+", " "),  # column padding
 ]
 
 
@@ -149,7 +149,7 @@ def matches(block: Block, real: str) -> tuple[bool, str]:
     """Whether the documented output is the real one (normalised); a diff-like text when not."""
     doc, got = normalise(documented(block)), normalise(real)
     if "part" in block.flags:
-        ok = any(got[i:i + len(doc)] == doc for i in range(len(got) - len(doc) + 1))
+        ok = any(got[i : i + len(doc)] == doc for i in range(len(got) - len(doc) + 1))
     else:
         ok = doc == got
     why = "" if ok else "documented (normalised):\n  " + "\n  ".join(doc) + "\nreal (normalised):\n  " + "\n  ".join(got)
@@ -166,7 +166,7 @@ def update(block: Block, real: str) -> bool:
             return False
         score = [difflib.SequenceMatcher(None, doc[0], line).ratio() for line in got]
         start = score.index(max(score))
-        new = new[start:start + len(doc)]
+        new = new[start : start + len(doc)]
     commands = [line for line in block.text.splitlines() if line.startswith("$ ")]
     body = "\n".join(commands + new) + "\n"
     path = ROOT / block.file
@@ -249,8 +249,7 @@ def run_shell(text: str, cwd: Path, parallel: bool = False) -> str:
         if argv[0] in ("fusionguard", "pytest"):
             rc, text_out = in_process(argv, cwd)
         else:
-            proc = subprocess.Popen(line, shell=True, cwd=cwd, env=child_env(), stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True)
+            proc = subprocess.Popen(line, shell=True, cwd=cwd, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             procs.append((line, proc))
             if parallel:
                 continue
@@ -466,12 +465,14 @@ def setup_train_py(device: str) -> dict[str, Any]:
 
 
 def setup_pytest_project(device: str) -> dict[str, Any]:
-    Path("test_attention.py").write_text(textwrap.dedent("""\
+    Path("test_attention.py").write_text(
+        textwrap.dedent("""\
         import torch
 
         def test_shapes():
             assert torch.randn(1, 2, 16, 8).shape[-1] == 8
-        """))
+        """)
+    )
     return setup_base(device)
 
 

@@ -41,9 +41,15 @@ def hf(out: Path, rank: int, stop: bool = False) -> dict:
 
     from fusionguard.integrations.transformers import FusionGuardCallback
 
-    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-                      intermediate_size=128, vocab_size=256,
-                      attn_implementation="sdpa" if stop and rank == 0 else "flex_attention")
+    cfg = LlamaConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        vocab_size=256,
+        attn_implementation="sdpa" if stop and rank == 0 else "flex_attention",
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     for name, p in model.named_parameters():
@@ -57,17 +63,36 @@ def hf(out: Path, rank: int, stop: bool = False) -> dict:
             out.append({"input_ids": ids, "labels": ids.clone()})
         return out
 
-    args = TrainingArguments(output_dir=str(out / "out"), per_device_train_batch_size=1, per_device_eval_batch_size=1,
-                             max_steps=TRAIN_STEPS + stop, logging_steps=1, report_to=[], use_cpu=DEVICE == "cpu", disable_tqdm=True,
-                             save_strategy="no", ddp_backend="gloo" if DEVICE == "cpu" else "nccl", ddp_find_unused_parameters=False)
-    trainer = Trainer(model=model, args=args, train_dataset=rows([16] * 4), eval_dataset=rows(LENGTHS),
-                      callbacks=[FusionGuardCallback(stop_on_dense=stop)])
+    args = TrainingArguments(
+        output_dir=str(out / "out"),
+        per_device_train_batch_size=1,
+        per_device_eval_batch_size=1,
+        max_steps=TRAIN_STEPS + stop,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=DEVICE == "cpu",
+        disable_tqdm=True,
+        save_strategy="no",
+        ddp_backend="gloo" if DEVICE == "cpu" else "nccl",
+        ddp_find_unused_parameters=False,
+    )
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=rows([16] * 4),
+        eval_dataset=rows(LENGTHS),
+        callbacks=[FusionGuardCallback(stop_on_dense=stop)],
+    )
     with torch.compiler.set_stance("force_eager"):
         trainer.train()
         metrics = {} if stop else trainer.evaluate()
-    return {"metrics": metrics, "log_history": trainer.state.log_history,
-            "world_size": trainer.args.world_size, "process_index": trainer.args.process_index,
-            "global_step": trainer.state.global_step}
+    return {
+        "metrics": metrics,
+        "log_history": trainer.state.log_history,
+        "world_size": trainer.args.world_size,
+        "process_index": trainer.args.process_index,
+        "global_step": trainer.state.global_step,
+    }
 
 
 def lightning(out: Path, rank: int, stop: bool = False) -> dict:
@@ -122,15 +147,29 @@ def lightning(out: Path, rank: int, stop: bool = False) -> dict:
             return torch.utils.data.DataLoader(data, batch_size=1)
 
     cb = FusionGuardCallback(stop_on_dense=stop, log_path=str(out / "logs") + os.sep)
-    trainer = L.Trainer(accelerator=DEVICE, devices=2, strategy="ddp", callbacks=[cb], max_steps=3, limit_val_batches=0 if stop else None,
-                        logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    trainer = L.Trainer(
+        accelerator=DEVICE,
+        devices=2,
+        strategy="ddp",
+        callbacks=[cb],
+        max_steps=3,
+        limit_val_batches=0 if stop else None,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
     if stop:
         trainer.fit(Net())
         metrics = {}
     else:
         [metrics] = trainer.validate(Net())
-    return {"metrics": {k: float(v) for k, v in metrics.items()}, "world_size": trainer.world_size,
-            "global_rank": trainer.global_rank, "global_step": trainer.global_step}
+    return {
+        "metrics": {k: float(v) for k, v in metrics.items()},
+        "world_size": trainer.world_size,
+        "global_rank": trainer.global_rank,
+        "global_step": trainer.global_step,
+    }
 
 
 @record

@@ -12,11 +12,10 @@ import contextlib
 
 import pytest
 import torch
+from conftest import flex_events, qkv, run_forked
 from torch.nn.attention.flex_attention import flex_attention
 
 import fusionguard
-
-from conftest import flex_events, qkv, run_forked
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 pytest_plugins = ["pytester"]

@@ -17,11 +17,10 @@ import weakref
 
 import pytest
 import torch
+from conftest import PUBLIC, causal, flex_events, op_call, qkv
 from torch.nn.attention.flex_attention import flex_attention
 
 import fusionguard
-
-from conftest import PUBLIC, causal, flex_events, op_call, qkv
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -342,6 +341,8 @@ def test_a_recompute_blocked_on_a_python_thread_keeps_the_plain_hint(guard, math
     assert rerun["recompute"] is True and "native_thread" not in rerun
     assert HINT not in str(info.value)
     assert "`with fusionguard.allow_dense(): ...`" in str(info.value)
+
+
 # -- create_block_mask follows the same rule (issue #25 part 2 guard, fixed after #27) ---------
 
 MASK_LIMIT = 200_000  # bytes: a 256 x 256 block mask (655 KB estimated) is above it

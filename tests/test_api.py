@@ -6,15 +6,14 @@ import json
 import sys
 import textwrap
 
+import forkserver  # (a child that needs a process, not a fresh interpreter: tests/forkserver.py)
 import pytest
 import torch
+from conftest import HOP_MODULE, ROOT, flex_events, lacks, op_call, qkv, read_jsonl
 
 import fusionguard
-from fusionguard.core import state as _state
 from fusionguard import torch_internals as ti
-
-import forkserver  # (a child that needs a process, not a fresh interpreter: tests/forkserver.py)
-from conftest import HOP_MODULE, ROOT, flex_events, lacks, op_call, qkv, read_jsonl
+from fusionguard.core import state as _state
 
 
 def _patch_points():
@@ -246,9 +245,8 @@ def test_summary_and_report_format_the_same_things_the_same_way(guard, capsys):
     fusionguard report: the same row reads the same in both."""
     import warnings
 
-    from torch.nn.attention.flex_attention import flex_attention
-
     from conftest import run_cli
+    from torch.nn.attention.flex_attention import flex_attention
 
     log = guard()
 
@@ -271,8 +269,8 @@ def test_summary_and_report_format_the_same_things_the_same_way(guard, capsys):
     rc, out, _ = run_cli(capsys, log)
     line = next(ln for ln in out.splitlines() if ln.startswith("0 "))
     assert "eager_call×2" in line and line.split()[:3] == ["0", "forward", "2"]
-    from fusionguard.eventlog import formatting as _format
     from fusionguard import _summary
+    from fusionguard.eventlog import formatting as _format
     from fusionguard.report import render
 
     assert render.table is _format.table and _summary.table is _format.table

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
+from conftest import PUBLIC, flex_events, in_own_process, needs, qkv, read_jsonl
 from torch.nn.attention.flex_attention import flex_attention
 
 import fusionguard
-
-from conftest import PUBLIC, flex_events, in_own_process, needs, qkv, read_jsonl
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -221,8 +219,11 @@ def test_graph_break_evidence_is_this_frames_only(guard, dynamo_reset):
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     guard()
-    for score_mod, own, other in ((_printing, "print", "graph_break()"), (_breaking, "graph_break()", "print"),
-                                  (_printing, "print", "graph_break()")):
+    for score_mod, own, other in (
+        (_printing, "print", "graph_break()"),
+        (_breaking, "graph_break()", "print"),
+        (_printing, "print", "graph_break()"),
+    ):
         ev = _inlined_evidence(score_mod)
         text = " ".join(ev["graph_breaks"])
         assert own in text and other not in text, (score_mod.__name__, ev["graph_breaks"])

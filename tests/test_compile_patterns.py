@@ -10,8 +10,11 @@ import json
 import sys
 import textwrap
 
+import forkserver  # (a child that needs a process, not a fresh interpreter: tests/forkserver.py)
 import pytest
 import torch
+from compile_models import Model, tokens
+from conftest import ROOT, flex_events, needs, read_jsonl
 from torch import nn
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -19,10 +22,6 @@ import fusionguard
 from fusionguard.core import state as _state
 from fusionguard.core.tables import NO_LAYER
 from fusionguard.report.build import build as build_report_dict
-
-from compile_models import Model, tokens
-import forkserver  # (a child that needs a process, not a fresh interpreter: tests/forkserver.py)
-from conftest import ROOT, flex_events, needs, read_jsonl
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -91,7 +90,9 @@ def test_per_block_compile_names_each_block(guard, dynamo_reset):
     assert _state.STATE.counts["fused_runs_forward"] == 4
     expected = {("layers.0.attn", "forward"): (2, 0), ("layers.1.attn", "forward"): (2, 0)}
     assert rows() == expected  # (no '' row for the model around the blocks)
-    wrapped = [(g, g.current_callable.__wrapped__) for g in ti.found_compiled_graphs() if hasattr(g.current_callable, "_fusionguard_records")]
+    wrapped = [
+        (g, g.current_callable.__wrapped__) for g in ti.found_compiled_graphs() if hasattr(g.current_callable, "_fusionguard_records")
+    ]
     assert wrapped
     assert report_rows(log) == expected  # (disables)
     assert all(g.current_callable is original for g, original in wrapped)
@@ -251,4 +252,6 @@ def test_graphs_compiled_before_enable_are_found_and_counted(tmp_path):
     assert result["counts"]["fused_runs_forward"] == 3 * 2 * 2
     # the model's graph's 4 calls stay unnamed: summary() counts them under "(no layer)", as the report does (#24)
     assert {(r["layer"], r["fused"]) for r in result["rows"]} == {("0", 2), ("1", 2), ("layers.0", 2), ("layers.1", 2), (NO_LAYER, 4)}
-    assert {(r["layer"], r["fused"]) for r in build_report_dict([str(log)])["rows"] if r["fused"]} == {(r["layer"], r["fused"]) for r in result["rows"]}
+    assert {(r["layer"], r["fused"]) for r in build_report_dict([str(log)])["rows"] if r["fused"]} == {
+        (r["layer"], r["fused"]) for r in result["rows"]
+    }

@@ -6,14 +6,13 @@ import os
 import sys
 import textwrap
 
+import forkserver  # (a child that needs a process, not a fresh interpreter: tests/forkserver.py)
 import pytest
 import torch
+from conftest import ROOT, flex_events, op_args, qkv, read_jsonl
 from torch.nn.attention.flex_attention import flex_attention
 
 import fusionguard
-
-import forkserver  # (a child that needs a process, not a fresh interpreter: tests/forkserver.py)
-from conftest import ROOT, flex_events, op_args, qkv, read_jsonl
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 

@@ -15,13 +15,12 @@ import threading
 import traceback
 from pathlib import Path
 
+import forkserver  # (a child that needs a process, not a fresh interpreter: tests/forkserver.py)
 import pytest
+from conftest import ROOT, child_env, read_jsonl, run_cli
 
 from fusionguard.eventlog import crash, diagnosis
 from fusionguard.report import crashfile
-
-import forkserver  # (a child that needs a process, not a fresh interpreter: tests/forkserver.py)
-from conftest import ROOT, child_env, read_jsonl, run_cli
 
 PY = sys.executable
 
@@ -50,7 +49,9 @@ import sys
 def mine(t, e, tb):
     sys.stderr.write("MY-HOOK-RAN " + t.__name__ + "\\n")
 sys.excepthook = mine
-""" + PRELUDE + """
+"""
+    + PRELUDE
+    + """
 import threading
 def attention_worker():
     big = torch.randn(1, 1, 2 ** 19, 8)
@@ -60,27 +61,31 @@ t.start(); t.join()
 flex_attention(q, q, q)
 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.70 GiB")
 """,
-    "sigterm": PRELUDE + """
+    "sigterm": PRELUDE
+    + """
 for i in range(100000):
     flex_attention(q, q, q)
     if i == 5:
         print("ready", flush=True)
 """,
-    "sigkill": PRELUDE + """
+    "sigkill": PRELUDE
+    + """
 for i in range(100000):
     flex_attention(q, q, q)
     if i == 5:
         print("ready", flush=True)
 """,
     # a native crash: a real SIGSEGV (faulthandler's own test helper) right after a dense call
-    "segv": PRELUDE + """
+    "segv": PRELUDE
+    + """
 flex_attention(q, q, q)
 import faulthandler
 faulthandler._sigsegv()
 """,
     # faulthandler is ours while enabled, an entry of the undo registry, given back (off) by
     # disable(); the unused file goes
-    "native_off": PRELUDE + """
+    "native_off": PRELUDE
+    + """
 import faulthandler, json
 def entries():
     return [e for e in STATE.patches.entries() if e.name == "faulthandler: crash file"]
@@ -96,7 +101,6 @@ out.update(after=faulthandler.is_enabled(), restored_after=[first.restored(), se
 print(json.dumps(out))
 """,
 }
-
 
 
 class Runs:
@@ -145,8 +149,6 @@ def runs(tmp_path_factory):
     r = Runs(tmp_path_factory.mktemp("crash"))
     yield r
     r.close()
-
-
 
 
 # -- crash-only subprocesses (no torch: fast) ---------------------------------------------------
@@ -368,7 +370,14 @@ def _frames(*names):
     return [traceback.FrameSummary("/x/torch/_higher_order_ops/flex_attention.py", 1, n) for n in names]
 
 
-DENSE_BWD = {"event": "flex_call", "path": "dense", "phase": "backward", "layer": "layers.17.self_attn", "cause": "eager_call", "scores_bytes": 2_700_000_000}
+DENSE_BWD = {
+    "event": "flex_call",
+    "path": "dense",
+    "phase": "backward",
+    "layer": "layers.17.self_attn",
+    "cause": "eager_call",
+    "scores_bytes": 2_700_000_000,
+}
 
 
 def test_diagnosis_wording():
@@ -410,7 +419,7 @@ def test_oom_inside_a_real_dense_kernel_in_a_worker_thread(runs, capsys):
     assert first["exc_type"] == "RuntimeError" and "can't allocate memory" in first["message"]
     last = first["last_flex"]
     assert last["event"] == "flex_call" and last["path"] == "dense" and last["phase"] == "forward"
-    assert last["cause"] == "eager_call" and last["scores_bytes"] == 2 ** 38 * 4
+    assert last["cause"] == "eager_call" and last["scores_bytes"] == 2**38 * 4
     assert first["diagnosis"].startswith("OOM inside dense forward at ")
     assert "in attention_worker" in first["diagnosis"]
     assert first["diagnosis"].endswith("; the dense score matrix is 1.10 TB in fp32")
@@ -578,7 +587,11 @@ def test_faulthandler_is_given_back_and_an_empty_crash_file_removed(runs):
     r = runs.get("native_off")
     assert r["rc"] == 0, r["err"][-2000:]
     assert json.loads(r["out"].strip().splitlines()[-1]) == {
-        "on": True, "restored": [False, False], "after": False, "restored_after": [True, True], "left": []
+        "on": True,
+        "restored": [False, False],
+        "after": False,
+        "restored_after": [True, True],
+        "left": [],
     }
     files = [read_jsonl(log)[0]["crash_file"] for log in (r["log"], str(r["log"]) + ".2.jsonl")]
     assert len(set(files)) == 2 and not any(Path(f).exists() for f in files)
@@ -616,7 +629,11 @@ def test_native_crash_parser_reads_faulthandler_text(tmp_path):
     recent = [{"event": "flex_call", "path": "dense", "phase": "forward", "layer": "layers.3.attn", "seq": 7}]
     ev = crashfile.native_crash(str(f), (), recent)
     assert ev["exc_type"] == "native crash (SIGABRT)" and ev["message"] == "Fatal Python error: Aborted"
-    assert ev["frames"] == ["/u/train.py:20 in <module>", "/u/train.py:12 in step", "/t/torch/_higher_order_ops/flex_attention.py:80 in sdpa_dense"]
+    assert ev["frames"] == [
+        "/u/train.py:20 in <module>",
+        "/u/train.py:12 in step",
+        "/t/torch/_higher_order_ops/flex_attention.py:80 in sdpa_dense",
+    ]
     assert ev["diagnosis"] == (
         "the process died of SIGABRT inside FlexAttention's dense implementation; last FlexAttention event: dense forward of layers.3.attn"
     )
@@ -668,6 +685,11 @@ def test_a_crash_file_that_is_a_fifo_or_device_never_blocks_report(tmp_path):
         if name == "b":  # found beside the log, by name
             os.mkfifo(tmp_path / name / "run.pid7.crash")
         log.write_text(json.dumps(dict(header, crash_file=crash_file)) + "\n")
-        p = subprocess.run([sys.executable, "-m", "fusionguard", "report", str(log)], capture_output=True, text=True, timeout=30,
-                           env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        p = subprocess.run(
+            [sys.executable, "-m", "fusionguard", "report", str(log)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        )
         assert p.returncode == 0 and "CRASH" not in p.stdout, (name, p.stderr[-2000:])

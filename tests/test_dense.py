@@ -11,18 +11,32 @@ import warnings
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from conftest import PUBLIC, causal, child_env, flex_events, in_own_process, op_call, qkv, read_jsonl
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import fusionguard
 
-from conftest import PUBLIC, causal, child_env, flex_events, in_own_process, op_call, qkv, read_jsonl
-
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
 FIELDS = (
-    "event", "phase", "path", "traced", "cause", "layer", "q_shape", "kv_shape", "dtype", "device",
-    "scores_bytes", "ts", "seq", "pid", "rank", "thread",
+    "event",
+    "phase",
+    "path",
+    "traced",
+    "cause",
+    "layer",
+    "q_shape",
+    "kv_shape",
+    "dtype",
+    "device",
+    "scores_bytes",
+    "ts",
+    "seq",
+    "pid",
+    "rank",
+    "thread",
 )
 
 
@@ -313,7 +327,10 @@ def test_threads_making_their_first_dense_calls_at_once_are_all_logged_and_block
     rounds = ["warn", "strict"] * 3
     p = subprocess.run(
         [sys.executable, "-c", _FIRST_CALLS, str(tmp_path), *rounds],
-        capture_output=True, text=True, env=child_env(), timeout=300,
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=300,
     )
     assert p.returncode == 0, p.stderr[-3000:]
     results = [json.loads(line) for line in p.stdout.splitlines()]

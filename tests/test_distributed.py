@@ -8,19 +8,18 @@ in this process.
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
-import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Sequence
 
 import pytest
+from conftest import read_jsonl
 
 from fusionguard.eventlog.distributed import gather_to_rank0, process_group_ready
-
-from conftest import read_jsonl
 
 HERE = Path(__file__).resolve().parent
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
@@ -34,8 +33,14 @@ torchrun = pytest.mark.skipif(sys.platform == "win32", reason="torchrun with glo
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-def launch(scenario: str, out: Path, worker: Path = HERE / "dist_worker.py", timeout: float = LAUNCH_TIMEOUT,
-           options: Sequence[str] = (), runner: Sequence[str] = ()) -> subprocess.CompletedProcess:
+def launch(
+    scenario: str,
+    out: Path,
+    worker: Path = HERE / "dist_worker.py",
+    timeout: float = LAUNCH_TIMEOUT,
+    options: Sequence[str] = (),
+    runner: Sequence[str] = (),
+) -> subprocess.CompletedProcess:
     """RUNNER torchrun (with torchrun ``options``) WORKER SCENARIO OUT in OUT, two workers
     (``runner``: e.g. ``fusionguard run --log logs/ --``)."""
     env = dict(os.environ)
@@ -49,19 +54,21 @@ def launch(scenario: str, out: Path, worker: Path = HERE / "dist_worker.py", tim
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # containers whose hostname does not resolve
     env.pop("FUSIONGUARD_LOG", None)
     env.pop("FUSIONGUARD", None)
-    cmd = [*runner] + TORCHRUN + [
-        "--nproc_per_node=2",
-        "--standalone",
-        "--monitor-interval=0.1",
-        *options,
-        str(worker),
-        scenario,
-        str(out),
-    ]
-    # own process group: on a timeout the workers go down with torchrun, not orphaned
-    proc = subprocess.Popen(
-        cmd, env=env, cwd=out, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    cmd = (
+        [*runner]
+        + TORCHRUN
+        + [
+            "--nproc_per_node=2",
+            "--standalone",
+            "--monitor-interval=0.1",
+            *options,
+            str(worker),
+            scenario,
+            str(out),
+        ]
     )
+    # own process group: on a timeout the workers go down with torchrun, not orphaned
+    proc = subprocess.Popen(cmd, env=env, cwd=out, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -81,8 +88,8 @@ def rank_logs(out: Path) -> dict:
     files = sorted((out / "logs").glob("fusionguard.rank*.pid*.jsonl"))
     logs = {}
     for f in files:
-        rank = int(f.name.split(".")[1][len("rank"):])
-        pid = int(f.name.split(".")[2][len("pid"):])
+        rank = int(f.name.split(".")[1][len("rank") :])
+        pid = int(f.name.split(".")[2][len("pid") :])
         events = read_jsonl(f)
         assert events, f
         assert rank not in logs, f"two files for rank {rank}: {files}"

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import warnings
 
+import docs_blocks as db
 import pytest
 
-import docs_blocks as db
-
-pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning"),
-              pytest.mark.filterwarnings("ignore::DeprecationWarning"), pytest.mark.filterwarnings("ignore::FutureWarning")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+]
 
 ALL = db.blocks()
 RUN = [b for b in ALL if b.kind == "run"]
@@ -82,12 +85,18 @@ def test_marks_are_parsed_from_an_unmarked_block(tmp_path, monkeypatch):
 
 
 def test_normalise_keeps_counts_and_words():
-    a = db.normalise("fusionguard report: 1 file, 1 process, rank 0, 8 events\n  versions: torch 2.13.0+cpu\n"
-                     "  time: 2026-12-01 05:39:17.227 UTC (7.4s)\n  at: /tmp/x/train.py:7 in f; 262.14 KB\n")
+    a = db.normalise(
+        "fusionguard report: 1 file, 1 process, rank 0, 8 events\n  versions: torch 2.13.0+cpu\n"
+        "  time: 2026-12-01 05:39:17.227 UTC (7.4s)\n  at: /tmp/x/train.py:7 in f; 262.14 KB\n"
+    )
     # (the header's event count is normalised: where the run is slow, the flusher's periodic counter
     # adds an event, as in CI once; every other count is kept)
-    assert a == ["fusionguard report: 1 file, 1 process, rank 0, <n> events", "versions: torch <v>",
-                 "time: <time> (<v>)", "at: train.py:7 in f; <size>"]
+    assert a == [
+        "fusionguard report: 1 file, 1 process, rank 0, <n> events",
+        "versions: torch <v>",
+        "time: <time> (<v>)",
+        "at: train.py:7 in f; <size>",
+    ]
     assert db.normalise("7 events") != db.normalise("8 events")
     assert db.normalise("DENSE: 1 dense call") != db.normalise("DENSE: 2 dense call")
 

@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT
 
 pytestmark = pytest.mark.slow
@@ -15,7 +14,10 @@ pytestmark = pytest.mark.slow
 def test_doctor_on_cpu_says_fused_ok():
     proc = subprocess.run(
         [sys.executable, "-m", "fusionguard", "doctor", "--shape", "1,4,2,64,64,8", "--device", "cpu"],
-        capture_output=True, text=True, timeout=600, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     # a progress line per experiment, as it starts (stderr), so a 30 s CPU run is never silent
@@ -43,7 +45,10 @@ def test_doctor_rejects_bad_shapes(shape):
 def test_doctor_fails_clearly_on_a_non_fusing_stack():
     proc = subprocess.run(
         [sys.executable, "-m", "fusionguard", "doctor", "--shape", "1,4,2,64,64,8", "--device", "cpu", "--backend", "aot_eager"],
-        capture_output=True, text=True, timeout=600, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
     )
     assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
     assert proc.stdout.splitlines()[-1].startswith("DENSE")

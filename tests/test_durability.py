@@ -11,12 +11,12 @@ import sys
 import textwrap
 import time
 
-import pytest
-
-import fusionguard
 import forkserver  # (a child that needs a process, not a fresh interpreter: tests/forkserver.py)
+import pytest
 from conftest import child_env, qkv, read_jsonl, run_cli
 from torch.nn.attention.flex_attention import flex_attention
+
+import fusionguard
 
 PY = sys.executable
 N = 37  # dense calls; dense_first=3: 3 written in full, 34 only counted until the flusher writes them
@@ -39,7 +39,6 @@ if sys.argv[2] == "sigkill":
     os.kill(os.getpid(), signal.SIGKILL)
 os._exit(0)
 """
-
 
 
 def test_calls_before_a_pause_survive_sigkill_and_os_exit(tmp_path, capsys):

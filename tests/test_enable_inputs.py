@@ -11,15 +11,14 @@ import pathlib
 
 import pytest
 import torch
+from conftest import flex_events, qkv, read_jsonl
+from test_undo_registry import _host_slots, _same
 from torch.nn.attention.flex_attention import flex_attention
 
 import fusionguard
-from fusionguard.core import state as _state
 from fusionguard import _testing
+from fusionguard.core import state as _state
 from fusionguard.eventlog import crash
-
-from conftest import flex_events, qkv, read_jsonl
-from test_undo_registry import _host_slots, _same
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -198,11 +197,18 @@ def test_strict_and_mode_that_disagree_are_refused_both_ways(strict, mode):
         _testing.reset_for_tests()
 
 
-@pytest.mark.parametrize("kwargs, strict, mode", [
-    ({"mode": "strict"}, True, "strict"), ({"strict": True}, True, "strict"), ({"strict": True, "mode": "strict"}, True, "strict"),
-    ({"strict": False, "mode": "warn"}, False, "warn"), ({"strict": False, "mode": "oom"}, False, "oom"), ({"mode": "oom"}, False, "oom"),
-    ({}, False, "warn"),
-])
+@pytest.mark.parametrize(
+    "kwargs, strict, mode",
+    [
+        ({"mode": "strict"}, True, "strict"),
+        ({"strict": True}, True, "strict"),
+        ({"strict": True, "mode": "strict"}, True, "strict"),
+        ({"strict": False, "mode": "warn"}, False, "warn"),
+        ({"strict": False, "mode": "oom"}, False, "oom"),
+        ({"mode": "oom"}, False, "oom"),
+        ({}, False, "warn"),
+    ],
+)
 def test_strict_and_mode_that_agree_or_stand_alone_are_accepted(kwargs, strict, mode):
     try:
         fusionguard.enable(log_path=False, **kwargs)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 import fusionguard
-from fusionguard.core import state as _state
 from fusionguard import _testing
+from fusionguard.core import state as _state
 
 
 @pytest.fixture

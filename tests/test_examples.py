@@ -6,9 +6,8 @@ from __future__ import annotations
 import os
 import sys
 
-import pytest
-
 import forkserver  # (a child that needs a process, not a fresh interpreter: tests/forkserver.py)
+import pytest
 from conftest import ROOT, read_jsonl
 
 pytestmark = pytest.mark.slow
@@ -18,15 +17,20 @@ EXAMPLES = ROOT / "examples"
 def run(script, *args, cwd, expect_rc=0):
     env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
     env.pop("FUSIONGUARD_LOG", None)
-    proc = forkserver.run([sys.executable, str(EXAMPLES / script), *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=240)
+    proc = forkserver.run([sys.executable, str(EXAMPLES / script), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == expect_rc, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 
 
 def test_every_example_has_a_smoke_test():
     assert sorted(p.name for p in EXAMPLES.glob("*.py")) == [
-        "dense_mask.py", "drafter.py", "early_warnings.py", "hf_trainer.py", "lightning_fit.py", "plain_loop.py", "quickstart.py"
+        "dense_mask.py",
+        "drafter.py",
+        "early_warnings.py",
+        "hf_trainer.py",
+        "lightning_fit.py",
+        "plain_loop.py",
+        "quickstart.py",
     ]
     readme = (ROOT / "README.md").read_text()
     for p in EXAMPLES.glob("*.py"):
@@ -85,8 +89,7 @@ def test_quickstart(tmp_path):
     assert "verdict: 1 dense call(s) caught, 1 fused FlexAttention kernel(s) compiled" in out
     events = read_jsonl(tmp_path / "fusionguard.jsonl")
     calls = [e for e in events if e["event"] == "flex_call"]
-    assert [(e["path"], e["cause"], e["action"]) for e in calls] == [
-        ("dense", "eager_call", "raise"), ("dense", "eager_call", "allow")]
+    assert [(e["path"], e["cause"], e["action"]) for e in calls] == [("dense", "eager_call", "raise"), ("dense", "eager_call", "allow")]
     assert [e["template"] for e in events if e["event"] == "flex_compile"] == ["cpp"]
     # the report on the demo's log agrees with the demo: 1 caught, the reference call allowed
     from fusionguard.report.build import build as build_report_dict
@@ -110,8 +113,10 @@ def test_hf_trainer_example(tmp_path):
     assert (events[-1]["event"], events[-1]["reason"]) == ("shutdown", "disable")
     assert [e for e in events if e["event"] == "internal_error"] == []
     calls = [e for e in events if e["event"] == "flex_call"]
-    assert sorted((e["layer"], e["cause"]) for e in calls) == [
-        ("model.layers.0.self_attn", "compiler_disabled")] * 2 + [("model.layers.1.self_attn", "compiler_disabled")] * 2
+    assert (
+        sorted((e["layer"], e["cause"]) for e in calls)
+        == [("model.layers.0.self_attn", "compiler_disabled")] * 2 + [("model.layers.1.self_attn", "compiler_disabled")] * 2
+    )
 
 
 def test_lightning_fit_example(tmp_path):
@@ -124,8 +129,7 @@ def test_lightning_fit_example(tmp_path):
 
 def drafter(mode, tmp_path, *extra, expect_rc=0):
     log = tmp_path / f"{mode}.jsonl"
-    out = run("drafter.py", "--mode", mode, "--steps", "2", "--log", str(log), *extra,
-              cwd=tmp_path, expect_rc=expect_rc)
+    out = run("drafter.py", "--mode", mode, "--steps", "2", "--log", str(log), *extra, cwd=tmp_path, expect_rc=expect_rc)
     assert "inference only (CPU: no FlexAttention gradients)" in out
     assert "fusionguard report: 1 file, 1 process, rank 0" in out  # the report ends the run
     events = read_jsonl(log)

@@ -10,9 +10,8 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
-
 import forkserver  # (a child that needs a process, not a fresh interpreter: tests/forkserver.py)
+import pytest
 from conftest import child_env, read_jsonl, run_cli
 
 PY = sys.executable
@@ -39,7 +38,9 @@ def wait_children(pids, timeout):
 # 20 children forked while two threads of the parent write fsync-ed events as fast as they can
 # (no torch math anywhere: only fusionguard's own writer). Before the at-fork handlers, a child
 # could inherit a lock held by a writer thread and hang in its first event.
-UNDER_LOAD = WAIT + """
+UNDER_LOAD = (
+    WAIT
+    + """
 import json, sys, threading
 import fusionguard
 from fusionguard.core.state import STATE
@@ -70,10 +71,13 @@ for t in threads:
 fusionguard.disable()
 print(json.dumps({"parent": os.getpid(), "status": status, "hung": hung}))
 """
+)
 
 # Dense calls before the fork (some counted, not yet written), then a child that makes its own
 # calls and ends with os._exit 1.5 s later (as DataLoader workers do), then the parent again.
-COUNTS = WAIT + """
+COUNTS = (
+    WAIT
+    + """
 import json, sys, warnings
 import torch
 torch.set_num_threads(1)
@@ -98,13 +102,15 @@ for _ in range(4):
 fusionguard.disable()
 print(json.dumps({"parent": os.getpid(), "child": pid, "status": status, "hung": hung}))
 """
-
+)
 
 
 def _start(code, tmp_path, name, arg):
     script = tmp_path / f"{name}.py"
     script.write_text(textwrap.dedent(code))
-    return forkserver.popen([PY, str(script), str(arg)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(), cwd=tmp_path)
+    return forkserver.popen(
+        [PY, str(script), str(arg)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(), cwd=tmp_path
+    )
 
 
 def _finish(proc, timeout=180):

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import fresh_hf_wrapper, read_jsonl, recompile_limit
 
 import fusionguard
 from fusionguard import _testing
-from conftest import fresh_hf_wrapper, read_jsonl, recompile_limit
 
 transformers = pytest.importorskip("transformers")  # the `test` extra pins it; see setup.cfg
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
@@ -25,8 +25,15 @@ LAYERS = ["model.layers.0.self_attn", "model.layers.1.self_attn"]
 
 
 def tiny_llama():
-    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-                      intermediate_size=128, vocab_size=128, attn_implementation="flex_attention")
+    cfg = LlamaConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        vocab_size=128,
+        attn_implementation="flex_attention",
+    )
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg).eval()
 
@@ -71,8 +78,7 @@ def test_wrapper_compiles_once_per_shape_kind(hf_wrapper_run):
     attributed to the first layer that triggered them, the template is Inductor's C++ one."""
     log, *_ = hf_wrapper_run
     compiles = kinds(log, "flex_compile")
-    assert [(c["layer"], c["phase"], c["path"], c["template"]) for c in compiles] == [
-        (LAYERS[0], "forward", "fused", "cpp")] * 2
+    assert [(c["layer"], c["phase"], c["path"], c["template"]) for c in compiles] == [(LAYERS[0], "forward", "fused", "cpp")] * 2
     assert compiles[0]["q_shape"] == [1, 4, 32, 16]
     assert isinstance(compiles[1]["q_shape"][2], str)  # symbolic: automatic dynamic shapes
 
@@ -124,8 +130,7 @@ def recompile_limit_run(tmp_path_factory):
 
 def test_wrapper_goes_dense_at_recompile_limit(recompile_limit_run):
     calls = recompile_limit_run
-    assert [(c["layer"], c["phase"], c["path"], c["traced"]) for c in calls] == [
-        (layer, "forward", "dense", False) for layer in LAYERS]
+    assert [(c["layer"], c["phase"], c["path"], c["traced"]) for c in calls] == [(layer, "forward", "dense", False) for layer in LAYERS]
     assert calls[0]["q_shape"] == [1, 4, 48, 16]
     assert calls[0]["call_site"]["file"].endswith("transformers/integrations/flex_attention.py")
 
@@ -145,8 +150,7 @@ def test_compiled_model_aot_eager_is_dense(guard, dynamo_reset):
             compiled(ids(32))
         rows = list(fusionguard.summary())
     calls = kinds(log, "flex_call")
-    assert [(c["phase"], c["path"], c["cause"], c["traced"]) for c in calls] == [
-        ("forward", "dense", "non_inductor_backend", True)] * 4
+    assert [(c["phase"], c["path"], c["cause"], c["traced"]) for c in calls] == [("forward", "dense", "non_inductor_backend", True)] * 4
     assert kinds(log, "flex_compile") == []
     # one row per attention layer, as the fused path names them (#35: all four were one `model` row)
     assert [c["layer"] for c in calls] == LAYERS * 2
@@ -221,6 +225,7 @@ def test_without_watch_under_fusionguard_run_names_match_named_modules(tmp_path)
     import sys
 
     from conftest import ROOT
+
     from fusionguard.report.build import build as build_report_dict
 
     script, logs, out = tmp_path / "infer.py", tmp_path / "logs", tmp_path / "out.json"
@@ -229,7 +234,11 @@ def test_without_watch_under_fusionguard_run_names_match_named_modules(tmp_path)
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, "-m", "fusionguard", "run", "--log", f"{logs}/", "--", sys.executable, str(script), str(out)],
-        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Dict, List
 
 import pytest
-
 from conftest import read_jsonl
 from integrations_dist_worker import LENGTHS, TRAIN_STEPS
 from test_distributed import HERE, LAUNCH_TIMEOUT, flex_calls, launch, output, torchrun
@@ -83,8 +82,11 @@ def test_hf_trainer_every_rank_logs_rank0_speaks(tmp_path):
         assert [(r["layer"], r["dense"]) for r in summary["rows"]] == [(layer, 4) for layer in HF_LAYERS]
         assert f"fusionguard: logging FlexAttention verdicts to {f}" in texts[rank]
     # only rank 0 speaks: each verdict and the summary once, across both processes' output
-    assert speakers(texts, r"^fusionguard: step 1: 2 FlexAttention layers, forward fused 0/2; dense: "
-                           r"model\.layers\.0\.self_attn forward x1 \(compiler_disabled\)") == [0]
+    assert speakers(
+        texts,
+        r"^fusionguard: step 1: 2 FlexAttention layers, forward fused 0/2; dense: "
+        r"model\.layers\.0\.self_attn forward x1 \(compiler_disabled\)",
+    ) == [0]
     assert speakers(texts, rf"^fusionguard: step {TRAIN_STEPS}, evaluation batch 1: 2 FlexAttention layers") == [0]
     assert speakers(texts, r"^fusionguard: (step|evaluation)") == [0, 0]
     assert speakers(texts, r"^(\[transformers\] )?fusionguard summary:") == [0]
@@ -111,13 +113,17 @@ def test_lightning_ddp_every_rank_logs_rank0_speaks(tmp_path):
         check_rank_log(events, rank, f)
         calls = flex_calls(events)
         assert [(c["layer"], c["q_shape"][2]) for c in calls] == [
-            (layer, LENGTHS[row]) for row in (rank, rank + 2) for layer in L_LAYERS], f"rank {rank} logs its own calls"
+            (layer, LENGTHS[row]) for row in (rank, rank + 2) for layer in L_LAYERS
+        ], f"rank {rank} logs its own calls"
         assert {(c["path"], c["action"], c["cause"]) for c in calls} == {("dense", "warn", "eager_call")}
         result = json.loads((tmp_path / f"result{rank}.json").read_text())
         assert (result["world_size"], result["global_rank"]) == (2, rank)
         assert (result["metrics"]["fusionguard/dense_calls"], result["metrics"]["fusionguard/fused_calls"]) == (4, 0)
-    assert speakers(texts, r"^fusionguard: validation batch 1: 2 FlexAttention layers, forward fused 0/2; dense: "
-                           r"layers\.0 forward x1 \(eager_call\); layers\.1 forward x1 \(eager_call\)$") == [0]
+    assert speakers(
+        texts,
+        r"^fusionguard: validation batch 1: 2 FlexAttention layers, forward fused 0/2; dense: "
+        r"layers\.0 forward x1 \(eager_call\); layers\.1 forward x1 \(eager_call\)$",
+    ) == [0]
     assert speakers(texts, r"^fusionguard: (step|validation)") == [0]
     assert speakers(texts, r"^fusionguard summary:") == [0]
     assert "fusionguard" not in proc.stdout + proc.stderr
@@ -138,8 +144,11 @@ def check_hf_stop(tmp_path):
     logs = [read_jsonl(tmp_path / f"fusionguard.rank{rank}.jsonl") for rank in (0, 1)]
     assert flex_calls(logs[0]) == []
     assert [c["layer"] for c in flex_calls(logs[1])] == list(HF_LAYERS)
-    assert speakers(texts, r"^fusionguard: step 1: no FlexAttention call: the model never ran flex "
-                           r"\(config\._attn_implementation='sdpa'\)$") == [0]  # rank 0's own verdict, once (#33: not again with the stop)
+    assert speakers(
+        texts,
+        r"^fusionguard: step 1: no FlexAttention call: the model never ran flex "
+        r"\(config\._attn_implementation='sdpa'\)$",
+    ) == [0]  # rank 0's own verdict, once (#33: not again with the stop)
     assert speakers(texts, r"^fusionguard: stop_on_dense: dense FlexAttention on rank 1 at step 1: training stops$") == [0]
     assert speakers(texts, r"^fusionguard: stop_on_dense") == [0]
 

@@ -16,27 +16,37 @@ import logging
 
 import pytest
 import torch
+from conftest import Lines, fresh_hf_wrapper, read_jsonl
 
 import fusionguard
-from fusionguard.core import state as _state
 from fusionguard import _testing
-from conftest import Lines, fresh_hf_wrapper, read_jsonl
+from fusionguard.core import state as _state
 
 transformers = pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 from fusionguard.integrations.transformers import FusionGuardCallback  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning"),
-              pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-              pytest.mark.filterwarnings("ignore::FutureWarning")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+]
 LAYERS = ["model.layers.0.self_attn", "model.layers.1.self_attn"]
 BATCHES = 3
 
 
 def tiny_llama(attn="flex_attention"):
-    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-                      intermediate_size=128, vocab_size=256, attn_implementation=attn)
+    cfg = LlamaConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        vocab_size=256,
+        attn_implementation=attn,
+    )
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg)
 
@@ -51,8 +61,14 @@ def data(n=BATCHES, length=32):
 
 
 def trainer_for(model, tmp_path, callbacks=(), **args):
-    targs = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_eval_batch_size=1, report_to=args.pop("report_to", []),
-                              use_cpu=True, disable_tqdm=True, **args)
+    targs = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        per_device_eval_batch_size=1,
+        report_to=args.pop("report_to", []),
+        use_cpu=True,
+        disable_tqdm=True,
+        **args,
+    )
     return Trainer(model=model, args=targs, eval_dataset=data(), callbacks=list(callbacks))
 
 
@@ -79,8 +95,10 @@ def test_evaluate_forced_dense_warn_counts_in_log_history(tmp_path, cleanup, fg_
     assert "fusionguard/peak_layer_bytes" not in last  # CPU: nothing measured
     assert metrics["eval_loss"] == last["eval_loss"]
     [line] = verdicts(fg_records)
-    assert line == ("fusionguard: evaluation batch 1: 2 FlexAttention layers, forward fused 0/2; dense: "
-                    "model.layers.0.self_attn forward x1 (compiler_disabled); model.layers.1.self_attn forward x1 (compiler_disabled)")
+    assert line == (
+        "fusionguard: evaluation batch 1: 2 FlexAttention layers, forward fused 0/2; dense: "
+        "model.layers.0.self_attn forward x1 (compiler_disabled); model.layers.1.self_attn forward x1 (compiler_disabled)"
+    )
     calls = [e for e in read_jsonl(log) if e["event"] == "flex_call"]
     assert sorted({e["layer"] for e in calls}) == LAYERS
 
@@ -126,8 +144,7 @@ def compiled_run(tmp_path_factory):
         fusionguard.disable()
         _testing.reset_for_tests()
         torch._dynamo.reset()
-    return {"log": read_jsonl(log), "history": history, "lines": handler.lines,
-            "hooks": hooks_before, "compiled": compiled}
+    return {"log": read_jsonl(log), "history": history, "lines": handler.lines, "hooks": hooks_before, "compiled": compiled}
 
 
 def test_torch_compile_fused_verdict(compiled_run):
@@ -149,7 +166,8 @@ def test_attention_that_is_not_flex(tmp_path, cleanup, fg_records):
     trainer = trainer_for(tiny_llama("sdpa"), tmp_path, [FusionGuardCallback(log_path=False)])
     trainer.evaluate()
     assert verdicts(fg_records) == [
-        "fusionguard: evaluation batch 1: no FlexAttention call: the model never ran flex (config._attn_implementation='sdpa')"]
+        "fusionguard: evaluation batch 1: no FlexAttention call: the model never ran flex (config._attn_implementation='sdpa')"
+    ]
     assert trainer.state.log_history[-1]["fusionguard/fused_calls"] == 0
 
 
@@ -202,13 +220,14 @@ def test_missing_transformers_one_line_error(tmp_path):
     import subprocess
     import sys
 
-    code = ("import sys; sys.modules['transformers'] = None\n"
-            "import fusionguard\n"
-            "try:\n import fusionguard.integrations.transformers\n"
-            "except ImportError as e: print(e)\n")
+    code = (
+        "import sys; sys.modules['transformers'] = None\n"
+        "import fusionguard\n"
+        "try:\n import fusionguard.integrations.transformers\n"
+        "except ImportError as e: print(e)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
-    assert out.strip() == ("fusionguard.integrations.transformers needs transformers: "
-                           "pip install 'fusionguard[transformers]'")
+    assert out.strip() == ("fusionguard.integrations.transformers needs transformers: pip install 'fusionguard[transformers]'")
 
 
 def test_import_fusionguard_imports_no_framework():
@@ -227,8 +246,12 @@ def test_the_oom_mode_reaches_the_config_and_a_bad_option_names_the_callback(tmp
     assert fusionguard.is_enabled() and kept  # (the session ends with its Trainer)
     assert (_state.STATE.config.mode, _state.STATE.config.strict) == ("oom", False)
     assert read_jsonl(tmp_path / "fg.jsonl")[0]["config"]["mode"] == "oom"
-    for bad, word in (({"mode": "stirct"}, "mode"), ({"strict": True, "mode": "oom"}, "strict=True"), ({"nope": 1}, "nope"),
-                      ({"log_path": b"x"}, "log_path")):
+    for bad, word in (
+        ({"mode": "stirct"}, "mode"),
+        ({"strict": True, "mode": "oom"}, "strict=True"),
+        ({"nope": 1}, "nope"),
+        ({"log_path": b"x"}, "log_path"),
+    ):
         with pytest.raises((TypeError, ValueError)) as info:
             FusionGuardCallback(**bad)
         assert str(info.value).startswith("FusionGuardCallback()") and word in str(info.value), info.value
@@ -261,8 +284,10 @@ def test_the_programs_enable_wins_and_the_conflict_is_said_once(tmp_path, cleanu
     for _ in range(2):
         trainer = trainer_for(tiny_llama(), tmp_path, [FusionGuardCallback(strict=True)])
     told = [m for m in fg_records.lines if "asked for" in m]
-    assert told == ["fusionguard: FusionGuardCallback() asked for mode='strict', but the program's own fusionguard.enable() set "
-                    "mode='warn': the program's settings stand (pass them to that enable(), or leave them out of FusionGuardCallback())"]
+    assert told == [
+        "fusionguard: FusionGuardCallback() asked for mode='strict', but the program's own fusionguard.enable() set "
+        "mode='warn': the program's settings stand (pass them to that enable(), or leave them out of FusionGuardCallback())"
+    ]
     with torch.compiler.set_stance("force_eager"), pytest.warns(fusionguard.DenseFallbackWarning):
         trainer.evaluate()
 
@@ -293,8 +318,10 @@ def test_fusionguard_off_says_so_and_logs_no_false_zero(tmp_path, cleanup, fg_re
     trainer = trainer_for(tiny_llama(), tmp_path, [FusionGuardCallback()])
     with torch.compiler.set_stance("force_eager"):
         trainer.evaluate()
-    assert verdicts(fg_records) == ["fusionguard: evaluation batch 1: no verdict: FUSIONGUARD=off in the environment (the kill switch); "
-                                    "FlexAttention calls are not checked"]
+    assert verdicts(fg_records) == [
+        "fusionguard: evaluation batch 1: no verdict: FUSIONGUARD=off in the environment (the kill switch); "
+        "FlexAttention calls are not checked"
+    ]
     assert "fusionguard/dense_calls" not in trainer.state.log_history[-1]
 
 
@@ -312,18 +339,33 @@ def head_only(model):
 
 
 def test_model_init_is_followed_and_stop_on_dense_says_the_verdict_once(tmp_path, cleanup, fg_records):
-    targs = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=1, max_steps=3, report_to=[],
-                              use_cpu=True, disable_tqdm=True, save_strategy="no", logging_steps=1)
-    trainer = Trainer(model_init=lambda: head_only(tiny_llama()), args=targs, train_dataset=data(),
-                      callbacks=[FusionGuardCallback(stop_on_dense=True, log_path=False)])
+    targs = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=1,
+        max_steps=3,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        save_strategy="no",
+        logging_steps=1,
+    )
+    trainer = Trainer(
+        model_init=lambda: head_only(tiny_llama()),
+        args=targs,
+        train_dataset=data(),
+        callbacks=[FusionGuardCallback(stop_on_dense=True, log_path=False)],
+    )
     with torch.compiler.set_stance("force_eager"), pytest.warns(fusionguard.DenseFallbackWarning):
         trainer.train()
     assert trainer.state.global_step == 1
     step1 = [m for m in fg_records.lines if m.startswith("fusionguard: step 1")]
-    assert step1 == ["fusionguard: step 1: 2 FlexAttention layers, forward fused 0/2; dense: "
-                     "model.layers.0.self_attn forward x1 (compiler_disabled); model.layers.1.self_attn forward x1 (compiler_disabled)"]
+    assert step1 == [
+        "fusionguard: step 1: 2 FlexAttention layers, forward fused 0/2; dense: "
+        "model.layers.0.self_attn forward x1 (compiler_disabled); model.layers.1.self_attn forward x1 (compiler_disabled)"
+    ]
     assert [m for m in fg_records.lines if "stop_on_dense" in m] == [
-        "fusionguard: stop_on_dense: dense FlexAttention at step 1: training stops"]
+        "fusionguard: stop_on_dense: dense FlexAttention at step 1: training stops"
+    ]
 
 
 def test_a_callback_reused_in_a_new_trainer_follows_it_and_a_deleted_trainer_ends_its_session(tmp_path, cleanup):

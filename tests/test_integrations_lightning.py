@@ -18,19 +18,18 @@ import sys
 
 import pytest
 import torch
+from conftest import Lines, read_jsonl
 from torch.nn.attention.flex_attention import flex_attention
 
 import fusionguard
-from fusionguard.core import state as _state
 from fusionguard import _testing
-from conftest import Lines, read_jsonl
+from fusionguard.core import state as _state
 
 L = pytest.importorskip("lightning.pytorch")
 
 from fusionguard.integrations.lightning import FusionGuardCallback, callback_class  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning"),
-              pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 BATCHES, D = 3, 16
 
 
@@ -76,8 +75,16 @@ def make_module(base, flex=True, compiled=False):
 
 def trainer(pkg, tmp_path, cb, **kw):
     loggers = pkg.loggers if hasattr(pkg, "loggers") else pkg.pytorch.loggers
-    return pkg.Trainer(accelerator="cpu", devices=1, callbacks=[cb], logger=loggers.CSVLogger(str(tmp_path), name="csv"),
-                       enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, **kw)
+    return pkg.Trainer(
+        accelerator="cpu",
+        devices=1,
+        callbacks=[cb],
+        logger=loggers.CSVLogger(str(tmp_path), name="csv"),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        **kw,
+    )
 
 
 @pytest.fixture
@@ -107,7 +114,8 @@ def test_validate_dense_warn_exact_counts(tmp_path, said):
     assert float(row["fusionguard/dense_calls"]) == 2 * BATCHES
     assert [m for m in said.lines if "batch 1" in m] == [
         "fusionguard: validation batch 1: 2 FlexAttention layers, forward fused 0/2; dense: "
-        "layers.0 forward x1 (eager_call); layers.1 forward x1 (eager_call)"]
+        "layers.0 forward x1 (eager_call); layers.1 forward x1 (eager_call)"
+    ]
     [text] = summary.lines  # teardown: the summary table through Lightning's logger tree
     assert text.startswith("fusionguard summary:") and "layers.1" in text and "eager_call" in text
     assert not fusionguard.is_enabled()  # teardown: the callback had enabled it
@@ -130,7 +138,8 @@ def test_layers_built_in_configure_model_are_watched(tmp_path, said):
         trainer(L, tmp_path, cb).validate(net)
     assert [m for m in said.lines if "batch 1" in m] == [
         "fusionguard: validation batch 1: 2 FlexAttention layers, forward fused 0/2; dense: "
-        "layers.0 forward x1 (eager_call); layers.1 forward x1 (eager_call)"]
+        "layers.0 forward x1 (eager_call); layers.1 forward x1 (eager_call)"
+    ]
 
 
 def test_validate_strict_raises_crash_record_and_teardown(tmp_path, said):
@@ -175,10 +184,12 @@ def test_pytorch_lightning_variant(tmp_path, said):
 
 
 def test_missing_lightning_one_line_error():
-    code = ("import sys; sys.modules['lightning'] = None; sys.modules['lightning.pytorch'] = None\n"
-            "import fusionguard.integrations.lightning as m\n"
-            "try:\n m.FusionGuardCallback\n"
-            "except ImportError as e: print(e)\n")
+    code = (
+        "import sys; sys.modules['lightning'] = None; sys.modules['lightning.pytorch'] = None\n"
+        "import fusionguard.integrations.lightning as m\n"
+        "try:\n m.FusionGuardCallback\n"
+        "except ImportError as e: print(e)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
     assert out.strip() == "fusionguard.integrations.lightning needs lightning: pip install 'fusionguard[lightning]'"
 
@@ -225,13 +236,22 @@ def test_keyboard_interrupt_is_named_in_the_summary(tmp_path, said):
     logging.getLogger("lightning.pytorch.callbacks.fusionguard").addHandler(summary)
     try:
         cb = FusionGuardCallback(log_path=False)
-        t = L.Trainer(accelerator="cpu", devices=1, callbacks=[cb, Stop()], logger=False, enable_progress_bar=False,
-                      enable_model_summary=False, enable_checkpointing=False)
+        t = L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            callbacks=[cb, Stop()],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+        )
         with pytest.raises(SystemExit):  # (Lightning 2.6 turns the interrupt into exit status 1)
             t.validate(make_module(L.LightningModule), verbose=False)
     finally:
         logging.getLogger("lightning.pytorch.callbacks.fusionguard").removeHandler(summary)
-    assert summary.lines == ["fusionguard summary:\nfusionguard: the run ended on KeyboardInterrupt no FlexAttention call was counted before it"]
+    assert summary.lines == [
+        "fusionguard summary:\nfusionguard: the run ended on KeyboardInterrupt no FlexAttention call was counted before it"
+    ]
     assert "no FlexAttention layer seen" not in "\n".join(said.lines)
 
 

@@ -29,8 +29,11 @@ def offences(path: Path):
             if node.module not in PUBLIC_MODULES:
                 found.append(f"{path.name}:{node.lineno} from {node.module} import ...")
             elif node.module == "fusionguard":
-                found += [f"{path.name}:{node.lineno} from fusionguard import {a.name}"
-                          for a in node.names if a.name not in fusionguard.__all__ and a.name != "session"]
+                found += [
+                    f"{path.name}:{node.lineno} from fusionguard import {a.name}"
+                    for a in node.names
+                    if a.name not in fusionguard.__all__ and a.name != "session"
+                ]
         elif isinstance(node, ast.Name) and node.id == "STATE":
             found.append(f"{path.name}:{node.lineno} STATE")
     for node in ast.walk(tree):
@@ -47,6 +50,8 @@ def test_the_adapters_use_only_the_public_api():
 
 def test_the_check_catches_what_main_did(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("import fusionguard\nfrom fusionguard.core.state import STATE\nfrom fusionguard import _summary\n"
-                   "fusionguard._enable_as('x')\nSTATE.counts\n")
+    bad.write_text(
+        "import fusionguard\nfrom fusionguard.core.state import STATE\nfrom fusionguard import _summary\n"
+        "fusionguard._enable_as('x')\nSTATE.counts\n"
+    )
     assert len(offences(bad)) == 4

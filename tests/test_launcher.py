@@ -10,12 +10,11 @@ import os
 import subprocess
 import sys
 
+from conftest import ROOT, read_jsonl
 
 import fusionguard
+from fusionguard import _testing, activate
 from fusionguard.core import state as _state
-from fusionguard import _testing
-from fusionguard import activate
-from conftest import ROOT, read_jsonl
 
 PY = sys.executable
 
@@ -93,7 +92,10 @@ def test_the_hook_chains_to_an_existing_sitecustomize_and_never_imports_torch(tm
     code = "import sys, sitecustomize; print(sitecustomize.MARK, 'torch' in sys.modules, 'fusionguard' in sys.modules)"
     p = subprocess.run(
         [PY, "-m", "fusionguard", "run", "--", PY, "-c", code],
-        capture_output=True, text=True, cwd=tmp_path, timeout=120,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
         env=_env(PYTHONPATH=os.pathsep.join([str(ROOT), str(theirs)])),
     )
     assert p.returncode == 0, p.stderr
@@ -125,7 +127,15 @@ def test_the_hook_imports_next_to_nothing_in_a_process_that_never_imports_torch(
         assert not heavy & set(got["new"]), (mode, got["new"])
         assert (got["finder"] == "_TorchWatcher") == bool(mode), (mode, got)
         if mode:
-            assert set(got["new"]) <= {"_fusionguard_activate", "__future__", "importlib", "importlib._bootstrap", "importlib._bootstrap_external", "importlib.machinery", "warnings"}, got["new"]
+            assert set(got["new"]) <= {
+                "_fusionguard_activate",
+                "__future__",
+                "importlib",
+                "importlib._bootstrap",
+                "importlib._bootstrap_external",
+                "importlib.machinery",
+                "warnings",
+            }, got["new"]
 
 
 def test_bad_values_and_missing_commands_are_reported_never_a_crash(tmp_path):
@@ -189,7 +199,10 @@ def test_fusionguard_run_torchrun_enables_each_worker_not_the_agent(tmp_path):
     """The issue's example: `fusionguard run -- torchrun ... train.py` with an unmodified script."""
     (tmp_path / "w.py").write_text(WORKER)
     logs = tmp_path / "logs"
-    p = _run([PY, "-m", "fusionguard", "run", "--log", f"{logs}/", "--", PY, "-m", "torch.distributed.run", "--nproc-per-node", "2", "w.py"], tmp_path)
+    p = _run(
+        [PY, "-m", "fusionguard", "run", "--log", f"{logs}/", "--", PY, "-m", "torch.distributed.run", "--nproc-per-node", "2", "w.py"],
+        tmp_path,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     workers = sorted(line.split()[1:] for line in p.stdout.splitlines() if line.startswith("worker"))
     assert [(rank, enabled) for rank, _, enabled in workers] == [("0", "True"), ("1", "True")]
@@ -217,7 +230,13 @@ def test_empty_pythonpath_entries_are_kept_the_working_directory_stays_importabl
     assert value == "helper from the working directory"
     assert [x for x in path if x != activate.HOOK_DIR] == json.loads(plain.stdout)[1], "sys.path as without the launcher"
     # the environment itself: the user's entries exactly, after the hook directory, once
-    for old, parts in (("", []), (":/a", ["", "/a"]), ("/a:", ["/a", ""]), ("/a::/b", ["/a", "", "/b"]), (f":{activate.HOOK_DIR}:/a", ["", "/a"])):
+    for old, parts in (
+        ("", []),
+        (":/a", ["", "/a"]),
+        ("/a:", ["/a", ""]),
+        ("/a::/b", ["/a", "", "/b"]),
+        (f":{activate.HOOK_DIR}:/a", ["", "/a"]),
+    ):
         old = old.replace(":", os.pathsep)
         env = activate.launch_env(None, None, {"PYTHONPATH": old} if old else {})
         assert env["PYTHONPATH"].split(os.pathsep) == [activate.HOOK_DIR] + parts, old
@@ -286,7 +305,26 @@ def test_modules_loaded_by_another_finder_wait_too_pytest_rewriting_fusionguard(
         "    assert fusionguard.is_enabled() and STATE.config.strict\n"
         "    assert not any('circular' in why for why in STATE.not_patched.values()), STATE.not_patched\n"
     )
-    p = _run([PY, "-m", "fusionguard", "run", "--strict", "--log", f"{tmp_path}/logs/", "--", PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_inner.py"], tmp_path)
+    p = _run(
+        [
+            PY,
+            "-m",
+            "fusionguard",
+            "run",
+            "--strict",
+            "--log",
+            f"{tmp_path}/logs/",
+            "--",
+            PY,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "test_inner.py",
+        ],
+        tmp_path,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "1 passed" in p.stdout and "circular import" not in p.stderr
 

@@ -13,17 +13,16 @@ import threading
 import warnings
 
 import pytest
-
-import fusionguard
-from fusionguard.core import state as _state
-from fusionguard import _testing
-from fusionguard.eventlog import crash
-from fusionguard.dense import guard as guard_mod
-from fusionguard.eventlog.redact import REDACTED, redact_argv
-from fusionguard.eventlog.sink import FileSink
 from conftest import qkv, read_jsonl, run_cli
 from torch.nn.attention.flex_attention import flex_attention
 
+import fusionguard
+from fusionguard import _testing
+from fusionguard.core import state as _state
+from fusionguard.dense import guard as guard_mod
+from fusionguard.eventlog import crash
+from fusionguard.eventlog.redact import REDACTED, redact_argv
+from fusionguard.eventlog.sink import FileSink
 
 # -- what the log is opened on ----------------------------------------------------------------------
 
@@ -107,17 +106,47 @@ def test_new_files_are_owner_only_unless_widened_existing_keep_theirs(tmp_path):
 
 def test_secret_looking_argv_values_are_redacted():
     argv = [
-        "train.py", "--hf-token=hf_abcdefghijklmnopqrstuvwxyz012345", "--api-key", "sk-proj-0123456789abcdefABCDEF",
-        "--password=hunter2", "--lr", "3e-4", "--layers", "32", "wandb.api_key=abc123", "--auth", "Bearer xyz",
-        "--data", "s3://AKIAABCDEFGHIJKLMNOP@bucket/x", "ghp_0123456789abcdefghijABCDEFGHIJ", "https://user:pw@host/repo",
-        "--dropout", "-0.1", "--no-key-cache",
+        "train.py",
+        "--hf-token=hf_abcdefghijklmnopqrstuvwxyz012345",
+        "--api-key",
+        "sk-proj-0123456789abcdefABCDEF",
+        "--password=hunter2",
+        "--lr",
+        "3e-4",
+        "--layers",
+        "32",
+        "wandb.api_key=abc123",
+        "--auth",
+        "Bearer xyz",
+        "--data",
+        "s3://AKIAABCDEFGHIJKLMNOP@bucket/x",
+        "ghp_0123456789abcdefghijABCDEFGHIJ",
+        "https://user:pw@host/repo",
+        "--dropout",
+        "-0.1",
+        "--no-key-cache",
     ]
     out = redact_argv(argv)
     assert out == [
-        "train.py", f"--hf-token={REDACTED}", "--api-key", REDACTED,
-        f"--password={REDACTED}", "--lr", "3e-4", "--layers", "32", f"wandb.api_key={REDACTED}", "--auth", REDACTED,
-        "--data", f"s3://{REDACTED}@bucket/x", REDACTED, f"https://user:{REDACTED}@host/repo",
-        "--dropout", "-0.1", "--no-key-cache",
+        "train.py",
+        f"--hf-token={REDACTED}",
+        "--api-key",
+        REDACTED,
+        f"--password={REDACTED}",
+        "--lr",
+        "3e-4",
+        "--layers",
+        "32",
+        f"wandb.api_key={REDACTED}",
+        "--auth",
+        REDACTED,
+        "--data",
+        f"s3://{REDACTED}@bucket/x",
+        REDACTED,
+        f"https://user:{REDACTED}@host/repo",
+        "--dropout",
+        "-0.1",
+        "--no-key-cache",
     ]
 
 
@@ -160,6 +189,7 @@ def _fill(mnt, free):
 def test_a_fragment_left_by_enospc_is_closed_before_the_next_event(small_tmpfs, max_bytes):
     filler = _fill(small_tmpfs, 4096)
     sink = FileSink(str(small_tmpfs / "fg.jsonl"), fsync=False, max_bytes=max_bytes)
+
     def line(i):
         return json.dumps({"i": i, "pad": "x" * (999 - len(json.dumps({"i": i, "pad": ""})))})
 

@@ -5,21 +5,20 @@ human messages, and ``TORCH_LOGS=fusionguard``."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
 
-import logging
-
+import forkserver  # (a child that needs a process, not a fresh interpreter: tests/forkserver.py)
 import pytest
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 
 import fusionguard
+from fusionguard import torch_internals as ti
 from fusionguard.core import state as _state
 from fusionguard.eventlog import log as L
-from fusionguard import torch_internals as ti
-import forkserver  # (a child that needs a process, not a fresh interpreter: tests/forkserver.py)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -40,8 +39,20 @@ def test_json_lines_are_byte_identical_on_a_fixed_event(tmp_path, monkeypatch):
     log = L.EventLog()
     log.open(str(path), fsync=False)
     returned = log.emit(
-        "warning", "flex_call", phase="forward", path="dense", q_shape=[1, 2, 16, 8], evidence={"how": "é ü", "set": {3}},
-        dtype=None, size=(1, 2), scores_bytes=2048, ratio=0.5, pid=7, rank=0, thread="MainThread", seq=99,
+        "warning",
+        "flex_call",
+        phase="forward",
+        path="dense",
+        q_shape=[1, 2, 16, 8],
+        evidence={"how": "é ü", "set": {3}},
+        dtype=None,
+        size=(1, 2),
+        scores_bytes=2048,
+        ratio=0.5,
+        pid=7,
+        rank=0,
+        thread="MainThread",
+        seq=99,
     )
     log.emit_fields("error", "internal_error", {"level": "x", "where": "w", "pid": 7, "rank": 0, "thread": "T"})
     log.emit("info", "header", schema=1, pid=7, rank=0, thread="T")
@@ -85,7 +96,9 @@ def test_a_host_structlog_setup_and_contextvars_are_not_shared(tmp_path):
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.splitlines()[-1])
     assert result["context"] == {"request_id": "r1", "api_token": "hf_secret"}, "our events left the host's context alone"
-    assert [json.loads(line) for line in result["host"]] == [{"request_id": "r1", "api_token": "hf_secret", "step": 1, "event": "host_event"}]
+    assert [json.loads(line) for line in result["host"]] == [
+        {"request_id": "r1", "api_token": "hf_secret", "step": 1, "event": "host_event"}
+    ]
     events = [json.loads(line) for line in log.read_text().splitlines()]
     text = log.read_text()
     assert "request_id" not in text and "hf_secret" not in text, "the host's bound context is not in our log"
@@ -169,7 +182,9 @@ def test_propagate_hands_them_to_the_root_logger(guard, fg_logger, capsys):
     finally:
         root.removeHandler(theirs)
     assert capsys.readouterr().err == ""
-    assert [r.getMessage() for r in theirs.records if r.name == "fusionguard" and r.getMessage() not in _lacks()] == [_announce(log).rstrip("\n")]
+    assert [r.getMessage() for r in theirs.records if r.name == "fusionguard" and r.getMessage() not in _lacks()] == [
+        _announce(log).rstrip("\n")
+    ]
 
 
 def test_every_event_at_debug(guard, fg_logger):
@@ -210,7 +225,8 @@ print(json.dumps([level, [type(h).__name__ for h in logger.handlers], logger.lev
 
 
 @pytest.mark.parametrize(
-    "setting, level", [("+fusionguard", logging.DEBUG), ("fusionguard", logging.INFO), ("-fusionguard", logging.ERROR), ("set_logs", logging.DEBUG)]
+    "setting, level",
+    [("+fusionguard", logging.DEBUG), ("fusionguard", logging.INFO), ("-fusionguard", logging.ERROR), ("set_logs", logging.DEBUG)],
 )
 def test_torch_logs_sets_our_level(tmp_path, setting, level):
     """``TORCH_LOGS`` (or ``set_logs``, for a registered component) sets the level and puts
@@ -222,7 +238,9 @@ def test_torch_logs_sets_our_level(tmp_path, setting, level):
         args.append(str(level))
     else:
         env["TORCH_LOGS"] = setting
-    proc = forkserver.run(args, capture_output=True, text=True, env=env, timeout=300)  # (TORCH_LOGS set: a real subprocess, forkserver.why_not)
+    proc = forkserver.run(
+        args, capture_output=True, text=True, env=env, timeout=300
+    )  # (TORCH_LOGS set: a real subprocess, forkserver.why_not)
     assert proc.returncode == 0, proc.stderr
     level_seen, handlers, level_after, propagate = json.loads(proc.stdout.splitlines()[-1])
     assert level_seen == level

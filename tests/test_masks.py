@@ -15,8 +15,8 @@ import torch
 from conftest import PUBLIC, causal, op_args, qkv, read_jsonl, run_forked
 
 import fusionguard
-from fusionguard.core import state as _state
 from fusionguard import _testing
+from fusionguard.core import state as _state
 from fusionguard.dense import memory as dense_memory
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -305,9 +305,27 @@ _SHOW = "import torch, fusionguard; from fusionguard.core.state import STATE; pr
 
 
 def test_fusionguard_env_and_run_spell_oom(tmp_path):
-    p = subprocess.run([sys.executable, "-c", _SHOW], capture_output=True, text=True, cwd=tmp_path, env=_env(FUSIONGUARD="Oom", FUSIONGUARD_LOG=str(tmp_path / "a.jsonl"), PYTHONPATH=f"{ROOT / 'fusionguard' / '_startup'}{os.pathsep}{ROOT}"), timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-c", _SHOW],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=_env(
+            FUSIONGUARD="Oom",
+            FUSIONGUARD_LOG=str(tmp_path / "a.jsonl"),
+            PYTHONPATH=f"{ROOT / 'fusionguard' / '_startup'}{os.pathsep}{ROOT}",
+        ),
+        timeout=120,
+    )
     assert p.stdout.split() == ["oom", "False"], p.stderr[-2000:]
-    p = subprocess.run([sys.executable, "-m", "fusionguard", "run", "--oom", "--log", str(tmp_path / "b.jsonl"), "--", sys.executable, "-c", _SHOW], capture_output=True, text=True, cwd=tmp_path, env=_env(), timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "fusionguard", "run", "--oom", "--log", str(tmp_path / "b.jsonl"), "--", sys.executable, "-c", _SHOW],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=_env(),
+        timeout=120,
+    )
     assert p.stdout.split() == ["oom", "False"], p.stderr[-2000:]
     header = read_jsonl(tmp_path / "b.jsonl")[0]
     assert header["config"]["mode"] == "oom"
@@ -318,7 +336,9 @@ pytest_plugins = ["pytester"]
 
 def test_pytest_option_and_ini_spell_oom(pytester):
     """In any case, as FUSIONGUARD= and enable(mode=) take it."""
-    pytester.makepyfile(test_inner="import fusionguard\nfrom fusionguard.core.state import STATE\n\ndef test_mode():\n    assert STATE.config.mode == 'oom' and not STATE.config.strict\n")
+    pytester.makepyfile(
+        test_inner="import fusionguard\nfrom fusionguard.core.state import STATE\n\ndef test_mode():\n    assert STATE.config.mode == 'oom' and not STATE.config.strict\n"
+    )
     result = run_forked(pytester, "-p", "fusionguard.pytest_plugin", "--fusionguard=OOM", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
     pytester.makeini("[pytest]\nfusionguard = Oom\n")

@@ -16,16 +16,15 @@ import textwrap
 
 import pytest
 import torch
+from compile_models import Block, Model, tokens
+from conftest import ROOT, flex_events, read_jsonl
 
 import fusionguard
-from fusionguard.core import state as _state
 from fusionguard import _testing
+from fusionguard.core import state as _state
 from fusionguard.report.build import build as build_report_dict
 from fusionguard.watching import paths
 from fusionguard.watching.paths import module_path
-
-from compile_models import Block, Model, tokens
-from conftest import ROOT, flex_events, read_jsonl
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -212,7 +211,11 @@ def test_under_fusionguard_run_every_pattern_is_named_per_layer(tmp_path):
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, "-m", "fusionguard", "run", "--log", f"{logs}/", "--", sys.executable, str(script), str(out)],
-        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = {r["layer"]: (r["fused"], r["dense"]) for r in json.loads(out.read_text())}

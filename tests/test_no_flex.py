@@ -10,12 +10,11 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import flex_events, qkv
 from torch import nn
 from torch.nn.attention.flex_attention import flex_attention
 
 import fusionguard
-
-from conftest import flex_events, qkv
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -129,8 +128,15 @@ def test_fused_calls_under_inductor_count_as_flex_calls(guard, dynamo_reset):
 
 def test_hugging_face_model_names_attn_implementation(guard):
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=1,
-                                   intermediate_size=64, vocab_size=64, attn_implementation="sdpa")
+    cfg = transformers.LlamaConfig(
+        hidden_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_hidden_layers=1,
+        intermediate_size=64,
+        vocab_size=64,
+        attn_implementation="sdpa",
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).eval()
     guard()

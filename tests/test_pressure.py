@@ -9,12 +9,11 @@ import warnings
 
 import pytest
 import torch
+from conftest import flex_events, needs, qkv, read_jsonl, run_cli
 from torch.nn.attention.flex_attention import flex_attention
 
 import fusionguard
 from fusionguard.dense.pressure import threshold
-
-from conftest import flex_events, needs, qkv, read_jsonl, run_cli
 
 pytestmark = needs("pressure")
 
@@ -99,13 +98,61 @@ def test_report_gates_on_pressure_alone(tmp_path, capsys):
 
     lines = [
         {"event": "header", "level": "info", "ts": 1.0, "seq": 1, "pid": 1, "rank": 0, "schema": 1, "hostname": "h"},
-        {"event": "flex_compile", "level": "info", "ts": 2.0, "seq": 2, "pid": 1, "rank": 0, "path": "fused", "phase": "forward", "template": "cpp"},
-        {"event": "recompile_pressure", "level": "warning", "ts": 3.0, "seq": 3, "pid": 1, "rank": 0, "function": "step",
-         "file": "train.py", "line": 12, "compiles": 4, "limit": 8, "varies": "q dim 2 varies", "reason": "x", "fix": "mark it"},
-        {"event": "recompile_pressure", "level": "warning", "ts": 4.0, "seq": 4, "pid": 1, "rank": 0, "function": "block",
-         "file": "model.py", "line": 40, "compiles": 5, "limit": 8, "varies": "n varies"},
-        {"event": "recompile_pressure", "level": "warning", "ts": 5.0, "seq": 5, "pid": 1, "rank": 0, "function": ["hostile"],
-         "file": 3, "line": "x", "compiles": "many", "limit": None, "varies": {"a": 1}},
+        {
+            "event": "flex_compile",
+            "level": "info",
+            "ts": 2.0,
+            "seq": 2,
+            "pid": 1,
+            "rank": 0,
+            "path": "fused",
+            "phase": "forward",
+            "template": "cpp",
+        },
+        {
+            "event": "recompile_pressure",
+            "level": "warning",
+            "ts": 3.0,
+            "seq": 3,
+            "pid": 1,
+            "rank": 0,
+            "function": "step",
+            "file": "train.py",
+            "line": 12,
+            "compiles": 4,
+            "limit": 8,
+            "varies": "q dim 2 varies",
+            "reason": "x",
+            "fix": "mark it",
+        },
+        {
+            "event": "recompile_pressure",
+            "level": "warning",
+            "ts": 4.0,
+            "seq": 4,
+            "pid": 1,
+            "rank": 0,
+            "function": "block",
+            "file": "model.py",
+            "line": 40,
+            "compiles": 5,
+            "limit": 8,
+            "varies": "n varies",
+        },
+        {
+            "event": "recompile_pressure",
+            "level": "warning",
+            "ts": 5.0,
+            "seq": 5,
+            "pid": 1,
+            "rank": 0,
+            "function": ["hostile"],
+            "file": 3,
+            "line": "x",
+            "compiles": "many",
+            "limit": None,
+            "varies": {"a": 1},
+        },
     ]
     log = tmp_path / "fg.jsonl"
     log.write_text("".join(json.dumps(x) + "\n" for x in lines))

@@ -9,14 +9,13 @@ import warnings
 
 import pytest
 import torch
+from conftest import flex_events, op_call, qkv
 from torch import nn
 from torch.nn.attention.flex_attention import flex_attention
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import fusionguard
 from fusionguard.core import profiler as profiling
-
-from conftest import flex_events, op_call, qkv
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -115,7 +114,9 @@ def test_dense_backward_and_blocked_calls_are_in_the_trace(guard, tmp_path):
 
 
 def test_hostile_layer_names_are_escaped_and_bounded():
-    name = profiling.dense_name({"phase": "forward", "layer": "a\x1b[31m\n" + "x" * 1000, "cause": "eager", "scores_bytes": 10**9, "action": "warn"})
+    name = profiling.dense_name(
+        {"phase": "forward", "layer": "a\x1b[31m\n" + "x" * 1000, "cause": "eager", "scores_bytes": 10**9, "action": "warn"}
+    )
     assert "\x1b" not in name and "\n" not in name and len(name) <= profiling.MAX_NAME
     fused = profiling.fused_name([("forward", tuple(f"layers.{i}" for i in range(40)))])
     assert fused.startswith("fusionguard: fused forward layers.0, layers.1") and "+32 more" in fused and "(40 flex calls)" in fused

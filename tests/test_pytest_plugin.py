@@ -29,7 +29,9 @@ def attend():
         return flex_attention(q, k, v)
 """
 
-STRICT_TESTS = HELPERS + """
+STRICT_TESTS = (
+    HELPERS
+    + """
 
 def test_clean():
     assert torch.ones(2).sum() == 2
@@ -59,6 +61,7 @@ def test_guarded_again():
     assert fusionguard.is_enabled()
     attend()
 """
+)
 
 
 def section(stdout: str, title: str) -> str:
@@ -104,7 +107,11 @@ def test_strict_fails_dense_tests_with_the_verdict(pytester):
     assert re.search(r"test_inner.py::test_guarded_again\s+1  forward eager_call \(blocked\)", summary)
     assert "test_clean" not in summary and "by cause: eager_call 3" in summary
     result.stdout.fnmatch_lines(
-        ["FAILED test_inner.py::test_dense - *DenseFallbackError*", "FAILED test_inner.py::test_swallowed*", "FAILED test_inner.py::test_guarded_again*"],
+        [
+            "FAILED test_inner.py::test_dense - *DenseFallbackError*",
+            "FAILED test_inner.py::test_swallowed*",
+            "FAILED test_inner.py::test_guarded_again*",
+        ],
         consecutive=False,
     )
     # the log: in the session's base temporary directory, one record per dense call
@@ -169,7 +176,9 @@ def test_untouched(request):
     assert not list(pytester.path.rglob("fusionguard*.jsonl"))
 
 
-MARKED_TESTS = HELPERS + """
+MARKED_TESTS = (
+    HELPERS
+    + """
 import unittest
 
 
@@ -203,6 +212,7 @@ def test_xfail_allowed():
     attend()
     assert False
 """
+)
 
 
 def test_a_blocked_call_fails_the_test_whatever_its_marks(pytester):
@@ -277,7 +287,9 @@ def test_clean():
     import subprocess
     import sys
 
-    gate = subprocess.run([sys.executable, "-m", "fusionguard", "report", str(log), "--fail-on-dense"], capture_output=True, text=True, timeout=120)
+    gate = subprocess.run(
+        [sys.executable, "-m", "fusionguard", "report", str(log), "--fail-on-dense"], capture_output=True, text=True, timeout=120
+    )
     assert gate.returncode == 0, gate.stderr
     assert "1 allowed dense call" in gate.stdout
 

@@ -17,28 +17,60 @@ import warnings
 from pathlib import Path
 
 import pytest
+from conftest import ROOT, qkv, read_jsonl, run_cli
 from torch.nn.attention.flex_attention import flex_attention
 
 from fusionguard import cli
-from fusionguard.report.aggregate import NO_LAYER, Reservoir
-from fusionguard.report.render import CSV_COLUMNS
-from fusionguard.report.build import build as build_report_dict
-from fusionguard.report import read as report_read
 from fusionguard.eventlog.log import EventLog
 from fusionguard.eventlog.sampler import Sampler
-
-from conftest import ROOT, qkv, read_jsonl, run_cli
+from fusionguard.report import read as report_read
+from fusionguard.report.aggregate import NO_LAYER, Reservoir
+from fusionguard.report.build import build as build_report_dict
+from fusionguard.report.render import CSV_COLUMNS
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
 ROW_KEYS = {
-    "layer", "phase", "dense", "allowed", "fused", "compiles", "blocked", "oom_blocked", "inlined", "causes",
-    "alloc_delta_median", "alloc_delta_max", "peak_delta_median", "peak_delta_max", "memory_samples",
-    "scores_bytes_max", "predicted_bytes_max", "templates", "first_dense", "first_dense_call_site", "dense_ranks", "fused_ranks",
+    "layer",
+    "phase",
+    "dense",
+    "allowed",
+    "fused",
+    "compiles",
+    "blocked",
+    "oom_blocked",
+    "inlined",
+    "causes",
+    "alloc_delta_median",
+    "alloc_delta_max",
+    "peak_delta_median",
+    "peak_delta_max",
+    "memory_samples",
+    "scores_bytes_max",
+    "predicted_bytes_max",
+    "templates",
+    "first_dense",
+    "first_dense_call_site",
+    "dense_ranks",
+    "fused_ranks",
 }
 TOP_KEYS = {
-    "report_version", "run", "totals", "masks", "rows", "ranks", "disagreements", "endings", "crashes", "files", "ignored", "warnings",
-    "first_events", "recompile_pressure", "no_flex_calls", "oom",
+    "report_version",
+    "run",
+    "totals",
+    "masks",
+    "rows",
+    "ranks",
+    "disagreements",
+    "endings",
+    "crashes",
+    "files",
+    "ignored",
+    "warnings",
+    "first_events",
+    "recompile_pressure",
+    "no_flex_calls",
+    "oom",
 }
 SITE = {"file": "train.py", "line": 7, "function": "attention"}
 
@@ -50,8 +82,20 @@ def ev(kind, seq, pid=100, rank=0, ts0=1_800_000_000.0, **fields):
 def header(pid=100, rank=0, schema=1, host="node1", **extra):
     cuda = {"available": True, "count": 2, "version": "13.0", "devices": ["NVIDIA H200", "NVIDIA H200"]}
     return ev(
-        "header", 1, pid=pid, rank=rank, schema=schema, fusionguard="0.1.0", torch="2.13.0", triton="3.6.0",
-        python="3.11.7", hostname=host, cuda=cuda, world_size=2, local_rank=rank, **extra,
+        "header",
+        1,
+        pid=pid,
+        rank=rank,
+        schema=schema,
+        fusionguard="0.1.0",
+        torch="2.13.0",
+        triton="3.6.0",
+        python="3.11.7",
+        hostname=host,
+        cuda=cuda,
+        world_size=2,
+        local_rank=rank,
+        **extra,
     )
 
 
@@ -120,8 +164,10 @@ def test_report_on_a_real_log_of_eager_dense_calls(guard, capsys):
 def _two_ranks(tmp_path):
     r0 = [
         header(pid=100, rank=0),
-        *[ev("layer_memory", 2 + i, layer="layers.0.attn", phase="forward", path="fused", alloc_delta=a, peak_delta=p)
-          for i, (a, p) in enumerate([(100, 1_000), (300, 9_000), (200, 2_000)])],
+        *[
+            ev("layer_memory", 2 + i, layer="layers.0.attn", phase="forward", path="fused", alloc_delta=a, peak_delta=p)
+            for i, (a, p) in enumerate([(100, 1_000), (300, 9_000), (200, 2_000)])
+        ],
         ev("layer_memory", 5, layer="layers.0.attn", phase="backward", path="fused", alloc_delta=-50, peak_delta=4_000),
         ev("flex_compile", 6, layer="layers.1.attn", phase="forward", path="fused", template="triton"),
         ev("layer_memory", 7, layer="layers.1.attn", phase="forward", path="fused", alloc_delta=10, peak_delta=20),
@@ -130,9 +176,33 @@ def _two_ranks(tmp_path):
     r1 = [
         header(pid=200, rank=1),
         ev("layer_memory", 2, pid=200, rank=1, layer="layers.0.attn", phase="forward", path="fused", alloc_delta=400, peak_delta=3_000),
-        dict(ev("flex_call", 3, pid=200, rank=1, layer="layers.1.attn", phase="forward", path="dense", cause="recompile_limit",
-                call_site=SITE, scores_bytes=301_989_888, action="warn"), level="warning"),
-        ev("layer_memory", 4, pid=200, rank=1, layer="layers.1.attn", phase="forward", path="dense", alloc_delta=5_000_000, peak_delta=310_000_000),
+        dict(
+            ev(
+                "flex_call",
+                3,
+                pid=200,
+                rank=1,
+                layer="layers.1.attn",
+                phase="forward",
+                path="dense",
+                cause="recompile_limit",
+                call_site=SITE,
+                scores_bytes=301_989_888,
+                action="warn",
+            ),
+            level="warning",
+        ),
+        ev(
+            "layer_memory",
+            4,
+            pid=200,
+            rank=1,
+            layer="layers.1.attn",
+            phase="forward",
+            path="dense",
+            alloc_delta=5_000_000,
+            peak_delta=310_000_000,
+        ),
         ev("shutdown", 5, pid=200, rank=1, reason="sigterm", counts={}),
     ]
     write(tmp_path / "run" / "a" / "fusionguard.rank0.jsonl", r0)
@@ -204,15 +274,43 @@ def test_summary_rows_and_fused_call_counters(tmp_path, capsys):
     events = [
         header(),
         ev("layer_memory", 2, layer="layers.0", phase="forward", path="fused", alloc_delta=1, peak_delta=10),
-        ev("fused_calls", 3, layer="layers.0", phase="forward", path="fused", of="layer_memory", count=999, total=1000,
-           alloc_delta_max=7, alloc_delta_last=2, peak_delta_max=77, peak_delta_last=20),
+        ev(
+            "fused_calls",
+            3,
+            layer="layers.0",
+            phase="forward",
+            path="fused",
+            of="layer_memory",
+            count=999,
+            total=1000,
+            alloc_delta_max=7,
+            alloc_delta_last=2,
+            peak_delta_max=77,
+            peak_delta_last=20,
+        ),
         # a row for calls this log does not hold
-        ev("summary", 4, rows=[
-            {"layer": "layers.5", "phase": "backward", "calls": 40, "dense": 40, "fused": 0, "causes": {"eager_call": 40},
-             "alloc_delta_last": 5, "alloc_delta_max": 6, "peak_delta_last": 8e9, "peak_delta_max": 9e9, "scores_bytes": 2_700_000_000, "rank": 0},
-            {"layer": "layers.0", "phase": "forward", "calls": 1000, "dense": 0, "fused": 1000, "causes": {}, "rank": 0},
-            {"layer": "layers.0", "phase": "forward", "calls": 10, "dense": 10, "fused": 0, "causes": {"graph_break": 10}, "rank": 3},
-        ]),
+        ev(
+            "summary",
+            4,
+            rows=[
+                {
+                    "layer": "layers.5",
+                    "phase": "backward",
+                    "calls": 40,
+                    "dense": 40,
+                    "fused": 0,
+                    "causes": {"eager_call": 40},
+                    "alloc_delta_last": 5,
+                    "alloc_delta_max": 6,
+                    "peak_delta_last": 8e9,
+                    "peak_delta_max": 9e9,
+                    "scores_bytes": 2_700_000_000,
+                    "rank": 0,
+                },
+                {"layer": "layers.0", "phase": "forward", "calls": 1000, "dense": 0, "fused": 1000, "causes": {}, "rank": 0},
+                {"layer": "layers.0", "phase": "forward", "calls": 10, "dense": 10, "fused": 0, "causes": {"graph_break": 10}, "rank": 3},
+            ],
+        ),
         ev("shutdown", 5, reason="exit"),
     ]
     rep = as_json(capsys, write(tmp_path / "fg.jsonl", events))
@@ -233,15 +331,31 @@ def test_summary_rows_and_fused_call_counters(tmp_path, capsys):
 
 def test_crash_section_shows_the_events_before_the_crash(tmp_path, capsys):
     events = [header()] + [
-        dict(ev("flex_call", s, layer=f"layers.{s}", phase="backward", path="dense", cause="eager_call", scores_bytes=2_700_000_000), level="warning")
+        dict(
+            ev("flex_call", s, layer=f"layers.{s}", phase="backward", path="dense", cause="eager_call", scores_bytes=2_700_000_000),
+            level="warning",
+        )
         for s in range(2, 16)
     ]
     crash = dict(
-        ev("crash", 16, exc_type="torch.OutOfMemoryError", message="CUDA out of memory. Tried to allocate 2.70 GiB\nmore",
-           where="sys.excepthook", diagnosis="OOM inside dense backward of layers.15; the dense score matrix is 2.70 GB in fp32",
-           last_flex={"event": "flex_call", "layer": "layers.15", "phase": "backward", "path": "dense", "cause": "eager_call", "scores_bytes": 2_700_000_000},
-           cuda={"device": 0, "allocated": 120_000_000_000, "reserved": 130_000_000_000, "peak": 139_000_000_000},
-           frames=["train.py:40 in step"]),
+        ev(
+            "crash",
+            16,
+            exc_type="torch.OutOfMemoryError",
+            message="CUDA out of memory. Tried to allocate 2.70 GiB\nmore",
+            where="sys.excepthook",
+            diagnosis="OOM inside dense backward of layers.15; the dense score matrix is 2.70 GB in fp32",
+            last_flex={
+                "event": "flex_call",
+                "layer": "layers.15",
+                "phase": "backward",
+                "path": "dense",
+                "cause": "eager_call",
+                "scores_bytes": 2_700_000_000,
+            },
+            cuda={"device": 0, "allocated": 120_000_000_000, "reserved": 130_000_000_000, "peak": 139_000_000_000},
+            frames=["train.py:40 in step"],
+        ),
         level="error",
     )
     events += [crash, ev("summary", 17, rows=[]), ev("shutdown", 18, reason="exit")]
@@ -265,8 +379,18 @@ def test_crash_section_shows_the_events_before_the_crash(tmp_path, capsys):
 def test_a_worker_thread_crash_does_not_end_the_run(tmp_path, capsys):
     events = [
         header(),
-        dict(ev("crash", 2, thread="loader-3", where="threading.excepthook", exc_type="KeyError", message="'img'",
-                diagnosis="KeyError; no FlexAttention event was recorded before it"), level="error"),
+        dict(
+            ev(
+                "crash",
+                2,
+                thread="loader-3",
+                where="threading.excepthook",
+                exc_type="KeyError",
+                message="'img'",
+                diagnosis="KeyError; no FlexAttention event was recorded before it",
+            ),
+            level="error",
+        ),
         ev("shutdown", 3, reason="exit"),
     ]
     rep = as_json(capsys, write(tmp_path / "fg.jsonl", events))
@@ -303,7 +427,9 @@ def test_torn_corrupt_foreign_and_unknown_lines_are_counted_never_fatal(tmp_path
         fh.write(b"\xff\xfe not utf-8\n")  # line 7
         fh.write(b'{"event": "x", "pad": "' + b"a" * 2000 + b'"}\n')  # line 8: longer than MAX_LINE
         fh.write(json.dumps(ev("from_the_future", 9, shiny=True)).encode() + b"\n")
-        fh.write(json.dumps(dict(ev("flex_call", 10, phase="backward", path="dense", cause="eager_call"), level="warning")).encode() + b"\n")
+        fh.write(
+            json.dumps(dict(ev("flex_call", 10, phase="backward", path="dense", cause="eager_call"), level="warning")).encode() + b"\n"
+        )
         fh.write(b'{"event": "flex_call", "seq": 11, "ph')  # torn last line: the crash
     rep = as_json(capsys, path)
     (f,) = rep["files"]
@@ -318,7 +444,13 @@ def test_torn_corrupt_foreign_and_unknown_lines_are_counted_never_fatal(tmp_path
 
 def test_mixed_schema_versions(tmp_path, capsys):
     write(tmp_path / "d" / "a.jsonl", [header(pid=1), dict(ev("flex_call", 2, pid=1, phase="forward", path="dense", cause="eager_call"))])
-    write(tmp_path / "d" / "b.jsonl", [header(pid=2, schema=2, new_field={"x": 1}), dict(ev("flex_call", 2, pid=2, phase="forward", path="dense", cause="graph_break", extra=[1]))])
+    write(
+        tmp_path / "d" / "b.jsonl",
+        [
+            header(pid=2, schema=2, new_field={"x": 1}),
+            dict(ev("flex_call", 2, pid=2, phase="forward", path="dense", cause="graph_break", extra=[1])),
+        ],
+    )
     write(tmp_path / "d" / "c.jsonl", [dict(ev("flex_call", 5, pid=3, phase="forward", path="dense", cause="eager_call"))])  # no header
     rep = as_json(capsys, tmp_path / "d")
     assert rep["run"]["schemas"] == {"1": 1, "2": 1, "none": 1}
@@ -427,7 +559,9 @@ def test_reading_is_streaming_and_bounded(tmp_path):
     path = tmp_path / "big.jsonl"
     with open(path, "w") as fh:
         for s in range(30_000):
-            e = ev("layer_memory", s, layer=f"layers.{s % 8}", phase="forward", path="fused", alloc_delta=s, peak_delta=s * 2, pad="x" * 150)
+            e = ev(
+                "layer_memory", s, layer=f"layers.{s % 8}", phase="forward", path="fused", alloc_delta=s, peak_delta=s * 2, pad="x" * 150
+            )
             fh.write(json.dumps(e) + "\n")
     size = path.stat().st_size
     tracemalloc.start()
@@ -448,7 +582,9 @@ def test_reading_is_streaming_and_bounded(tmp_path):
 def test_python_dash_m_and_console_script(tmp_path):
     path = write(tmp_path / "fg.jsonl", [header(), dict(ev("flex_call", 2, phase="forward", path="dense", cause="eager_call"))])
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    p = subprocess.run([sys.executable, "-m", "fusionguard", "report", str(path), "--format", "csv"], capture_output=True, text=True, env=env, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-m", "fusionguard", "report", str(path), "--format", "csv"], capture_output=True, text=True, env=env, timeout=60
+    )
     assert p.returncode == 0, p.stderr
     assert p.stdout.splitlines()[0] == ",".join(CSV_COLUMNS)
     script = Path(sys.executable).parent / "fusionguard"
@@ -479,7 +615,11 @@ def test_each_report_module_imports_alone_and_none_imports_torch():
     package too, and none of it imports torch or matplotlib (``fusionguard report`` starts fast)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     runs = {name: [sys.executable, "-c", _IMPORT_ALONE, name] for name in REPORT_MODULES}
-    runs["(package)"] = [sys.executable, "-c", "import sys, fusionguard.report; print([m for m in ('torch', 'matplotlib') if m in sys.modules])"]
+    runs["(package)"] = [
+        sys.executable,
+        "-c",
+        "import sys, fusionguard.report; print([m for m in ('torch', 'matplotlib') if m in sys.modules])",
+    ]
     procs = {name: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for name, cmd in runs.items()}
     for i, name in enumerate(REPORT_MODULES):
         out, err = procs[name].communicate(timeout=120)
@@ -586,8 +726,9 @@ def test_keep_all_and_blocked_calls_are_never_sampled(guard):
 def test_sampled_forwards_never_lend_a_counter_seq_to_their_backward(guard):
     """A dense forward folded into a counter has no event of its own: its backward's
     forward_seq is null, never the seq of the counter line that replaced it."""
-    import fusionguard
     from conftest import op_call
+
+    import fusionguard
 
     guard(dense_first=2, dense_every=1)  # from the third call of a site on, each call is a counter
     outs = []
@@ -606,8 +747,17 @@ def test_the_overflow_bucket_names_no_cause_or_site():
     log.sampler = Sampler(dense_first=1, dense_every=0, max_keys=1)
     site = {"file": "x.py", "line": 1, "function": "f"}
     for cause, line in (("eager_call", 1), ("recompile_limit", 2), ("graph_break", 3), ("graph_break", 3)):
-        log.emit("warning", "flex_call", path="dense", phase="forward", layer=None, cause=cause, action="warn",
-                 call_site=dict(site, line=line), traced=False)
+        log.emit(
+            "warning",
+            "flex_call",
+            path="dense",
+            phase="forward",
+            layer=None,
+            cause=cause,
+            action="warn",
+            call_site=dict(site, line=line),
+            traced=False,
+        )
     log.flush_sampler()
     (counter,) = [e for e in log.memory if e["event"] == "dense_calls"]
     assert counter["layer"] == "(other)" and counter["count"] == 2
@@ -626,7 +776,9 @@ def test_rank_is_read_again_once_torchrun_sets_it(monkeypatch):
 
 
 def _report_cli(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "fusionguard", "report", *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "fusionguard", "report", *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=300
+    )
 
 
 def test_plot_in_a_format_matplotlib_cannot_write_exits_2_with_one_line(tmp_path):
@@ -643,7 +795,12 @@ def test_plot_says_the_file_it_wrote(tmp_path):
     pytest.importorskip("matplotlib")
     run = _two_ranks(tmp_path)
     (tmp_path / "plots").mkdir()
-    for arg, written in (("plots", "plots/fusionguard.png"), ("plots/", "plots/fusionguard.png"), ("layers", "layers.png"), ("chart.svg", "chart.svg")):
+    for arg, written in (
+        ("plots", "plots/fusionguard.png"),
+        ("plots/", "plots/fusionguard.png"),
+        ("layers", "layers.png"),
+        ("chart.svg", "chart.svg"),
+    ):
         p = _report_cli(run, "--plot", arg, cwd=tmp_path)
         assert p.returncode == 0, p.stderr
         (line,) = [x for x in p.stderr.splitlines() if "plot written to" in x]
@@ -657,7 +814,10 @@ def test_the_devices_line_of_512_hosts_is_counted_by_kind_and_json_keeps_every_h
     for i in range(512):
         names = ["NVIDIA H200"] * 8 if i < 510 else ["NVIDIA A100-SXM4-80GB"] * 4
         cuda = {"available": True, "count": len(names), "version": "13.0", "devices": names}
-        write(tmp_path / "logs" / f"r{i}.jsonl", [{**header(pid=1000 + i, rank=i, host=f"gpu-node-{i:04d}.cluster.example.com"), "cuda": cuda, "world_size": 512}])
+        write(
+            tmp_path / "logs" / f"r{i}.jsonl",
+            [{**header(pid=1000 + i, rank=i, host=f"gpu-node-{i:04d}.cluster.example.com"), "cuda": cuda, "world_size": 512}],
+        )
     rc, out, err = run_cli(capsys, tmp_path / "logs")
     assert rc == 0, err
     (line,) = [x for x in out.splitlines() if x.startswith("  devices:")]
@@ -666,7 +826,9 @@ def test_the_devices_line_of_512_hosts_is_counted_by_kind_and_json_keeps_every_h
     assert len(rep["run"]["devices"]) == 512 and rep["run"]["devices"]["gpu-node-0511.cluster.example.com"] == ["NVIDIA A100-SXM4-80GB"] * 4
     # a few hosts: each one, as before
     rc, out, _ = run_cli(capsys, *[tmp_path / "logs" / f"r{i}.jsonl" for i in (0, 511)])
-    assert "  devices:  gpu-node-0000.cluster.example.com: 8× NVIDIA H200; gpu-node-0511.cluster.example.com: 4× NVIDIA A100-SXM4-80GB" in out
+    assert (
+        "  devices:  gpu-node-0000.cluster.example.com: 8× NVIDIA H200; gpu-node-0511.cluster.example.com: 4× NVIDIA A100-SXM4-80GB" in out
+    )
 
 
 # -- #25 part 4: the prediction and the oom mode's blocks -------------------------------------------
@@ -695,26 +857,50 @@ def test_the_dense_prediction_of_a_real_call_is_kept_per_row(guard, capsys):
 
 def test_a_call_the_oom_mode_blocked_reads_apart_from_a_strict_block(tmp_path, capsys):
     """CPU has no free_bytes: the oom-blocked call is a log line as a CUDA run writes it."""
-    dense = dict(phase="backward", path="dense", cause="eager_call", action="raise", allowed=False, call_site=SITE, scores_bytes=4_000_000_000)
-    log = write(tmp_path / "fg.jsonl", [
-        header(),
-        ev("flex_call", 2, layer="layers.0", **{**dense, "phase": "forward"}, predicted_bytes=3_000_000_000, free_bytes=None),  # strict
-        ev("flex_call", 3, layer="layers.1", **dense, predicted_bytes=9_100_000_000, free_bytes=4_000_000_000, blocked_by="oom"),
-        ev("flex_call", 4, layer="layers.1", **dense, predicted_bytes=7_000_000_000, free_bytes=5_000_000_000, blocked_by="oom"),
-        ev("dense_calls", 5, layer="layers.1", phase="backward", path="dense", cause="eager_call", action="warn", count=3, total=4,
-           predicted_bytes_max=9_900_000_000, scores_bytes_max=4_000_000_000),
-        ev("shutdown", 6, reason="exit"),
-    ])
+    dense = dict(
+        phase="backward", path="dense", cause="eager_call", action="raise", allowed=False, call_site=SITE, scores_bytes=4_000_000_000
+    )
+    log = write(
+        tmp_path / "fg.jsonl",
+        [
+            header(),
+            ev("flex_call", 2, layer="layers.0", **{**dense, "phase": "forward"}, predicted_bytes=3_000_000_000, free_bytes=None),  # strict
+            ev("flex_call", 3, layer="layers.1", **dense, predicted_bytes=9_100_000_000, free_bytes=4_000_000_000, blocked_by="oom"),
+            ev("flex_call", 4, layer="layers.1", **dense, predicted_bytes=7_000_000_000, free_bytes=5_000_000_000, blocked_by="oom"),
+            ev(
+                "dense_calls",
+                5,
+                layer="layers.1",
+                phase="backward",
+                path="dense",
+                cause="eager_call",
+                action="warn",
+                count=3,
+                total=4,
+                predicted_bytes_max=9_900_000_000,
+                scores_bytes_max=4_000_000_000,
+            ),
+            ev("shutdown", 6, reason="exit"),
+        ],
+    )
     rep = as_json(capsys, log)
     t = rep["totals"]
     assert (t["blocked_calls"], t["oom_blocked_calls"], t["predicted_bytes_max"]) == (3, 2, 9_900_000_000)
     rows = {(r["layer"], r["phase"]): r for r in rep["rows"]}
     assert (rows[("layers.0", "forward")]["oom_blocked"], rows[("layers.1", "backward")]["oom_blocked"]) == (0, 2)
     assert rows[("layers.1", "backward")]["predicted_bytes_max"] == 9_900_000_000  # the sampled counter's max too
-    assert rep["oom"] == {"blocked": 2, "needed_bytes": 9_100_000_000, "free_bytes": 4_000_000_000, "layer": "layers.1",
-                          "phase": "backward", "call_site": "train.py:7 in attention"}
+    assert rep["oom"] == {
+        "blocked": 2,
+        "needed_bytes": 9_100_000_000,
+        "free_bytes": 4_000_000_000,
+        "layer": "layers.1",
+        "phase": "backward",
+        "call_site": "train.py:7 in attention",
+    }
     rc, out, _ = run_cli(capsys, log)
     assert rc == 0
     assert "DENSE: 6 dense FlexAttention calls (3 blocked)" in out
-    assert ("oom mode: 2 dense call(s) blocked, predicted not to fit (needed 9.10 GB, the device could give 4.00 GB; "
-            "layers.1 backward at train.py:7 in attention)") in out
+    assert (
+        "oom mode: 2 dense call(s) blocked, predicted not to fit (needed 9.10 GB, the device could give 4.00 GB; "
+        "layers.1 backward at train.py:7 in attention)"
+    ) in out

@@ -14,17 +14,16 @@ import sys
 
 import pytest
 import torch
+from compile_models import Two, blocks_compiled_in_place
+from conftest import ROOT, qkv, run_cli
 from torch import nn
 from torch.nn.attention.flex_attention import flex_attention
 
 import fusionguard
+from fusionguard.eventlog.kinds import KNOWN_EVENTS
 from fusionguard.report.aggregate import NO_LAYER
 from fusionguard.report.build import build as build_report_dict
 from fusionguard.report.render import render_csv, render_json, render_text
-from fusionguard.eventlog.kinds import KNOWN_EVENTS
-
-from compile_models import Two, blocks_compiled_in_place
-from conftest import ROOT, qkv, run_cli
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -36,8 +35,21 @@ def ev(kind, seq, pid=100, rank=0, **fields):
 
 
 def header(pid=100, rank=0):
-    return ev("header", 0, pid=pid, rank=rank, schema=1, fusionguard="0.1.0", torch="2.13.0", triton=None,
-              python="3.11.7", hostname="node1", cuda={"available": False}, world_size=1, local_rank=0)
+    return ev(
+        "header",
+        0,
+        pid=pid,
+        rank=rank,
+        schema=1,
+        fusionguard="0.1.0",
+        torch="2.13.0",
+        triton=None,
+        python="3.11.7",
+        hostname="node1",
+        cuda={"available": False},
+        world_size=1,
+        local_rank=0,
+    )
 
 
 def write(path, events, raw_lines=()):
@@ -177,24 +189,32 @@ def _mix(has_compile, has_runs, sampled, has_rescued, has_layer_memory, has_summ
     compiled flex_attention (a graph run and a layer record). 9 fused calls in all."""
     events, seq = [header()], itertools.count(1)
     if has_compile:
-        events += [ev("flex_compile", next(seq), layer=name, phase="forward", path="fused", template="cpp", source="lowering") for name in "abcd"]
+        events += [
+            ev("flex_compile", next(seq), layer=name, phase="forward", path="fused", template="cpp", source="lowering") for name in "abcd"
+        ]
     if has_runs:
         ab = dict(layer=None, layers=["a", "b"], phase="forward", path="fused", flex_calls=2)
         if sampled:  # fused_first=1: one run in full, then a counter (no layer names) for the rest
-            events += [ev("flex_run", next(seq), **ab),
-                       ev("fused_calls", next(seq), layer=None, phase="forward", path="fused", of="flex_run", count=2, total=3, flex_calls=4)]
+            events += [
+                ev("flex_run", next(seq), **ab),
+                ev("fused_calls", next(seq), layer=None, phase="forward", path="fused", of="flex_run", count=2, total=3, flex_calls=4),
+            ]
         else:
             events += [ev("flex_run", next(seq), **ab) for _ in range(3)]
         events += [ev("flex_run", next(seq), layer="c", layers=["c"], phase="forward", path="fused", flex_calls=1) for _ in range(2)]
         events += [ev("flex_run", next(seq), layer="d", layers=["d"], phase="forward", path="fused", flex_calls=1)]
     if has_rescued:
-        events += [dict(ev("flex_call", next(seq), layer="c", phase="forward", path="rescued", cause="eager_call", action="warn"))
-                   for _ in range(2)]
+        events += [
+            dict(ev("flex_call", next(seq), layer="c", phase="forward", path="rescued", cause="eager_call", action="warn"))
+            for _ in range(2)
+        ]
     if has_layer_memory:
         events += [ev("layer_memory", next(seq), layer="d", phase="forward", path="fused", alloc_delta=10, peak_delta=20)]
     if has_summary:
-        rows = [{"layer": name, "phase": "forward", "calls": n, "dense": 0, "fused": n, "causes": {}, "rank": 0}
-                for name, n in (("a", 3), ("b", 3), ("c", 2), ("d", 1))]
+        rows = [
+            {"layer": name, "phase": "forward", "calls": n, "dense": 0, "fused": n, "causes": {}, "rank": 0}
+            for name, n in (("a", 3), ("b", 3), ("c", 2), ("d", 1))
+        ]
         events += [ev("summary", next(seq), rows=rows)]
     events += [ev("shutdown", next(seq), reason="exit")]
     named = has_runs and (has_summary or not sampled)  # summary rows name calls, never add them
@@ -231,12 +251,17 @@ def test_every_mix_of_records_counts_each_fused_call_once(mix, tmp_path):
 def test_summary_rows_of_an_earlier_log_never_add_calls(tmp_path, capsys):
     """enable(log_path=A) ... enable(log_path=B) in one process: B's summary rows also count A's
     calls. Reading B alone, they must neither add calls nor split B's counters wrongly."""
-    events = [header(),
-              ev("flex_run", 1, layer=None, layers=["a", "b"], phase="forward", path="fused", flex_calls=2),
-              ev("fused_calls", 2, layer=None, phase="forward", path="fused", of="flex_run", count=1, total=2, flex_calls=2),
-              ev("summary", 3, rows=[{"layer": name, "phase": "forward", "fused": 7, "dense": 4, "causes": {"eager_call": 4}, "rank": 0}
-                                     for name in "ab"]),
-              ev("shutdown", 4, reason="exit")]
+    events = [
+        header(),
+        ev("flex_run", 1, layer=None, layers=["a", "b"], phase="forward", path="fused", flex_calls=2),
+        ev("fused_calls", 2, layer=None, phase="forward", path="fused", of="flex_run", count=1, total=2, flex_calls=2),
+        ev(
+            "summary",
+            3,
+            rows=[{"layer": name, "phase": "forward", "fused": 7, "dense": 4, "causes": {"eager_call": 4}, "rank": 0} for name in "ab"],
+        ),
+        ev("shutdown", 4, reason="exit"),
+    ]
     rep = as_json(capsys, write(tmp_path / "b.jsonl", events))
     got = {r["layer"]: (r["fused"], r["dense"]) for r in rep["rows"]}
     assert got == {"a": (1, 0), "b": (1, 0), NO_LAYER: (2, 0)}
@@ -246,14 +271,27 @@ def test_summary_rows_of_an_earlier_log_never_add_calls(tmp_path, capsys):
 def test_counts_of_two_processes_add_and_a_gathered_summary_never_doubles(tmp_path, capsys):
     """Rank 0 gathered every rank's rows (summary(all_ranks=True)); rank 1's own log is there too:
     its calls count once. Rank 2's log is missing: its gathered row stands in."""
-    r0 = [header(pid=1, rank=0), ev("flex_run", 1, pid=1, rank=0, layer="a", phase="forward", path="fused", flex_calls=1),
-          ev("summary", 2, pid=1, rank=0, rows=[
-              {"layer": "a", "phase": "forward", "fused": 1, "dense": 0, "rank": 0},
-              {"layer": "a", "phase": "forward", "fused": 1, "dense": 0, "rank": 1},
-              {"layer": "a", "phase": "forward", "fused": 5, "dense": 0, "rank": 2}]),
-          ev("shutdown", 3, pid=1, rank=0, reason="exit")]
-    r1 = [header(pid=2, rank=1), ev("flex_run", 1, pid=2, rank=1, layer="a", phase="forward", path="fused", flex_calls=1),
-          ev("shutdown", 2, pid=2, rank=1, reason="exit")]
+    r0 = [
+        header(pid=1, rank=0),
+        ev("flex_run", 1, pid=1, rank=0, layer="a", phase="forward", path="fused", flex_calls=1),
+        ev(
+            "summary",
+            2,
+            pid=1,
+            rank=0,
+            rows=[
+                {"layer": "a", "phase": "forward", "fused": 1, "dense": 0, "rank": 0},
+                {"layer": "a", "phase": "forward", "fused": 1, "dense": 0, "rank": 1},
+                {"layer": "a", "phase": "forward", "fused": 5, "dense": 0, "rank": 2},
+            ],
+        ),
+        ev("shutdown", 3, pid=1, rank=0, reason="exit"),
+    ]
+    r1 = [
+        header(pid=2, rank=1),
+        ev("flex_run", 1, pid=2, rank=1, layer="a", phase="forward", path="fused", flex_calls=1),
+        ev("shutdown", 2, pid=2, rank=1, reason="exit"),
+    ]
     write(tmp_path / "logs" / "r0.jsonl", r0)
     write(tmp_path / "logs" / "r1.jsonl", r1)
     rep = as_json(capsys, tmp_path / "logs")
@@ -312,7 +350,10 @@ def test_a_gate_never_passes_on_silence(tmp_path, capsys):
     assert rc == 0 and "No FlexAttention calls or compiles in the input." in out
     rc, _, err = run_cli(capsys, silent, "--fail-on-dense", "--expect-fused")
     assert rc == 1 and "gate failed: --expect-fused: 0 fused FlexAttention call(s) in the logs, expected at least 1" in err
-    three = write(tmp_path / "three.jsonl", [header()] + [ev("flex_run", s, layer="a", phase="forward", path="fused", flex_calls=1) for s in (1, 2, 3)])
+    three = write(
+        tmp_path / "three.jsonl",
+        [header()] + [ev("flex_run", s, layer="a", phase="forward", path="fused", flex_calls=1) for s in (1, 2, 3)],
+    )
     assert run_cli(capsys, three, "--expect-calls", "3")[0] == 0
     rc, _, err = run_cli(capsys, three, "--expect-calls", "4")
     assert rc == 1 and "--expect-calls 4: 3 fused" in err
@@ -335,11 +376,17 @@ def test_inputs_that_are_not_logs_exit_2_and_are_listed_beside_real_logs(tmp_pat
     rc, out, err = run_cli(capsys, junk, "--fail-on-dense")
     assert rc == 2 and "other.jsonl: no fusionguard events" in err and "empty.jsonl: empty" in err
 
-    write(junk / "real.jsonl", [header(), dict(ev("flex_call", 1, phase="forward", path="dense", cause="eager_call", action="warn"), level="warning")])
+    write(
+        junk / "real.jsonl",
+        [header(), dict(ev("flex_call", 1, phase="forward", path="dense", cause="eager_call", action="warn"), level="warning")],
+    )
     rep = as_json(capsys, junk)
     assert rep["run"]["files"] == 1 and rep["totals"]["dense_calls"] == 1
     assert sorted((os.path.basename(i["path"]), i["reason"]) for i in rep["ignored"]) == [
-        ("empty.jsonl", "empty"), ("other.jsonl", "no fusionguard events"), ("random.jsonl", "not JSON lines")]
+        ("empty.jsonl", "empty"),
+        ("other.jsonl", "no fusionguard events"),
+        ("random.jsonl", "not JSON lines"),
+    ]
     rc, out, _ = run_cli(capsys, junk)
     assert rc == 0 and "ignored 3 inputs that are not a fusionguard log" in out
 
@@ -353,15 +400,20 @@ def test_fifos_and_device_links_are_never_opened(tmp_path):
     os.mkfifo(logs / "pipe.jsonl")
     os.symlink("/dev/zero", logs / "zero.jsonl")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    p = subprocess.run([sys.executable, "-m", "fusionguard", "report", str(logs), "--format", "json"],
-                       capture_output=True, text=True, env=env, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-m", "fusionguard", "report", str(logs), "--format", "json"], capture_output=True, text=True, env=env, timeout=60
+    )
     assert p.returncode == 0, p.stderr
     rep = json.loads(p.stdout)
     assert rep["totals"]["fused_calls"] == 1
     assert sorted((os.path.basename(i["path"]), i["reason"]) for i in rep["ignored"]) == [
-        ("pipe.jsonl", "not a regular file"), ("zero.jsonl", "not a regular file")]
+        ("pipe.jsonl", "not a regular file"),
+        ("zero.jsonl", "not a regular file"),
+    ]
     for name in ("pipe.jsonl", "zero.jsonl"):
-        p = subprocess.run([sys.executable, "-m", "fusionguard", "report", str(logs / name)], capture_output=True, text=True, env=env, timeout=60)
+        p = subprocess.run(
+            [sys.executable, "-m", "fusionguard", "report", str(logs / name)], capture_output=True, text=True, env=env, timeout=60
+        )
         assert p.returncode == 2 and "not a regular file" in p.stderr and "Traceback" not in p.stderr
     assert stat.S_ISFIFO(os.stat(logs / "pipe.jsonl").st_mode)
 
@@ -375,8 +427,13 @@ def test_a_crash_file_named_by_a_header_that_is_a_fifo_is_never_opened(tmp_path)
     os.mkfifo(tmp_path / "b" / "fg.crash")  # a crash file is also looked up beside its log
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     for log in (direct, beside):
-        p = subprocess.run([sys.executable, "-m", "fusionguard", "report", str(log), "--format", "json"],
-                           capture_output=True, text=True, env=env, timeout=60)
+        p = subprocess.run(
+            [sys.executable, "-m", "fusionguard", "report", str(log), "--format", "json"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
         assert p.returncode == 0, p.stderr
         assert [c["kind"] for c in json.loads(p.stdout)["crashes"]] == ["stopped"]
 
@@ -437,8 +494,11 @@ HOSTILE = [
 
 
 def _hostile_log(tmp_path, lines):
-    good = [header(), dict(ev("flex_call", 1, layer="x", phase="forward", path="dense", cause="eager_call", action="warn"), level="warning"),
-            ev("flex_run", 2, layer="x", phase="forward", path="fused", flex_calls=1)]
+    good = [
+        header(),
+        dict(ev("flex_call", 1, layer="x", phase="forward", path="dense", cause="eager_call", action="warn"), level="warning"),
+        ev("flex_run", 2, layer="x", phase="forward", path="fused", flex_calls=1),
+    ]
     return write(tmp_path / "fg.jsonl", good + [ev("shutdown", 3, reason="exit")], raw_lines=lines)
 
 
@@ -469,9 +529,40 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-_FIELDS = ["event", "pid", "rank", "seq", "ts", "hostname", "layer", "layers", "phase", "path", "cause", "action", "allowed",
-           "scores_bytes", "count", "total", "flex_calls", "of", "rows", "call_site", "cuda", "last_flex", "message",
-           "frames", "counts", "causes", "alloc_delta", "peak_delta", "recompute", "reason", "schema", "template"]
+_FIELDS = [
+    "event",
+    "pid",
+    "rank",
+    "seq",
+    "ts",
+    "hostname",
+    "layer",
+    "layers",
+    "phase",
+    "path",
+    "cause",
+    "action",
+    "allowed",
+    "scores_bytes",
+    "count",
+    "total",
+    "flex_calls",
+    "of",
+    "rows",
+    "call_site",
+    "cuda",
+    "last_flex",
+    "message",
+    "frames",
+    "counts",
+    "causes",
+    "alloc_delta",
+    "peak_delta",
+    "recompute",
+    "reason",
+    "schema",
+    "template",
+]
 
 
 def _nested(children):  # a def, not a lambda: hypothesis could not see the lambda use its argument
@@ -479,7 +570,10 @@ def _nested(children):  # a def, not a lambda: hypothesis could not see the lamb
 
 
 _JSON = st.recursive(
-    st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70) | st.floats(allow_nan=True, allow_infinity=True)
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
     | st.text(max_size=8),
     _nested,
     max_leaves=12,
@@ -509,9 +603,23 @@ def test_fuzzed_events_never_raise(tmp_path, events):
 
 def test_control_characters_from_a_log_are_escaped_in_text(tmp_path, capsys):
     evil = "\x1b]0;pwned\x07\x1b[2J"
-    events = [header(), dict(ev("flex_call", 1, layer="layers.0" + evil, phase="forward\nDENSE: 0", path="dense", cause="eager_call" + evil,
-                                call_site={"file": "t\x1b[31m.py", "line": 1, "function": "f\u202e"}, action="warn"), level="warning"),
-              dict(ev("crash", 2, exc_type="E\x1b", message="boom\x9b1m\nsecond line", where="sys.excepthook"), level="error")]
+    events = [
+        header(),
+        dict(
+            ev(
+                "flex_call",
+                1,
+                layer="layers.0" + evil,
+                phase="forward\nDENSE: 0",
+                path="dense",
+                cause="eager_call" + evil,
+                call_site={"file": "t\x1b[31m.py", "line": 1, "function": "f\u202e"},
+                action="warn",
+            ),
+            level="warning",
+        ),
+        dict(ev("crash", 2, exc_type="E\x1b", message="boom\x9b1m\nsecond line", where="sys.excepthook"), level="error"),
+    ]
     rc, out, _ = run_cli(capsys, write(tmp_path / "fg.jsonl", events))
     assert rc == 0
     assert not any(c in out for c in ("\x1b", "\x07", "\x9b", "\u202e")), repr(out)
@@ -531,10 +639,16 @@ def test_unwritable_output_and_plot_paths_are_clean_errors(tmp_path, capsys):
 
 def test_plot_draws_dollar_signs_and_says_when_there_is_no_memory_data(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    events = [header(),
-              dict(ev("flex_call", 1, layer="layers.$x$.attn", phase="forward", path="dense", cause="cost_$5_^{", action="warn",
-                      scores_bytes=1000), level="warning"),
-              ev("layer_memory", 2, layer="layers.$x$.attn", phase="forward", path="dense", alloc_delta=5, peak_delta=1_000_000)]
+    events = [
+        header(),
+        dict(
+            ev(
+                "flex_call", 1, layer="layers.$x$.attn", phase="forward", path="dense", cause="cost_$5_^{", action="warn", scores_bytes=1000
+            ),
+            level="warning",
+        ),
+        ev("layer_memory", 2, layer="layers.$x$.attn", phase="forward", path="dense", alloc_delta=5, peak_delta=1_000_000),
+    ]
     png = tmp_path / "mem.png"
     rc, out, err = run_cli(capsys, write(tmp_path / "gpu.jsonl", events), "--plot", png)
     assert rc == 0 and "plot written to" in err and "no memory data" not in err and png.stat().st_size > 10_000
@@ -547,8 +661,10 @@ def test_plot_draws_dollar_signs_and_says_when_there_is_no_memory_data(tmp_path,
 
 
 def test_a_terminal_without_utf8_gets_escapes_not_a_traceback(tmp_path):
-    path = write(tmp_path / "fg.jsonl", [header(), dict(ev("flex_call", 1, layer="ü", phase="forward", path="dense", cause="eager_call",
-                                                            action="warn"), level="warning")])
+    path = write(
+        tmp_path / "fg.jsonl",
+        [header(), dict(ev("flex_call", 1, layer="ü", phase="forward", path="dense", cause="eager_call", action="warn"), level="warning")],
+    )
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONIOENCODING="ascii")
     p = subprocess.run([sys.executable, "-m", "fusionguard", "report", str(path)], capture_output=True, env=env, timeout=60)
     assert p.returncode == 0 and b"Traceback" not in p.stderr, p.stderr
@@ -559,7 +675,9 @@ def test_a_terminal_without_utf8_gets_escapes_not_a_traceback(tmp_path):
 def test_a_header_schema_that_is_not_a_plain_number_is_reported_never_a_traceback(schema, tmp_path, capsys):
     """``str.isdigit()`` is true for "²" (and int() of 5,000 digits raises): the schema check
     took either for a number and raised out of build()."""
-    path = write(tmp_path / "fg.jsonl", [dict(header(), schema=schema), ev("flex_run", 1, layer="a", phase="forward", path="fused", flex_calls=1)])
+    path = write(
+        tmp_path / "fg.jsonl", [dict(header(), schema=schema), ev("flex_run", 1, layer="a", phase="forward", path="fused", flex_calls=1)]
+    )
     rep = as_json(capsys, path)
     assert rep["totals"]["fused_calls"] == 1
     assert not any("newer than this report" in w for w in rep["warnings"])
@@ -604,8 +722,10 @@ def test_csv_and_json_never_send_control_characters_to_a_terminal(tmp_path, caps
     bidirectional overrides raw. JSON escapes them (the decoded data is unchanged), CSV shows them
     as text reports do."""
     evil = "layers.0\x1b[2J\x9b1m\u202e\x7f"
-    path = write(tmp_path / "fg.jsonl", [header(), dict(ev("flex_call", 1, layer=evil, phase="forward", path="dense", cause="eager_call",
-                                                             action="warn"), level="warning")])
+    path = write(
+        tmp_path / "fg.jsonl",
+        [header(), dict(ev("flex_call", 1, layer=evil, phase="forward", path="dense", cause="eager_call", action="warn"), level="warning")],
+    )
     for fmt in ("csv", "json"):
         rc, out, _ = run_cli(capsys, path, "--format", fmt)
         assert rc == 0 and not any(c in out for c in ("\x1b", "\x9b", "\u202e", "\x7f")), (fmt, repr(out))

@@ -14,12 +14,11 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import run_cli
 
 from fusionguard.report import chart
-from fusionguard.report.build import build
 from fusionguard.report import html as report_html
-
-from conftest import run_cli
+from fusionguard.report.build import build
 
 HOSTILE = [
     "<script>alert(1)</script>",
@@ -32,13 +31,35 @@ SITE = {"file": "train.py", "line": 7, "function": "attention"}
 
 
 def ev(kind, seq, pid=100, rank=0, **fields):
-    return {"event": kind, "level": "info", "ts": 1_800_000_000.0 + seq, "seq": seq, "pid": pid, "rank": rank, "thread": "MainThread", **fields}
+    return {
+        "event": kind,
+        "level": "info",
+        "ts": 1_800_000_000.0 + seq,
+        "seq": seq,
+        "pid": pid,
+        "rank": rank,
+        "thread": "MainThread",
+        **fields,
+    }
 
 
 def header(pid, rank, host="node1"):
     cuda = {"available": True, "count": 2, "version": "13.0", "devices": ["NVIDIA H200", "NVIDIA H200"]}
-    return ev("header", 1, pid=pid, rank=rank, schema=1, fusionguard="0.1.0", torch="2.13.0", triton="3.6.0",
-              python="3.11.7", hostname=host, cuda=cuda, world_size=2, local_rank=rank)
+    return ev(
+        "header",
+        1,
+        pid=pid,
+        rank=rank,
+        schema=1,
+        fusionguard="0.1.0",
+        torch="2.13.0",
+        triton="3.6.0",
+        python="3.11.7",
+        hostname=host,
+        cuda=cuda,
+        world_size=2,
+        local_rank=rank,
+    )
 
 
 def write(path, events):
@@ -62,19 +83,77 @@ def crash_run(tmp_path):
     r1 = [header(200, 1, host="node2")]
     seq = 2
     for layer in ("layers.0", HOSTILE[0]):
-        r1.append(ev("layer_memory", seq, pid=200, rank=1, layer=layer, phase="forward", path="fused", alloc_delta=10, peak_delta=1_500_000))
+        r1.append(
+            ev("layer_memory", seq, pid=200, rank=1, layer=layer, phase="forward", path="fused", alloc_delta=10, peak_delta=1_500_000)
+        )
         seq += 1
     for phase, size in (("forward", 2_147_483_648), ("backward", 2_147_483_648)):
-        r1.append(dict(ev("flex_call", seq, pid=200, rank=1, layer="layers.1", phase=phase, path="dense", cause="recompile_limit",
-                          call_site=SITE, scores_bytes=size, action="warn"), level="warning"))
-        r1.append(ev("layer_memory", seq + 1, pid=200, rank=1, layer="layers.1", phase=phase, path="dense", alloc_delta=5_000_000, peak_delta=size + 3 * 10**8))
+        r1.append(
+            dict(
+                ev(
+                    "flex_call",
+                    seq,
+                    pid=200,
+                    rank=1,
+                    layer="layers.1",
+                    phase=phase,
+                    path="dense",
+                    cause="recompile_limit",
+                    call_site=SITE,
+                    scores_bytes=size,
+                    action="warn",
+                ),
+                level="warning",
+            )
+        )
+        r1.append(
+            ev(
+                "layer_memory",
+                seq + 1,
+                pid=200,
+                rank=1,
+                layer="layers.1",
+                phase=phase,
+                path="dense",
+                alloc_delta=5_000_000,
+                peak_delta=size + 3 * 10**8,
+            )
+        )
         seq += 2
-    r1.append(dict(ev("flex_call", seq, pid=200, rank=1, layer=HOSTILE[1], phase="forward", path="dense", cause="<b>graph_break</b>",
-                      call_site={"file": "</td><script>x()</script>", "line": 1, "function": "f"}, scores_bytes=10**6, action="raise"), level="warning"))
-    r1.append(dict(ev("crash", seq + 1, pid=200, rank=1, exc_type="torch.OutOfMemoryError", where="sys.excepthook",
-                      message="CUDA out of memory. Tried to allocate 2.15 GiB\n<script>alert(3)</script>",
-                      frames=["train.py:7 in attention", "</pre><script>alert(4)</script>"],
-                      cuda={"allocated": 130 * 10**9, "reserved": 138 * 10**9, "peak": 139 * 10**9}), level="error"))
+    r1.append(
+        dict(
+            ev(
+                "flex_call",
+                seq,
+                pid=200,
+                rank=1,
+                layer=HOSTILE[1],
+                phase="forward",
+                path="dense",
+                cause="<b>graph_break</b>",
+                call_site={"file": "</td><script>x()</script>", "line": 1, "function": "f"},
+                scores_bytes=10**6,
+                action="raise",
+            ),
+            level="warning",
+        )
+    )
+    r1.append(
+        dict(
+            ev(
+                "crash",
+                seq + 1,
+                pid=200,
+                rank=1,
+                exc_type="torch.OutOfMemoryError",
+                where="sys.excepthook",
+                message="CUDA out of memory. Tried to allocate 2.15 GiB\n<script>alert(3)</script>",
+                frames=["train.py:7 in attention", "</pre><script>alert(4)</script>"],
+                cuda={"allocated": 130 * 10**9, "reserved": 138 * 10**9, "peak": 139 * 10**9},
+            ),
+            level="error",
+        )
+    )
     write(tmp_path / "run" / "fusionguard.rank0.jsonl", r0)
     write(tmp_path / "run" / "fusionguard.rank1.jsonl", r1)
     return tmp_path / "run"
@@ -143,7 +222,9 @@ def chromium():
 
 
 BROWSER = chromium()
-_no_browser = pytest.mark.skipif(BROWSER is None, reason="no Chromium on this machine (CI installs Debian's chromium: apt-get install -y chromium)")
+_no_browser = pytest.mark.skipif(
+    BROWSER is None, reason="no Chromium on this machine (CI installs Debian's chromium: apt-get install -y chromium)"
+)
 
 
 def needs_browser(test):
@@ -154,8 +235,18 @@ def needs_browser(test):
 def browse(page: Path, tmp_path: Path, *extra: str, timeout: int = 180):
     """Chromium, headless, on ``page``: (the DOM after loading, the console messages)."""
     profile = tmp_path / f"chromium-profile-{time.monotonic_ns()}"
-    cmd = [BROWSER, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", f"--user-data-dir={profile}",
-           "--enable-logging=stderr", "--v=0", *extra, page.resolve().as_uri()]
+    cmd = [
+        BROWSER,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--no-first-run",
+        f"--user-data-dir={profile}",
+        "--enable-logging=stderr",
+        "--v=0",
+        *extra,
+        page.resolve().as_uri(),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, errors="replace")
     console = [line for line in out.stderr.splitlines() if ":CONSOLE" in line]
     return out.stdout, console
@@ -236,7 +327,9 @@ def test_the_plot_draws_the_html_charts_numbers(tmp_path, capsys):
     plot_module = sys.modules["fusionguard.report.plot"]
     rep = build([str(crash_run(tmp_path))])
     page = DOM(report_html.render_html(rep)).root
-    svg = {(int(b.attrs["data-index"]), b.attrs["data-phase"]): float(b.attrs["data-bytes"]) for b in page.all("rect") if b.has_class("bar")}
+    svg = {
+        (int(b.attrs["data-index"]), b.attrs["data-phase"]): float(b.attrs["data-bytes"]) for b in page.all("rect") if b.has_class("bar")
+    }
     fig, note = plot_module.figure(rep)
     try:
         unit, scale = chart.unit(max(svg.values()))
@@ -248,7 +341,11 @@ def test_the_plot_draws_the_html_charts_numbers(tmp_path, capsys):
     # counts mode (no memory figures): the same bars, as calls
     rep["rows"] = [dict(r, peak_delta_max=None, scores_bytes_max=None) for r in rep["rows"]]
     page = DOM(report_html.render_html(rep)).root
-    svg_calls = {(int(b.attrs["data-index"]), b.attrs["data-phase"], b.attrs["data-what"]): int(b.attrs["data-calls"]) for b in page.all("rect") if b.has_class("bar")}
+    svg_calls = {
+        (int(b.attrs["data-index"]), b.attrs["data-phase"], b.attrs["data-what"]): int(b.attrs["data-calls"])
+        for b in page.all("rect")
+        if b.has_class("bar")
+    }
     fig, note = plot_module.figure(rep)
     try:
         drawn = {tuple(p.get_gid().split("|")): p.get_height() for p in fig.axes[0].patches if p.get_gid()}
@@ -283,9 +380,24 @@ def hostile_flood(path: Path, n: int = 100_000):
     events = []
     for i in range(n):
         rank = i % 300
-        events.append(dict(ev("flex_call", 2 + i, pid=1000 + rank, rank=rank, layer=f"{junk}{i}", phase="forward" if i % 2 else "backward",
-                               path="dense", cause=f"{junk[:100]}{i % 50}", call_site={"file": junk, "line": i, "function": junk},
-                               scores_bytes=i * 1000, action="warn"), level="warning"))
+        events.append(
+            dict(
+                ev(
+                    "flex_call",
+                    2 + i,
+                    pid=1000 + rank,
+                    rank=rank,
+                    layer=f"{junk}{i}",
+                    phase="forward" if i % 2 else "backward",
+                    path="dense",
+                    cause=f"{junk[:100]}{i % 50}",
+                    call_site={"file": junk, "line": i, "function": junk},
+                    scores_bytes=i * 1000,
+                    action="warn",
+                ),
+                level="warning",
+            )
+        )
     write(path, events)
     return path
 
@@ -338,9 +450,15 @@ flex_attention(q, q, q)
 """
 ENDINGS = {
     "clean": ("", "clean: every process shut down (exit)"),
-    "crash": ("raise RuntimeError('boom </style><script>x()</script>')", "crash with RuntimeError: boom </style><script>x()</script> on rank 0"),
+    "crash": (
+        "raise RuntimeError('boom </style><script>x()</script>')",
+        "crash with RuntimeError: boom </style><script>x()</script> on rank 0",
+    ),
     "native": ("import faulthandler; faulthandler._sigsegv()", "native crash: native crash (SIGSEGV) on rank 0"),
-    "stopped": ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", "stopped without shutdown (rank 0): SIGKILL and the OOM killer leave the same log"),
+    "stopped": (
+        "import os, signal; os.kill(os.getpid(), signal.SIGKILL)",
+        "stopped without shutdown (rank 0): SIGKILL and the OOM killer leave the same log",
+    ),
 }
 
 
@@ -378,16 +496,45 @@ def findings_run(tmp_path):
     """A log with each of #25's findings: recompile pressure (a hostile function name), a model
     that never called FlexAttention, eager mask builds, a call the oom mode blocked."""
     site = {"file": "train.py", "line": 9, "function": "<script>alert(5)</script>"}
-    return write(tmp_path / "findings.jsonl", [
-        header(100, 0),
-        ev("recompile_pressure", 2, file="train.py", line=9, function="<script>alert(5)</script>", compiles=4, limit=8,
-           varies="q dim 2 varies", reason="tensor 'q' size mismatch at index 2. expected 2048, actual 1536", fix="mark the dim dynamic"),
-        ev("no_flex_calls", 3, model="</style>Llama", attn_implementation="sdpa"),
-        {**ev("mask_build", 4, path="dense", shape=[1, 1, 4096, 4096], estimated_bytes=170_000_000, action="warn", call_site=site), "kind": "block_mask"},
-        ev("flex_call", 5, layer="layers.0", phase="backward", path="dense", cause="eager_call", action="raise", allowed=False,
-           scores_bytes=4_000_000_000, predicted_bytes=9_100_000_000, free_bytes=4_000_000_000, blocked_by="oom", call_site=site),
-        ev("shutdown", 6, reason="exit"),
-    ])
+    return write(
+        tmp_path / "findings.jsonl",
+        [
+            header(100, 0),
+            ev(
+                "recompile_pressure",
+                2,
+                file="train.py",
+                line=9,
+                function="<script>alert(5)</script>",
+                compiles=4,
+                limit=8,
+                varies="q dim 2 varies",
+                reason="tensor 'q' size mismatch at index 2. expected 2048, actual 1536",
+                fix="mark the dim dynamic",
+            ),
+            ev("no_flex_calls", 3, model="</style>Llama", attn_implementation="sdpa"),
+            {
+                **ev("mask_build", 4, path="dense", shape=[1, 1, 4096, 4096], estimated_bytes=170_000_000, action="warn", call_site=site),
+                "kind": "block_mask",
+            },
+            ev(
+                "flex_call",
+                5,
+                layer="layers.0",
+                phase="backward",
+                path="dense",
+                cause="eager_call",
+                action="raise",
+                allowed=False,
+                scores_bytes=4_000_000_000,
+                predicted_bytes=9_100_000_000,
+                free_bytes=4_000_000_000,
+                blocked_by="oom",
+                call_site=site,
+            ),
+            ev("shutdown", 6, reason="exit"),
+        ],
+    )
 
 
 @pytest.mark.browser  # (in part: the rest runs without Chromium)

@@ -16,12 +16,34 @@ from fusionguard.eventlog.kinds import KNOWN_EVENTS
 
 
 def ev(kind, seq, pid=100, rank=0, **fields):
-    return {"event": kind, "level": "info", "ts": 1_800_000_000.0 + seq, "seq": seq, "pid": pid, "rank": rank, "thread": "MainThread", **fields}
+    return {
+        "event": kind,
+        "level": "info",
+        "ts": 1_800_000_000.0 + seq,
+        "seq": seq,
+        "pid": pid,
+        "rank": rank,
+        "thread": "MainThread",
+        **fields,
+    }
 
 
 def header(pid=100, rank=0, host="node1"):
-    return ev("header", 1, pid=pid, rank=rank, schema=1, fusionguard="0.1.0", torch="2.13.0", triton="3.6.0",
-              python="3.11.7", hostname=host, cuda={"available": False}, world_size=1, local_rank=rank)
+    return ev(
+        "header",
+        1,
+        pid=pid,
+        rank=rank,
+        schema=1,
+        fusionguard="0.1.0",
+        torch="2.13.0",
+        triton="3.6.0",
+        python="3.11.7",
+        hostname=host,
+        cuda={"available": False},
+        world_size=1,
+        local_rank=rank,
+    )
 
 
 def write(path, events):
@@ -42,11 +64,29 @@ def report(capsys, *args):
 HUGE = 10**400  # valid JSON; above float's range (about 1.8e308)
 
 
-@pytest.mark.parametrize("kind,field", [("flex_call", "predicted_bytes"), ("flex_call", "free_bytes"),
-                                        ("mask_build", "estimated_bytes"), ("mask_builds", "estimated_bytes_max")])
+@pytest.mark.parametrize(
+    "kind,field",
+    [
+        ("flex_call", "predicted_bytes"),
+        ("flex_call", "free_bytes"),
+        ("mask_build", "estimated_bytes"),
+        ("mask_builds", "estimated_bytes_max"),
+    ],
+)
 def test_a_huge_integer_in_a_byte_field_is_never_a_traceback(kind, field, tmp_path, capsys):
-    fields = dict(layer="a", phase="forward", path="dense", cause="eager_call", action="raise", blocked_by="oom",
-                  predicted_bytes=10, free_bytes=5, estimated_bytes=10, estimated_bytes_max=10, count=2)
+    fields = dict(
+        layer="a",
+        phase="forward",
+        path="dense",
+        cause="eager_call",
+        action="raise",
+        blocked_by="oom",
+        predicted_bytes=10,
+        free_bytes=5,
+        estimated_bytes=10,
+        estimated_bytes_max=10,
+        count=2,
+    )
     fields[field] = HUGE
     log = write(tmp_path / "fg.jsonl", [header(), ev(kind, 2, **fields), ev("shutdown", 3, reason="exit")])
     for fmt in ("text", "json", "csv"):
@@ -66,20 +106,92 @@ from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 #: Every field a report reads, of every kind (the aggregation, the renderers, the page).
-FIELDS = sorted({
-    "event", "level", "ts", "seq", "pid", "rank", "thread", "hostname", "layer", "layers", "phase", "path", "cause", "action",
-    "allowed", "blocked_by", "scores_bytes", "scores_bytes_max", "predicted_bytes", "predicted_bytes_max", "free_bytes",
-    "estimated_bytes", "estimated_bytes_max", "count", "total", "flex_calls", "of", "rows", "call_site", "cuda", "last_flex",
-    "message", "exc_type", "where", "diagnosis", "frames", "counts", "causes", "alloc_delta", "peak_delta", "alloc_delta_max",
-    "alloc_delta_last", "peak_delta_max", "peak_delta_last", "recompute", "reason", "schema", "template", "source", "function",
-    "file", "line", "compiles", "limit", "varies", "fix", "model", "attn_implementation", "crash_file", "forked_from",
-    "world_size", "local_rank", "fusionguard", "torch", "triton", "python", "error", "kind", "shape", "devices", "fused", "dense",
-})
+FIELDS = sorted(
+    {
+        "event",
+        "level",
+        "ts",
+        "seq",
+        "pid",
+        "rank",
+        "thread",
+        "hostname",
+        "layer",
+        "layers",
+        "phase",
+        "path",
+        "cause",
+        "action",
+        "allowed",
+        "blocked_by",
+        "scores_bytes",
+        "scores_bytes_max",
+        "predicted_bytes",
+        "predicted_bytes_max",
+        "free_bytes",
+        "estimated_bytes",
+        "estimated_bytes_max",
+        "count",
+        "total",
+        "flex_calls",
+        "of",
+        "rows",
+        "call_site",
+        "cuda",
+        "last_flex",
+        "message",
+        "exc_type",
+        "where",
+        "diagnosis",
+        "frames",
+        "counts",
+        "causes",
+        "alloc_delta",
+        "peak_delta",
+        "alloc_delta_max",
+        "alloc_delta_last",
+        "peak_delta_max",
+        "peak_delta_last",
+        "recompute",
+        "reason",
+        "schema",
+        "template",
+        "source",
+        "function",
+        "file",
+        "line",
+        "compiles",
+        "limit",
+        "varies",
+        "fix",
+        "model",
+        "attn_implementation",
+        "crash_file",
+        "forked_from",
+        "world_size",
+        "local_rank",
+        "fusionguard",
+        "torch",
+        "triton",
+        "python",
+        "error",
+        "kind",
+        "shape",
+        "devices",
+        "fused",
+        "dense",
+    }
+)
 
 _SCALARS = (
-    st.none() | st.booleans() | st.sampled_from([0, 1, -1, -(2**70), 2**63, 10**400, -(10**400)])
-    | st.integers(min_value=-(2**64), max_value=2**64) | st.floats(allow_nan=True, allow_infinity=True)
-    | st.sampled_from([1e308, -1e308, 5e-324]) | st.text(max_size=6) | st.sampled_from(["dense", "fused", "raise", "oom", "forward"])
+    st.none()
+    | st.booleans()
+    | st.sampled_from([0, 1, -1, -(2**70), 2**63, 10**400, -(10**400)])
+    | st.integers(min_value=-(2**64), max_value=2**64)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.sampled_from([1e308, -1e308, 5e-324])
+    | st.text(max_size=6)
+    | st.sampled_from(["dense", "fused", "raise", "oom", "forward"])
 )
 
 
@@ -89,33 +201,91 @@ def _nested(children):
 
 _VALUES = st.recursive(_SCALARS, _nested, max_leaves=6)
 SITE = {"file": "train.py", "line": 7, "function": "f"}
-_ROW = {"layer": "a", "phase": "forward", "fused": 3, "dense": 2, "causes": {"eager_call": 2}, "rank": 0, "scores_bytes": 10,
-        "alloc_delta_max": 5, "alloc_delta_last": 4, "peak_delta_max": 9, "peak_delta_last": 8}
+_ROW = {
+    "layer": "a",
+    "phase": "forward",
+    "fused": 3,
+    "dense": 2,
+    "causes": {"eager_call": 2},
+    "rank": 0,
+    "scores_bytes": 10,
+    "alloc_delta_max": 5,
+    "alloc_delta_last": 4,
+    "peak_delta_max": 9,
+    "peak_delta_last": 8,
+}
 #: A plausible event of each kind, each field one the report reads: the property test replaces
 #: or removes some of them, so every code path meets every kind of hostile value.
 BASE = {
-    "flex_call": dict(layer="a", phase="forward", path="dense", cause="eager_call", action="raise", allowed=False, blocked_by="oom",
-                      scores_bytes=100, predicted_bytes=200, free_bytes=50, call_site=SITE),
-    "dense_calls": dict(layer="a", phase="backward", path="dense", cause="eager_call", action="warn", count=5, total=15,
-                        scores_bytes_max=100, predicted_bytes_max=300),
+    "flex_call": dict(
+        layer="a",
+        phase="forward",
+        path="dense",
+        cause="eager_call",
+        action="raise",
+        allowed=False,
+        blocked_by="oom",
+        scores_bytes=100,
+        predicted_bytes=200,
+        free_bytes=50,
+        call_site=SITE,
+    ),
+    "dense_calls": dict(
+        layer="a",
+        phase="backward",
+        path="dense",
+        cause="eager_call",
+        action="warn",
+        count=5,
+        total=15,
+        scores_bytes_max=100,
+        predicted_bytes_max=300,
+    ),
     "flex_run": dict(layer=None, layers=["a", "b"], phase="forward", path="fused", flex_calls=2),
-    "fused_calls": dict(layer="a", phase="forward", path="fused", of="flex_run", count=4, total=8, flex_calls=4,
-                        alloc_delta_max=5, alloc_delta_last=4, peak_delta_max=9, peak_delta_last=8),
+    "fused_calls": dict(
+        layer="a",
+        phase="forward",
+        path="fused",
+        of="flex_run",
+        count=4,
+        total=8,
+        flex_calls=4,
+        alloc_delta_max=5,
+        alloc_delta_last=4,
+        peak_delta_max=9,
+        peak_delta_last=8,
+    ),
     "flex_compile": dict(layer="a", phase="forward", path="fused", template="cpp", source="lowering"),
     "flex_inlined": dict(layer="a", phase="forward"),
     "layer_memory": dict(layer="a", phase="forward", path="fused", alloc_delta=10, peak_delta=20, recompute=False),
     "summary": dict(rows=[_ROW, dict(_ROW, rank=3)], counts={"dense_forward": 2}),
     "shutdown": dict(reason="exit", counts={"dense_forward": 2}),
-    "crash": dict(exc_type="RuntimeError", message="boom\nline 2", where="sys.excepthook", diagnosis="oom",
-                  last_flex={"event": "flex_call", "path": "dense", "scores_bytes": 5, "call_site": SITE},
-                  cuda={"allocated": 1, "reserved": 2, "peak": 3}, frames=["a.py:1 in f"]),
+    "crash": dict(
+        exc_type="RuntimeError",
+        message="boom\nline 2",
+        where="sys.excepthook",
+        diagnosis="oom",
+        last_flex={"event": "flex_call", "path": "dense", "scores_bytes": 5, "call_site": SITE},
+        cuda={"allocated": 1, "reserved": 2, "peak": 3},
+        frames=["a.py:1 in f"],
+    ),
     "recompile_pressure": dict(file="train.py", line=9, function="f", compiles=4, limit=8, varies="q dim 2", reason="r", fix="x"),
     "no_flex_calls": dict(model="Llama", attn_implementation="sdpa"),
     "mask_build": dict(path="dense", action="raise", estimated_bytes=1000, call_site=SITE, shape=[1, 1, 8, 8], kind="block_mask"),
     "mask_builds": dict(path="dense", action="warn", count=3, estimated_bytes_max=2000, call_site=SITE),
-    "header": dict(schema=1, fusionguard="0.1.0", torch="2.13.0", triton=None, python="3.11", hostname="h",
-                   cuda={"available": True, "count": 1, "devices": ["H200"]}, world_size=2, local_rank=0, crash_file="x.crash",
-                   forked_from=7),
+    "header": dict(
+        schema=1,
+        fusionguard="0.1.0",
+        torch="2.13.0",
+        triton=None,
+        python="3.11",
+        hostname="h",
+        cuda={"available": True, "count": 1, "devices": ["H200"]},
+        world_size=2,
+        local_rank=0,
+        crash_file="x.crash",
+        forked_from=7,
+    ),
     "internal_error": dict(where="guard", error="E"),
     "recompile_limit": dict(function="f", reason="r"),
     "graph_break": dict(function="f", reason="r"),
@@ -231,8 +401,16 @@ def test_after_rotation_each_process_counts_its_own_calls_and_the_missing_lines_
     log.parent.mkdir()
     start = tmp_path / "start"
     start.mkdir()
-    ps = [forkserver.popen([sys.executable, "-c", ROTATING_WORKER, str(log), str(calls), "16384", str(start)], env=child_env(),
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(procs)]
+    ps = [
+        forkserver.popen(
+            [sys.executable, "-c", ROTATING_WORKER, str(log), str(calls), "16384", str(start)],
+            env=child_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(procs)
+    ]
     # (together: one process done before the other began would have its every line pruned by the
     # other's rotation, its summary too, and no log could say it existed; CI's load did that once)
     import time
@@ -262,8 +440,10 @@ def test_a_gap_that_rotation_does_not_explain_is_said_and_the_summary_adds_nothi
     """A line lost in the middle (a failed write) of a log that never rotated: the summary rows
     could count calls of an earlier log of the same process, so they add nothing; the gap is said."""
     row = {"layer": "a", "phase": "forward", "fused": 0, "dense": 9, "causes": {"eager_call": 9}, "rank": 0}
-    events = [header()] + [dict(ev("flex_call", s, layer="a", phase="forward", path="dense", cause="eager_call", action="warn"),
-                                level="warning") for s in (2, 3, 5, 6)]
+    events = [header()] + [
+        dict(ev("flex_call", s, layer="a", phase="forward", path="dense", cause="eager_call", action="warn"), level="warning")
+        for s in (2, 3, 5, 6)
+    ]
     events += [ev("summary", 7, rows=[row]), ev("shutdown", 8, reason="exit")]
     rep = json.loads(report(capsys, write(tmp_path / "fg.jsonl", events), "--format", "json")[1])
     assert rep["totals"]["dense_calls"] == 4 and rep["run"]["missing_lines"] == 1
@@ -274,10 +454,15 @@ def test_a_notebooks_enable_cycles_over_several_log_paths_are_not_missing_lines(
     """One process, ``enable()`` / ``disable()`` cycles switching log paths (a notebook): its seq
     runs on across them, so each file has gaps before its headers; they went to the other file
     (or to none: ``log_path=False``), nothing is missing. A lost line inside a session still is."""
+
     def session(first, calls):
         out = [dict(header(), seq=first)]
-        out += [dict(ev("flex_call", first + i + 1, layer="a", phase="forward", path="dense", cause="eager_call", action="warn"),
-                     level="warning") for i in range(calls)]
+        out += [
+            dict(
+                ev("flex_call", first + i + 1, layer="a", phase="forward", path="dense", cause="eager_call", action="warn"), level="warning"
+            )
+            for i in range(calls)
+        ]
         return out + [ev("summary", first + calls + 1, rows=[]), ev("shutdown", first + calls + 2, reason="disable")]
 
     a = session(1, 2) + session(13, 2)  # 1-5 and 13-17 in a.jsonl

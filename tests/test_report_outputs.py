@@ -10,17 +10,25 @@ import os
 import stat
 
 import pytest
+from conftest import run_cli
+from test_report_numbers import ev, header, write  # (one copy of the log builders of the report tests added in #32)
 
 from fusionguard.report import html as report_html
 from fusionguard.report.build import build
 
-from conftest import run_cli
-from test_report_numbers import ev, header, write  # (one copy of the log builders of the report tests added in #32)
-
 
 def small_log(path):
-    return write(path, [header(), dict(ev("flex_call", 2, layer="layers.0", phase="forward", path="dense", cause="eager_call",
-                                          action="warn", scores_bytes=1000), level="warning"), ev("shutdown", 3, reason="exit")])
+    return write(
+        path,
+        [
+            header(),
+            dict(
+                ev("flex_call", 2, layer="layers.0", phase="forward", path="dense", cause="eager_call", action="warn", scores_bytes=1000),
+                level="warning",
+            ),
+            ev("shutdown", 3, reason="exit"),
+        ],
+    )
 
 
 # -- 1. an output that is an input ---------------------------------------------------------------------
@@ -103,8 +111,13 @@ def test_a_native_crash_file_the_logs_name_is_never_written_over_and_its_text_is
     Its frames are written by faulthandler, never redacted by fusionguard: the report redacts them."""
     run = tmp_path / "run"
     crash = run / "fg.pid100.crash"
-    log = write(run / "fg.jsonl", [dict(header(), crash_file=str(crash)),
-                                   dict(ev("flex_call", 2, layer="a", phase="forward", path="dense", cause="eager_call"), level="warning")])
+    log = write(
+        run / "fg.jsonl",
+        [
+            dict(header(), crash_file=str(crash)),
+            dict(ev("flex_call", 2, layer="a", phase="forward", path="dense", cause="eager_call"), level="warning"),
+        ],
+    )
     crash.write_text(FAULTHANDLER_TEXT)
     for inputs in ([log], [run]):
         for flag in ("-o", "--html"):
@@ -133,8 +146,14 @@ MORE_INVISIBLE = ["\xad", "\u180e", "\u2063", "\ufe0f", "\u3164", "\U000e0041", 
 
 def test_every_invisible_format_character_is_escaped_and_the_json_stays_json(tmp_path, capsys):
     name = "layers.0" + "".join(MORE_INVISIBLE) + "x"
-    log = write(tmp_path / "fg.jsonl", [header(), dict(ev("flex_call", 2, layer=name, phase="forward", path="dense", cause="eager_call",
-                                                             action="warn"), level="warning"), ev("shutdown", 3, reason="exit")])
+    log = write(
+        tmp_path / "fg.jsonl",
+        [
+            header(),
+            dict(ev("flex_call", 2, layer=name, phase="forward", path="dense", cause="eager_call", action="warn"), level="warning"),
+            ev("shutdown", 3, reason="exit"),
+        ],
+    )
     page = tmp_path / "r.html"
     for fmt in ("text", "json", "csv"):
         rc, out, err = run_cli(capsys, log, "--format", fmt, "--html", page)
@@ -146,8 +165,14 @@ def test_every_invisible_format_character_is_escaped_and_the_json_stays_json(tmp
 
 def test_invisible_and_direction_characters_are_shown_escaped_in_every_output(tmp_path, capsys):
     name = "layers.0" + "".join(INVISIBLE) + "x"
-    log = write(tmp_path / "fg.jsonl", [header(), dict(ev("flex_call", 2, layer=name, phase="forward", path="dense", cause="eager_call",
-                                                             action="warn"), level="warning"), ev("shutdown", 3, reason="exit")])
+    log = write(
+        tmp_path / "fg.jsonl",
+        [
+            header(),
+            dict(ev("flex_call", 2, layer=name, phase="forward", path="dense", cause="eager_call", action="warn"), level="warning"),
+            ev("shutdown", 3, reason="exit"),
+        ],
+    )
     page = tmp_path / "r.html"
     for fmt in ("text", "json", "csv"):
         rc, out, err = run_cli(capsys, log, "--format", fmt, "--html", page)
@@ -160,8 +185,10 @@ def test_invisible_and_direction_characters_are_shown_escaped_in_every_output(tm
 
 
 def test_a_run_ended_by_sigterm_is_not_a_clean_banner(tmp_path, capsys):
-    log = write(tmp_path / "fg.jsonl", [header(), ev("flex_run", 2, layer="a", phase="forward", path="fused", flex_calls=1),
-                                        ev("shutdown", 3, reason="sigterm")])
+    log = write(
+        tmp_path / "fg.jsonl",
+        [header(), ev("flex_run", 2, layer="a", phase="forward", path="fused", flex_calls=1), ev("shutdown", 3, reason="sigterm")],
+    )
     kind, sentence = report_html.ending(build([str(log)]))
     assert kind == "terminated" and "SIGTERM" in sentence and "clean" not in sentence
     page = tmp_path / "r.html"
@@ -181,9 +208,24 @@ def quote_flood(path, layers=300, causes=9, ranks=1):
         events.append(header(pid=100 + rank, rank=rank))
         for i in range(layers):
             for c in range(causes):
-                events.append(dict(ev("flex_call", seq, pid=100 + rank, rank=rank, layer=f"{q}{i}", phase="forward", path="dense",
-                                      cause=f"{q}{c}", action="warn", scores_bytes=1000,
-                                      call_site={"file": q, "line": i, "function": q}), level="warning"))
+                events.append(
+                    dict(
+                        ev(
+                            "flex_call",
+                            seq,
+                            pid=100 + rank,
+                            rank=rank,
+                            layer=f"{q}{i}",
+                            phase="forward",
+                            path="dense",
+                            cause=f"{q}{c}",
+                            action="warn",
+                            scores_bytes=1000,
+                            call_site={"file": q, "line": i, "function": q},
+                        ),
+                        level="warning",
+                    )
+                )
                 seq += 1
     return write(path, events)
 
@@ -227,9 +269,24 @@ SECRETS = {
     "basic": "Authorization: Basic aHVudGVyMTA6aHVudGVyMTA=",
     "nouser": "https://:hunter11hunter11@example.com/",
 }
-LEAKS = ["abcdefghijklmnopqrstuvwxyz0123", "s3cr3tPassw0rd", "eyJhbGciOiJIUzI1NiJ9abcdef", "abcdef0123456789ABCDEF", "AKIAABCDEFGHIJKLMNOP",
-         "AIzaSyA1234567890abcdefghijklmnopqrstuv", "hunter2hunter2", "hunter3hunter3", "hunter4", "hunter5", "hunter6", "hunter7", "hunter8",
-         "hunter9", "aHVudGVyMTA6", "hunter11"]
+LEAKS = [
+    "abcdefghijklmnopqrstuvwxyz0123",
+    "s3cr3tPassw0rd",
+    "eyJhbGciOiJIUzI1NiJ9abcdef",
+    "abcdef0123456789ABCDEF",
+    "AKIAABCDEFGHIJKLMNOP",
+    "AIzaSyA1234567890abcdefghijklmnopqrstuv",
+    "hunter2hunter2",
+    "hunter3hunter3",
+    "hunter4",
+    "hunter5",
+    "hunter6",
+    "hunter7",
+    "hunter8",
+    "hunter9",
+    "aHVudGVyMTA6",
+    "hunter11",
+]
 
 
 def test_redact_text_covers_every_secret_shape_and_keeps_ordinary_text():
@@ -239,9 +296,16 @@ def test_redact_text_covers_every_secret_shape_and_keeps_ordinary_text():
         out = redact_text(f"failed: {secret} (while loading)")
         assert not any(leak in out for leak in LEAKS), (name, out)
         assert "<redacted>" in out and out.startswith("failed: ") and out.endswith(" (while loading)"), out
-    for ordinary in ("KeyError: 'layers.0.self_attn'", "tensor 'q' size mismatch at index 2. expected 2048, actual 1536",
-                     "/home/me/train.py:7 in attention", "https://example.com/a:b", "--lr 3e-4 --steps 512",
-                     "num_key_value_heads=8 key=layers.0 max_tokens=512", "unexpected token: ')' in score_mod", "basic block"):
+    for ordinary in (
+        "KeyError: 'layers.0.self_attn'",
+        "tensor 'q' size mismatch at index 2. expected 2048, actual 1536",
+        "/home/me/train.py:7 in attention",
+        "https://example.com/a:b",
+        "--lr 3e-4 --steps 512",
+        "num_key_value_heads=8 key=layers.0 max_tokens=512",
+        "unexpected token: ')' in score_mod",
+        "basic block",
+    ):
         assert redact_text(ordinary) == ordinary
 
 
@@ -268,8 +332,13 @@ def test_a_crash_with_secrets_is_redacted_in_the_log_and_the_report_outputs_keep
     from conftest import child_env
 
     log = tmp_path / "fg.jsonl"
-    p = forkserver.run([sys.executable, "-c", CRASH_SCRIPT, str(log), SECRETS["url"], SECRETS["hf"], SECRETS["bearer"]],
-                       env=child_env(), capture_output=True, text=True, timeout=300)
+    p = forkserver.run(
+        [sys.executable, "-c", CRASH_SCRIPT, str(log), SECRETS["url"], SECRETS["hf"], SECRETS["bearer"]],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 1 and "RuntimeError" in p.stderr, p.stderr[-2000:]
     text = log.read_text()
     assert '"crash"' in text and "could not fetch" in text

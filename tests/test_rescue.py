@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import PUBLIC, flex_events, lacks, needs, qkv
 from torch.nn.attention.flex_attention import flex_attention
 
 import fusionguard
 from fusionguard.core import state as _state
-
-from conftest import PUBLIC, flex_events, lacks, needs, qkv
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning")]
 

@@ -15,9 +15,8 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 import forkserver  # (a child that needs a process, not a fresh interpreter: tests/forkserver.py)
+import pytest
 from conftest import child_env, read_jsonl
 
 fcntl = pytest.importorskip("fcntl")
@@ -100,7 +99,9 @@ def test_a_lock_released_in_time_is_taken_and_nothing_is_said(tmp_path):
     taken, no message)."""
     log = tmp_path / "fg.jsonl"
     holder = _hold(tmp_path / "fg.jsonl.lock", "reader")
-    writer = forkserver.popen([sys.executable, "-c", WRITER, str(log)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
+    writer = forkserver.popen(
+        [sys.executable, "-c", WRITER, str(log)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env()
+    )
     time.sleep(0.2)  # (the writer is still importing torch: the lock is released before its first write or during its wait)
     holder.stdin.close()
     holder.wait(30)

@@ -13,16 +13,15 @@ from collections import Counter
 
 import pytest
 import torch
+from conftest import causal, op_args, qkv
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import fusionguard
+from fusionguard import _testing
 from fusionguard import torch_internals as ti
 from fusionguard.core import state as _state
-from fusionguard import _testing
 from fusionguard.core.config import Runtime
 from fusionguard.errors import DenseFallbackError, DenseFallbackWarning
-
-from conftest import causal, op_args, qkv
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile"),
@@ -157,7 +156,9 @@ def test_an_enable_in_the_middle_of_a_call_decides_only_the_next_call(guard):
     with torch.no_grad(), pytest.raises(DenseFallbackError) as blocked:
         build()  # the next build: strict, limit 0
     assert [(e["mode"], e["mask_limit"], e["action"]) for e in fusionguard.events("mask_build")] == [
-        ("warn", 1 << 60, "log"), ("strict", 0, "raise")]
+        ("warn", 1 << 60, "log"),
+        ("strict", 0, "raise"),
+    ]
     assert blocked.value.event["seq"] == fusionguard.events("mask_build")[-1]["seq"]
 
 
@@ -226,7 +227,10 @@ def test_a_second_enable_from_another_thread_never_mixes_two_option_sets(guard):
     assert len(calls) == len(builds) == WORKERS * ROUNDS  # keep_all: every call and build logged
 
     # each event: one option set
-    assert Counter((e["mode"], e["action"], e.get("blocked_by")) for e in calls).keys() <= {("strict", "raise", None), ("warn", "warn", None)}
+    assert Counter((e["mode"], e["action"], e.get("blocked_by")) for e in calls).keys() <= {
+        ("strict", "raise", None),
+        ("warn", "warn", None),
+    }
     assert Counter((e["mode"], e["mask_limit"], e["action"]) for e in builds).keys() <= {("strict", 0, "raise"), ("warn", 1 << 60, "log")}
 
     # what each thread got is what its event says

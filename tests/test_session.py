@@ -22,12 +22,12 @@ import warnings
 
 import pytest
 import torch
+from conftest import Lines
 from torch.nn.attention.flex_attention import flex_attention
 
 import fusionguard
-from fusionguard.core import state as _state
 from fusionguard import _testing
-from conftest import Lines
+from fusionguard.core import state as _state
 
 D = 8
 
@@ -102,7 +102,9 @@ def test_counts_are_its_own_by_layer_phase_and_cause_with_step_deltas(clean):
     assert (second.dense, second.allowed) == (2, 2)
     assert (total.dense, total.allowed) == (6, 2)
     assert [(r["layer"], r["phase"], r["dense"], r["allowed"], r["causes"]) for r in total.rows] == [
-        ("layers.0", "forward", 3, 1, {"eager_call": 3}), ("layers.1", "forward", 3, 1, {"eager_call": 3})]
+        ("layers.0", "forward", 3, 1, {"eager_call": 3}),
+        ("layers.1", "forward", 3, 1, {"eager_call": 3}),
+    ]
     assert first.metrics() == {"fusionguard/dense_calls": 4.0, "fusionguard/fused_calls": 0.0, "fusionguard/allowed_calls": 0.0}
     # a second session on the same model counts from its own start: causes are not counted twice
     with fusionguard.track(model, log_path=False) as again:
@@ -116,12 +118,16 @@ def test_the_verdict_and_the_summary(clean):
     with fusionguard.track(model, log_path=False) as fg:
         run(model)
         verdict = fg.verdict("step 1")
-    assert verdict == ("fusionguard: step 1: 2 FlexAttention layers, forward fused 0/2; dense: "
-                       "layers.0 forward x1 (eager_call); layers.1 forward x1 (eager_call)", False)
+    assert verdict == (
+        "fusionguard: step 1: 2 FlexAttention layers, forward fused 0/2; dense: "
+        "layers.0 forward x1 (eager_call); layers.1 forward x1 (eager_call)",
+        False,
+    )
     assert "layers.1" in str(fg.summary()) and "eager_call" in fg.summary_text()
     empty = fusionguard.track(Net(), log_path=False).start()
     assert empty.summary_text(KeyboardInterrupt()) == (
-        "fusionguard: the run ended on KeyboardInterrupt no FlexAttention call was counted before it")
+        "fusionguard: the run ended on KeyboardInterrupt no FlexAttention call was counted before it"
+    )
     empty.stop()
 
 
@@ -150,8 +156,12 @@ def test_under_fusionguard_run_strict_session_blocks(tmp_path):
         "        with torch.no_grad(): m(x())\n"
         "    except fusionguard.DenseFallbackError: print('blocked')\n"
     )
-    env = {**os.environ, "FUSIONGUARD": "warn", "FUSIONGUARD_LOG": str(tmp_path / "fg.jsonl"),
-           "PYTHONPATH": os.pathsep.join([activate.HOOK_DIR, os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "FUSIONGUARD": "warn",
+        "FUSIONGUARD_LOG": str(tmp_path / "fg.jsonl"),
+        "PYTHONPATH": os.pathsep.join([activate.HOOK_DIR, os.environ.get("PYTHONPATH", "")]),
+    }
     out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.stdout.strip() == "blocked", out.stderr
 
@@ -164,8 +174,10 @@ def test_the_programs_own_enable_wins_and_the_conflict_is_said_once(clean, said)
             assert fg.mode == "warn"
             run(model)
     told = [m for m in said.lines if "asked for" in m]
-    assert told == ["fusionguard: fusionguard.track() asked for mode='strict', but the program's own fusionguard.enable() set "
-                    "mode='warn': the program's settings stand (pass them to that enable(), or leave them out of fusionguard.track())"]
+    assert told == [
+        "fusionguard: fusionguard.track() asked for mode='strict', but the program's own fusionguard.enable() set "
+        "mode='warn': the program's settings stand (pass them to that enable(), or leave them out of fusionguard.track())"
+    ]
     assert fusionguard.is_enabled()  # (the session did not enable it: it does not disable it)
 
 
@@ -184,8 +196,9 @@ def test_off_says_so_instead_of_a_verdict(clean, monkeypatch):
     with fusionguard.track(model) as fg:
         run(model)
         assert fg.off.startswith("FUSIONGUARD=off")
-        assert fg.verdict("step 1").text == ("fusionguard: step 1: no verdict: FUSIONGUARD=off in the environment (the kill switch); "
-                                             "FlexAttention calls are not checked")
+        assert fg.verdict("step 1").text == (
+            "fusionguard: step 1: no verdict: FUSIONGUARD=off in the environment (the kill switch); FlexAttention calls are not checked"
+        )
         assert fg.metrics() == {} and hooks(model) == 0
     monkeypatch.delenv("FUSIONGUARD")
     fg = fusionguard.track(model, log_path=False).start()

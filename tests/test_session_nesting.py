@@ -13,13 +13,13 @@ from __future__ import annotations
 import logging
 
 import pytest
+from conftest import Lines
+from test_session import Net, hooks, run
 
 import fusionguard
-from conftest import Lines
 from fusionguard import _testing
 from fusionguard import session as _session
 from fusionguard.core import state as _state
-from test_session import Net, hooks, run
 
 
 def mode():
@@ -56,7 +56,8 @@ def test_a_replaced_sessions_settings_come_back_and_it_is_said_once(clean, told)
     assert mode() is None  # the outer one enabled: it disabled
     assert [m for m in told.lines if "still running" in m] == [
         "fusionguard: fusionguard.track() sets mode='warn' while fusionguard.track() (still running) asked for mode='strict': "
-        "the newest session's settings apply until it stops, then fusionguard.track()'s come back"]
+        "the newest session's settings apply until it stops, then fusionguard.track()'s come back"
+    ]
 
 
 def test_out_of_order_stops_unwind_to_the_launcher(clean):

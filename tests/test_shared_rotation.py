@@ -15,10 +15,10 @@ import textwrap
 import time
 from pathlib import Path
 
-import pytest
-
 import forkserver  # (a child that needs a process, not a fresh interpreter: tests/forkserver.py)
+import pytest
 from conftest import child_env, read_jsonl, run_cli
+
 from fusionguard.eventlog.sink import FileSink
 
 PY = sys.executable
@@ -113,8 +113,9 @@ def _script(tmp_path: Path, name: str, code: str, max_bytes: int = MAX_BYTES, ba
     return script
 
 
-def _run_writers(tmp_path: Path, processes: int, n: int, how: str, max_bytes: int = MAX_BYTES, backups: int = BACKUPS,
-                 together: bool = False) -> Path:
+def _run_writers(
+    tmp_path: Path, processes: int, n: int, how: str, max_bytes: int = MAX_BYTES, backups: int = BACKUPS, together: bool = False
+) -> Path:
     """``processes`` independent Python processes writing ``n`` dense events each to one path
     (``together``: then 20 more each once all are done, and disable())."""
     logs, barrier = tmp_path / "logs", tmp_path / "barrier"
@@ -123,8 +124,14 @@ def _run_writers(tmp_path: Path, processes: int, n: int, how: str, max_bytes: in
     script = _script(tmp_path, "writer", WRITER, max_bytes, backups)
     log = logs / "fg.jsonl"
     procs = [
-        forkserver.popen([PY, str(script), str(log), str(n), how, str(barrier), str(processes if together else 0)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=child_env(), cwd=tmp_path)
+        forkserver.popen(
+            [PY, str(script), str(log), str(n), how, str(barrier), str(processes if together else 0)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=child_env(),
+            cwd=tmp_path,
+        )
         for _ in range(processes)
     ]
     try:
@@ -208,8 +215,14 @@ def test_forked_children_in_file_mode_share_the_rotating_log(tmp_path, capsys):
     logs = tmp_path / "logs"
     logs.mkdir()
     script = _script(tmp_path, "forked", FORKED)
-    proc = forkserver.run([PY, str(script), str(logs / "fg.jsonl"), str(n), str(children)], capture_output=True, text=True,
-                          env=child_env(), cwd=tmp_path, timeout=300)
+    proc = forkserver.run(
+        [PY, str(script), str(logs / "fg.jsonl"), str(n), str(children)],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["hung"] == [] and sorted(r["status"].values()) == [0] * children
@@ -319,8 +332,16 @@ def test_a_lock_file_removed_mid_run_is_locked_again_by_every_process(tmp_path):
     procs = []
     try:
         for who in ("a", "b"):
-            procs.append(forkserver.popen([PY, str(script), str(log), who, str(n), str(barrier), str(max_bytes)],
-                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(), cwd=tmp_path))
+            procs.append(
+                forkserver.popen(
+                    [PY, str(script), str(log), who, str(n), str(barrier), str(max_bytes)],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    env=child_env(),
+                    cwd=tmp_path,
+                )
+            )
             _wait_for(barrier / f"ready.{who}", procs[-1])
             if who == "a":
                 (logs / "fg.jsonl.lock").unlink()  # an `rm` of the lock file while "a" holds it open
@@ -420,7 +441,9 @@ def test_a_passing_failure_to_open_the_lock_file_is_tried_again(tmp_path):
     """EMFILE (or ENOSPC) opening ``<log>.lock`` is a moment: the next write locks; only a
     symlink or a non-regular file there gives the lock up for good (see the planted link test)."""
     path = tmp_path / "fg.jsonl"
-    proc = forkserver.run([PY, "-c", EMFILE_THEN_FREE, str(path)], capture_output=True, text=True, env=child_env(), cwd=tmp_path, timeout=120)
+    proc = forkserver.run(
+        [PY, "-c", EMFILE_THEN_FREE, str(path)], capture_output=True, text=True, env=child_env(), cwd=tmp_path, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split("\n")[:2] == ["after EMFILE: False", "after freeing: True True"], proc.stdout
     assert [e["i"] for e in read_jsonl(path)] == [0, 1]

@@ -20,9 +20,8 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
-
 import forkserver  # (a child that needs a process, not a fresh interpreter: tests/forkserver.py)
+import pytest
 from conftest import child_env, read_jsonl
 
 CHILD = """
@@ -86,7 +85,10 @@ def test_sigterm_during_a_log_write_counts_match_the_events(tmp_path, mode):
     script.write_text(textwrap.dedent(CHILD))
     log = tmp_path / f"{mode}.jsonl"
     proc = forkserver.popen(
-        [sys.executable, str(script), str(log), mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [sys.executable, str(script), str(log), mode],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         env=child_env(OMP_NUM_THREADS="1"),
     )
     try:

@@ -199,7 +199,18 @@ def test_reset_leaves_every_registry_empty(guard):
     with fusionguard.watch(model):
         model(q, k, v)
         filled = {k for k, n in _tables(state).items() if n}
-        assert {"names", "modules", "roots", "pairs", "forward_codes", "rows", "flex_classes", "counts", "events", "caches.code_kinds"} <= filled
+        assert {
+            "names",
+            "modules",
+            "roots",
+            "pairs",
+            "forward_codes",
+            "rows",
+            "flex_classes",
+            "counts",
+            "events",
+            "caches.code_kinds",
+        } <= filled
         fusionguard.disable()
         held = (state.stats, state.watch, state.caches)
         state.reset()
@@ -286,7 +297,9 @@ def test_every_import_goes_to_its_own_layer_or_a_lower_one():
     assert _upward(order, modules) == [], "move the import, or register a callback from the upper layer (docs/internals.md, Module map)"
     units: Dict[str, Set[str]] = {}
     for name, path in modules.items():
-        units.setdefault(_unit(name), set()).update(_unit(t) for t in _imports(name, path, set(modules), late=True) if _unit(t) != _unit(name))
+        units.setdefault(_unit(name), set()).update(
+            _unit(t) for t in _imports(name, path, set(modules), late=True) if _unit(t) != _unit(name)
+        )
     assert "core/" in units["dense/"] and "eventlog/" in units["core/"]
     assert _cycles(units) == []
     # the test and benchmark hooks: nothing in the package uses them
@@ -314,8 +327,10 @@ def _dynamic_lookups(path: str) -> List[int]:
 
 def test_no_dynamic_lookup_stands_in_for_an_import(tmp_path):
     probe = tmp_path / "probe.py"
-    probe.write_text("import importlib, sys\nimportlib.import_module('fusionguard.patch_sites')\nsys.modules.get('fusionguard')\n"
-                     "sys.modules['fusionguard.x']\nsys.modules.get('torch')\nimportlib.import_module('torch')\n")
+    probe.write_text(
+        "import importlib, sys\nimportlib.import_module('fusionguard.patch_sites')\nsys.modules.get('fusionguard')\n"
+        "sys.modules['fusionguard.x']\nsys.modules.get('torch')\nimportlib.import_module('torch')\n"
+    )
     assert _dynamic_lookups(str(probe)) == [2, 3, 4]  # the check finds them
     found = {os.path.relpath(p, PKG): _dynamic_lookups(p) for p in _modules().values()}
     # (``__init__.py``'s lazy public names may load their modules through importlib: they keep

@@ -10,15 +10,14 @@ import json
 import sys
 import textwrap
 
+import forkserver  # (a child that needs a process, not a fresh interpreter: tests/forkserver.py)
 import pytest
 import torch
+from conftest import ROOT, child_env, needs, qkv, read_jsonl, run_cli
 from torch.nn.attention.flex_attention import flex_attention
 
 import fusionguard
 from fusionguard.core.tables import NO_LAYER
-
-import forkserver  # (a child that needs a process, not a fresh interpreter: tests/forkserver.py)
-from conftest import ROOT, child_env, needs, qkv, read_jsonl, run_cli
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile", "ignore::fusionguard.DenseFallbackWarning")
 
@@ -84,8 +83,14 @@ def test_fused_calls_without_a_layer_are_a_summary_row_as_in_the_report(tmp_path
     (A process of its own: graphs of earlier tests would be found by enable() too.)"""
     script, before, after, out = tmp_path / "s.py", tmp_path / "before.jsonl", tmp_path / "after.jsonl", tmp_path / "rows.json"
     script.write_text(_SCRIPT)
-    proc = forkserver.run([sys.executable, str(script), str(before), str(after), str(out)], capture_output=True, text=True,
-                          timeout=600, cwd=ROOT, env=child_env(OMP_NUM_THREADS="1"))
+    proc = forkserver.run(
+        [sys.executable, str(script), str(before), str(after), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env=child_env(OMP_NUM_THREADS="1"),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())
     for name, log, n in (("before", before, 4), ("after", after, 3)):
@@ -154,19 +159,34 @@ def test_report_reads_every_summary_shape_alike(tmp_path, capsys):
     shapes = {
         "old_end_of_log": {"counts": {"fused_runs_forward": 4}, "rows": [{"layer": n, **row} for n in "ab"]},
         "old_summary_call": {"all_ranks": False, "rows": [{"layer": n, **row, "rank": 0} for n in "ab"]},
-        "one_shape": {"all_ranks": False, "counts": {"fused_runs_forward": 4},
-                      "rows": [{"layer": n, **row, "rank": 0} for n in "ab"] + [{"layer": NO_LAYER, **row, "fused": 0, "rank": 0}]},
+        "one_shape": {
+            "all_ranks": False,
+            "counts": {"fused_runs_forward": 4},
+            "rows": [{"layer": n, **row, "rank": 0} for n in "ab"] + [{"layer": NO_LAYER, **row, "fused": 0, "rank": 0}],
+        },
     }
     got = {}
     for name, fields in shapes.items():
         events = [
             {"event": "header", "seq": 0, "ts": 1.0, "schema": 1, "hostname": "h", **base},
             # a graph of two layers' calls whose names the run could not tell: unattributed in the log
-            {"event": "flex_run", "seq": 1, "ts": 2.0, "layer": None, "layers": None, "phase": "forward", "path": "fused", "flex_calls": 4, **base},
+            {
+                "event": "flex_run",
+                "seq": 1,
+                "ts": 2.0,
+                "layer": None,
+                "layers": None,
+                "phase": "forward",
+                "path": "fused",
+                "flex_calls": 4,
+                **base,
+            },
             {"event": "summary", "seq": 2, "ts": 3.0, **fields, **base},
             {"event": "shutdown", "seq": 3, "ts": 4.0, "reason": "exit", **base},
         ]
         log = tmp_path / f"{name}.jsonl"
         log.write_text("".join(json.dumps(e) + "\n" for e in events))
         got[name] = report_rows(capsys, log)
-    assert got["old_end_of_log"] == got["old_summary_call"] == got["one_shape"] == {("a", "forward"): (2, 0, {}), ("b", "forward"): (2, 0, {})}
+    assert (
+        got["old_end_of_log"] == got["old_summary_call"] == got["one_shape"] == {("a", "forward"): (2, 0, {}), ("b", "forward"): (2, 0, {})}
+    )

@@ -14,12 +14,11 @@ from collections import defaultdict
 
 import pytest
 import torch
+from conftest import qkv
 from torch.nn.attention.flex_attention import flex_attention
 
 import fusionguard
 from fusionguard.core import state as _state
-
-from conftest import qkv
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 

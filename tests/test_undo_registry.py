@@ -8,14 +8,13 @@ import sys
 import threading
 
 import torch
+from conftest import PUBLIC, qkv
 
 import fusionguard
-from fusionguard.core import state as _state
 from fusionguard import torch_internals as ti
+from fusionguard.core import state as _state
 from fusionguard.core.registry import Hook, Patch, PatchRegistry
 from fusionguard.eventlog import crash
-
-from conftest import PUBLIC, qkv
 
 
 def _host_slots() -> dict:
@@ -27,7 +26,9 @@ def _host_slots() -> dict:
         "dense forward kernel": op.py_kernels.get(ti.dense_key()),
         "dense backward kernel": op_bw.py_kernels.get(ti.dense_key()),
         "FlexAttentionAutogradOp": (autograd["forward"], autograd["backward"]),
-        "inductor lowerings": [ti.lowerings().get(o) for o in (torch.ops.higher_order.flex_attention, torch.ops.higher_order.flex_attention_backward)],
+        "inductor lowerings": [
+            ti.lowerings().get(o) for o in (torch.ops.higher_order.flex_attention, torch.ops.higher_order.flex_attention_backward)
+        ],
         "CompiledFxGraph.post_compile": vars(ti.compiled_fx_graph())["post_compile"],
         "TORCH_LOGS=fusionguard": ti.torch_log_registered("fusionguard"),
         "sys.excepthook": sys.excepthook,
@@ -59,11 +60,20 @@ def test_every_registry_entry_is_undone_by_disable(guard, dynamo_reset):
     entries = _state.STATE.patches.entries()
     names = {e.name for e in entries}
     expected = {
-        "crash: recording", "sys.excepthook", "threading.excepthook", "signal.SIGTERM", "OptimizedModule.__init__",
-        "logging:torch._dynamo.convert_frame", "torch._dynamo.callback.on_compile_end",
-        "inductor.CompiledFxGraph.post_compile", "FlexAttentionAutogradOp.forward", "FlexAttentionAutogradOp.backward",
-        "flex_attention.CompositeExplicitAutograd", "flex_attention_backward.CompositeExplicitAutograd",
-        "torch._logging.register_log(fusionguard)", f"FlexAttentionHigherOrderVariable.{ti.flex_trace_method()[1]}",
+        "crash: recording",
+        "sys.excepthook",
+        "threading.excepthook",
+        "signal.SIGTERM",
+        "OptimizedModule.__init__",
+        "logging:torch._dynamo.convert_frame",
+        "torch._dynamo.callback.on_compile_end",
+        "inductor.CompiledFxGraph.post_compile",
+        "FlexAttentionAutogradOp.forward",
+        "FlexAttentionAutogradOp.backward",
+        "flex_attention.CompositeExplicitAutograd",
+        "flex_attention_backward.CompositeExplicitAutograd",
+        "torch._logging.register_log(fusionguard)",
+        f"FlexAttentionHigherOrderVariable.{ti.flex_trace_method()[1]}",
     }
     if "setup_compilation_env" in before:
         expected.add("flex_attention.setup_compilation_env")

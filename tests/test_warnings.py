@@ -10,12 +10,11 @@ import warnings
 
 import pytest
 import torch
+from conftest import PUBLIC, flex_events, needs, qkv
 from torch import nn
 from torch.nn.attention.flex_attention import flex_attention
 
 import fusionguard
-
-from conftest import PUBLIC, flex_events, needs, qkv
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 

@@ -9,14 +9,13 @@ import threading
 
 import pytest
 import torch
+from compile_models import blocks_compiled_in_place
+from conftest import flex_events, in_own_process, op_call, read_jsonl
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import fusionguard
 from fusionguard.core.tables import NO_LAYER
-
-from compile_models import blocks_compiled_in_place
-from conftest import flex_events, in_own_process, op_call, read_jsonl
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -866,6 +865,10 @@ def test_aot_eager_dense_calls_are_named_per_layer_forward_and_backward(guard, d
         rows = {(r["layer"], r["phase"]): r["dense"] for r in fusionguard.summary() if r["dense"]}
     calls = flex_events()
     assert [(c["phase"], c["layer"]) for c in calls] == [
-        ("forward", "layers.0"), ("forward", "layers.1"), ("backward", "layers.1"), ("backward", "layers.0")] * 2
+        ("forward", "layers.0"),
+        ("forward", "layers.1"),
+        ("backward", "layers.1"),
+        ("backward", "layers.0"),
+    ] * 2
     assert all(c["cause"] == "non_inductor_backend" for c in calls)
     assert rows == {(f"layers.{i}", phase): 2 for i in (0, 1) for phase in ("forward", "backward")}

@@ -27,11 +27,27 @@ def _private_torch_names(path: pathlib.Path) -> list:
             found.append(f"{path.name}:{node.lineno} from {node.module}")
         elif isinstance(node, ast.Import):
             found += [f"{path.name}:{node.lineno} import {a.name}" for a in node.names if a.name.startswith("torch._")]
-        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "torch" and node.attr.startswith("_") and not node.attr.startswith("__"):
+        elif (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "torch"
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+        ):
             found.append(f"{path.name}:{node.lineno} torch.{node.attr}")
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr", "setattr") and len(node.args) > 1:
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr", "setattr")
+            and len(node.args) > 1
+        ):
             name = node.args[1]  # a private attribute read by name: ours, or one of NOT_TORCH
-            if isinstance(name, ast.Constant) and isinstance(name.value, str) and name.value.startswith("_") and not name.value.startswith(("__", "_fusionguard")):
+            if (
+                isinstance(name, ast.Constant)
+                and isinstance(name.value, str)
+                and name.value.startswith("_")
+                and not name.value.startswith(("__", "_fusionguard"))
+            ):
                 if name.value not in NOT_TORCH:
                     found.append(f"{path.name}:{node.lineno} {node.func.id}(..., {name.value!r})")
     return found
@@ -54,7 +70,9 @@ NOT_TORCH = {
 def test_private_torch_names_live_in_torch_internals_only():
     found = [hit for name in CLEAN for hit in _private_torch_names(PKG / name)]
     assert found == []
-    assert len(INTERNALS) >= 2 and [hit for name in INTERNALS for hit in _private_torch_names(PKG / name)], "the check finds what it looks for"
+    assert len(INTERNALS) >= 2 and [hit for name in INTERNALS for hit in _private_torch_names(PKG / name)], (
+        "the check finds what it looks for"
+    )
 
 
 # --- Every private name by its spelling: the registry torch_internals.PRIVATE_NAMES -----------
@@ -130,7 +148,12 @@ def _is_private(name: str) -> bool:
 def test_no_registered_private_name_is_spelled_outside_torch_internals():
     """A name of ``PRIVATE_NAMES`` (``_orig_mod``, ``py_kernels``, ...) spelled anywhere else:
     use the constant or the lookup of torch_internals instead."""
-    found = [f"{name}:{line} {what!r} ({how})" for name in CLEAN for line, what, how in _names_spelled((PKG / name).read_text()) if what in ti.PRIVATE_NAMES]
+    found = [
+        f"{name}:{line} {what!r} ({how})"
+        for name in CLEAN
+        for line, what, how in _names_spelled((PKG / name).read_text())
+        if what in ti.PRIVATE_NAMES
+    ]
     assert found == []
 
 
@@ -166,7 +189,15 @@ h = "torch._dynamo.config.disable"
 i = "a message about _dispatch_cache, in words"
 """
     spelled = {(what, how) for _, what, how in _names_spelled(code)}
-    assert {("_orig_mod", "attr"), ("_modules", "str"), ("_fwd_fn", "piece"), ("_bwd_fn", "piece"), ("_identity", "regex"), ("_compile", "kwarg"), ("eval_frame.py", "str")} <= spelled
+    assert {
+        ("_orig_mod", "attr"),
+        ("_modules", "str"),
+        ("_fwd_fn", "piece"),
+        ("_bwd_fn", "piece"),
+        ("_identity", "regex"),
+        ("_compile", "kwarg"),
+        ("eval_frame.py", "str"),
+    } <= spelled
     names = {what for what, _ in spelled}
     assert "_dynamo" not in names and "_dispatch_cache" not in names
     registered = names & set(ti.PRIVATE_NAMES)

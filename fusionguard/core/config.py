@@ -51,21 +51,43 @@ class Config:
         if self.fsync != "always" and not isinstance(self.fsync, bool):
             raise TypeError(f"fusionguard.enable(): fsync must be True, False or 'always', not {self.fsync!r}")
         if isinstance(self.strict, str) and self.strict.strip().lower() in MODES:
-            raise TypeError(f"fusionguard.enable(): strict must be True or False, not {self.strict!r}; "
-                            f"a mode by name is mode={self.strict.strip().lower()!r}")
+            raise TypeError(
+                f"fusionguard.enable(): strict must be True or False, not {self.strict!r}; "
+                f"a mode by name is mode={self.strict.strip().lower()!r}"
+            )
         for name in ("strict", "rescue", "keep_all"):
             if not isinstance(getattr(self, name), bool) and not (name == "strict" and self.strict is None):
                 raise TypeError(f"fusionguard.enable(): {name} must be True or False, not {getattr(self, name)!r}")
-        for name, low in (("max_events", 1), ("fused_first", 0), ("fused_every", 0), ("dense_first", 1), ("dense_every", 0), ("log_backups", 0)):
+        for name, low in (
+            ("max_events", 1),
+            ("fused_first", 0),
+            ("fused_every", 0),
+            ("dense_first", 1),
+            ("dense_every", 0),
+            ("log_backups", 0),
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"fusionguard.enable(): {name} must be an integer >= {low}, not {value!r}")
         if self.log_max_bytes is not None and (not isinstance(self.log_max_bytes, int) or self.log_max_bytes < 1024):
             raise ValueError(f"fusionguard.enable(): log_max_bytes must be None or an integer >= 1024, not {self.log_max_bytes!r}")
-        if isinstance(self.log_mode, bool) or not isinstance(self.log_mode, int) or not 0o400 <= self.log_mode <= 0o777 or not self.log_mode & 0o200:
-            raise ValueError(f"fusionguard.enable(): log_mode must be a file mode the owner can read and write (0o600 ... 0o777), not {self.log_mode!r}")
-        if isinstance(self.flush_interval, bool) or not isinstance(self.flush_interval, (int, float)) or not 0 <= self.flush_interval <= 3600:
-            raise ValueError(f"fusionguard.enable(): flush_interval must be a number of seconds between 0 and 3600, not {self.flush_interval!r}")
+        if (
+            isinstance(self.log_mode, bool)
+            or not isinstance(self.log_mode, int)
+            or not 0o400 <= self.log_mode <= 0o777
+            or not self.log_mode & 0o200
+        ):
+            raise ValueError(
+                f"fusionguard.enable(): log_mode must be a file mode the owner can read and write (0o600 ... 0o777), not {self.log_mode!r}"
+            )
+        if (
+            isinstance(self.flush_interval, bool)
+            or not isinstance(self.flush_interval, (int, float))
+            or not 0 <= self.flush_interval <= 3600
+        ):
+            raise ValueError(
+                f"fusionguard.enable(): flush_interval must be a number of seconds between 0 and 3600, not {self.flush_interval!r}"
+            )
 
         warn_at = self.recompile_warn_at
         if warn_at is not None and (isinstance(warn_at, bool) or not isinstance(warn_at, int) or warn_at < 0 or warn_at == 1):
@@ -73,7 +95,9 @@ class Config:
                 f"fusionguard.enable(): recompile_warn_at must be None (half the recompile limit), 0 (off) "
                 f"or a number of compiles >= 2, not {warn_at!r}"
             )
-        if self.mask_limit is not None and (isinstance(self.mask_limit, bool) or not isinstance(self.mask_limit, int) or self.mask_limit < 0):
+        if self.mask_limit is not None and (
+            isinstance(self.mask_limit, bool) or not isinstance(self.mask_limit, int) or self.mask_limit < 0
+        ):
             raise ValueError(f"fusionguard.enable(): mask_limit must be None or a number of bytes >= 0, not {self.mask_limit!r}")
         if isinstance(self.mode, str):  # case-insensitive, as FUSIONGUARD=, --fusionguard= and the ini option
             self.mode = self.mode.strip().lower()
@@ -81,8 +105,10 @@ class Config:
             raise ValueError(f"fusionguard.enable(): mode must be one of {', '.join(MODES)}, not {self.mode!r}")
         # One rule for both (#32): strict and mode named together must agree, either way round.
         if self.strict is not None and self.mode is not None and self.strict != (self.mode == "strict"):
-            raise ValueError(f"fusionguard.enable(): strict={self.strict!r} contradicts mode={self.mode!r}; "
-                             "name one of them (mode='strict' is strict=True)")
+            raise ValueError(
+                f"fusionguard.enable(): strict={self.strict!r} contradicts mode={self.mode!r}; "
+                "name one of them (mode='strict' is strict=True)"
+            )
         self.strict = bool(self.strict) or self.mode == "strict"
         self.mode = "strict" if self.strict else (self.mode or "warn")
 

@@ -92,7 +92,14 @@ def warning_at(message: str, target: Optional[types.FrameType], category: type =
     if target is None:
         return (message, category, "<fusionguard>", 0, "fusionguard", None)
     g = target.f_globals
-    return (message, category, target.f_code.co_filename, target.f_lineno, g.get("__name__", "<string>"), g.setdefault("__warningregistry__", {}))
+    return (
+        message,
+        category,
+        target.f_code.co_filename,
+        target.f_lineno,
+        g.get("__name__", "<string>"),
+        g.setdefault("__warningregistry__", {}),
+    )
 
 
 def defer_warning(key: Any, args: Tuple[Any, ...]) -> None:

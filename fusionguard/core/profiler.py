@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
-from fusionguard.eventlog.formatting import escape, human_bytes
 from fusionguard.core.state import guarded
+from fusionguard.eventlog.formatting import escape, human_bytes
 from fusionguard.torch_internals import profiler_check
 
 #: True while a ``torch.profiler`` (or ``torch.autograd.profiler``) records.

@@ -11,17 +11,17 @@ import sys
 import threading
 import traceback
 import types
+from multiprocessing import util
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Type, TypeVar, cast
 
-from fusionguard.eventlog import crash
 from fusionguard.core.config import Config, Runtime, RuntimeRef, process_log_name
-from fusionguard.eventlog.messages import say
+from fusionguard.core.registry import PatchRegistry
 from fusionguard.core.tables import Caches, Stats, WatchRegistry
+from fusionguard.eventlog import crash
 from fusionguard.eventlog.header import header_fields
 from fusionguard.eventlog.log import EventLog
-from fusionguard.core.registry import PatchRegistry
+from fusionguard.eventlog.messages import say
 from fusionguard.eventlog.sink import FileSink
-from multiprocessing import util
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -170,6 +170,7 @@ class State:
 
 STATE = State()
 
+
 class Allowance:
     """One open ``allow_dense()`` block: ``_ALLOW_DENSE`` holds the innermost one of the context.
 
@@ -304,8 +305,7 @@ def internal_error(where: str, exc: BaseException) -> None:
         STATE.reported.add(key)
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         write_stderr(
-            f"fusionguard: internal error in {where} (ignored; PyTorch runs unchanged): "
-            f"{type(exc).__name__}: {exc}\n",
+            f"fusionguard: internal error in {where} (ignored; PyTorch runs unchanged): {type(exc).__name__}: {exc}\n",
             logging.ERROR,
         )
         STATE.log.emit("error", "internal_error", where=where, error=f"{type(exc).__name__}: {exc}", traceback=tb)
@@ -391,6 +391,7 @@ def on_fork_reinit(fn: Callable[[Callable[[Any], Any]], None]) -> None:
     """Register ``fn(reinit)``: it replaces a lock of its own with ``reinit(lock)`` in a forked child."""
     _CHILD_LOCKS.append(fn)
 
+
 def _after_fork_in_child() -> None:
     """The child starts clean: free locks, no parent counts (they are the parent's to write),
     its own events in memory, its own file (directory mode) and crash file, opened when it logs
@@ -410,7 +411,9 @@ def _open_child_log(parent_sink: Any) -> None:
     try:
         _open_child_log_now(parent_sink)
     except Exception as exc:
-        write_stderr(f"fusionguard: forked process {os.getpid()} could not start its own log ({type(exc).__name__}: {exc}); its events are kept in memory only\n")
+        write_stderr(
+            f"fusionguard: forked process {os.getpid()} could not start its own log ({type(exc).__name__}: {exc}); its events are kept in memory only\n"
+        )
 
 
 def _open_child_log_now(parent_sink: Any) -> None:
@@ -420,10 +423,21 @@ def _open_child_log_now(parent_sink: Any) -> None:
         path = os.path.join(STATE.log_dir, process_log_name())
         config.log_path = path
     try:
-        STATE.log.attach(FileSink(path, fsync=parent_sink.fsync, max_bytes=parent_sink.max_bytes, backups=parent_sink.backups,
-                                  preamble=STATE.log.header_copy, mode=config.log_mode, shared=STATE.log_dir is None))
+        STATE.log.attach(
+            FileSink(
+                path,
+                fsync=parent_sink.fsync,
+                max_bytes=parent_sink.max_bytes,
+                backups=parent_sink.backups,
+                preamble=STATE.log.header_copy,
+                mode=config.log_mode,
+                shared=STATE.log_dir is None,
+            )
+        )
     except OSError as exc:
-        write_stderr(f"fusionguard: forked process {os.getpid()} cannot open its log {path!r} ({exc}); its events are kept in memory only\n")
+        write_stderr(
+            f"fusionguard: forked process {os.getpid()} cannot open its log {path!r} ({exc}); its events are kept in memory only\n"
+        )
         return
     STATE.crash_fields = crash.capture_native(path, config.log_mode)
     fields = header_fields(STATE.patches.names(), dict(STATE.not_patched), config.public())

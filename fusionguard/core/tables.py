@@ -108,7 +108,12 @@ class Stats:
         return row
 
     def on_dense(
-        self, layer: Optional[str], phase: str, cause: Optional[str], scores: Optional[int], recompute: bool = False,
+        self,
+        layer: Optional[str],
+        phase: str,
+        cause: Optional[str],
+        scores: Optional[int],
+        recompute: bool = False,
         allowed: bool = False,
     ) -> None:
         with self.lock:
@@ -143,7 +148,9 @@ class Stats:
     def summary(self) -> List[Dict[str, Any]]:
         with self.lock:
             out = []
-            for (layer, phase), r in sorted(self.rows.items(), key=lambda kv: (kv[0][0] == NO_LAYER, kv[0])):  # (NO_LAYER last, as report has it)
+            for (layer, phase), r in sorted(
+                self.rows.items(), key=lambda kv: (kv[0][0] == NO_LAYER, kv[0])
+            ):  # (NO_LAYER last, as report has it)
                 d = {"layer": layer, "phase": phase, **r.__dict__}
                 d["causes"] = dict(r.causes)
                 # Calls of a FlexAttention layer that ran no dense kernel ran the fused one;
@@ -172,7 +179,9 @@ class ModulePaths:
         self.noted = False
 
     def __len__(self) -> int:  # (what is held: empty after reset, like the other tables)
-        return len(self.names) + len(self.parents) + len(self.tops) + len(self.partial) + self.scans + self.noted + (self.rooted is not None)
+        return (
+            len(self.names) + len(self.parents) + len(self.tops) + len(self.partial) + self.scans + self.noted + (self.rooted is not None)
+        )
 
 
 class Caches:

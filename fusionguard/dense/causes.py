@@ -21,10 +21,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional, Tuple, cast
 
 from fusionguard import torch_internals as ti
+from fusionguard.core.frames import first_user_frame, is_torch_file, is_user_file
 from fusionguard.core.state import STATE
 from fusionguard.dense.dynamo_signals import SIGNALS, clean_reason, is_public_flex
-from fusionguard.core.frames import first_user_frame, is_torch_file, is_user_file
 from fusionguard.eventlog.kinds import FIXES
+
 
 @dataclass
 class Diagnosis:
@@ -261,8 +262,14 @@ def diagnose_forward(frame: Optional[types.FrameType]) -> Diagnosis:
         lim = _compiled_limit(code) or limit
         if lim and n >= lim:
             reason = _last_reason(code)
-            info = {"function": code.co_name, "file": code.co_filename, "line": code.co_firstlineno, "limit": lim,
-                    "reason": reason, "source": "cache_entries"}
+            info = {
+                "function": code.co_name,
+                "file": code.co_filename,
+                "line": code.co_firstlineno,
+                "limit": lim,
+                "reason": reason,
+                "source": "cache_entries",
+            }
             try:
                 SIGNALS.note_limit(info)  # the recompile_limit event, once per frame, if Dynamo's log was not heard
             except Exception:

@@ -78,7 +78,7 @@ def clean_reason(text: object, limit: int = 300) -> Optional[str]:
 def _source_name(source: str) -> str:
     """``L['q']`` -> ``q``, ``G['n']`` -> ``n``, ``L['self'].n`` -> ``self.n``."""
     m = _SOURCE.match(source)
-    return m.group("name") + source[m.end():] if m else source
+    return m.group("name") + source[m.end() :] if m else source
 
 
 def reason_varies(reason: Optional[str]) -> Optional[str]:
@@ -257,6 +257,7 @@ class Signals:
         callback_handler = ti.compile_callbacks()
         if self._end_callback is None and callback_handler is not None:
             try:
+
                 def _on_compile_end(*_args: Any) -> None:
                     try:
                         self.read_metrics()

@@ -31,29 +31,33 @@ import torch
 import wrapt
 
 from fusionguard.core import frames
-from fusionguard.core.config import Runtime, RuntimeRef
-from fusionguard.dense import causes, lse, memory as dense_memory
-from fusionguard.eventlog.crash import sigterm_pending
 from fusionguard.core import profiler as profiling
+from fusionguard.core.config import Runtime, RuntimeRef
+from fusionguard.core.state import STATE, count, dense_allowed_here, guarded, internal_error, write_stderr
+from fusionguard.core.tensors import tensor_fields
+from fusionguard.dense import causes, lse
+from fusionguard.dense import memory as dense_memory
+from fusionguard.dense.dynamo_signals import SIGNALS
+from fusionguard.errors import DenseFallbackError
+from fusionguard.eventlog.crash import sigterm_pending
 from fusionguard.eventlog.formatting import human_bytes, site_text
 from fusionguard.eventlog.kinds import CAUSES
 from fusionguard.eventlog.messages import dense_text
-from fusionguard.core.tensors import tensor_fields
-from fusionguard.core.state import STATE, count, dense_allowed_here, guarded, internal_error, write_stderr
-from fusionguard.dense.dynamo_signals import SIGNALS
-from fusionguard.errors import DenseFallbackError
-from fusionguard.torch_internals import debug_flag_on, dynamo_skips_frames, eval_frame_callback, is_concrete, is_fullgraph_hook, nested_flex_codes
+from fusionguard.torch_internals import (
+    debug_flag_on,
+    dynamo_skips_frames,
+    eval_frame_callback,
+    is_concrete,
+    is_fullgraph_hook,
+    nested_flex_codes,
+)
 from fusionguard.watching import naming, paths
 
 # Set by FlexAttentionAutogradOp.forward's wrapper: the dense forward drops its record here so
 # that ctx (and so the backward, possibly on another thread) can carry it.
-_FORWARD_SLOT: contextvars.ContextVar[Optional[List[dict]]] = contextvars.ContextVar(
-    "fusionguard_forward_slot", default=None
-)
+_FORWARD_SLOT: contextvars.ContextVar[Optional[List[dict]]] = contextvars.ContextVar("fusionguard_forward_slot", default=None)
 # Set by FlexAttentionAutogradOp.backward's wrapper: the forward's record, for the dense backward.
-_BACKWARD_ORIGIN: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar(
-    "fusionguard_backward_origin", default=None
-)
+_BACKWARD_ORIGIN: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("fusionguard_backward_origin", default=None)
 
 # (a constant True only inside Dynamo's trace; never is_compiling(), a process-wide flag: see above)
 _is_dynamo_compiling: Callable[[], bool] = getattr(torch.compiler, "is_dynamo_compiling", lambda: False)

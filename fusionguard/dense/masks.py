@@ -21,12 +21,12 @@ import torch
 
 from fusionguard.core import frames
 from fusionguard.core.config import Runtime, RuntimeRef
+from fusionguard.core.state import STATE, count, dense_allowed_here, guarded
+from fusionguard.dense.guard import oom_cannot_act
+from fusionguard.dense.memory import default_mask_limit, free_bytes, mask_build_bytes
+from fusionguard.errors import DenseFallbackError
 from fusionguard.eventlog.formatting import human_bytes, site_text
 from fusionguard.eventlog.messages import dense_text
-from fusionguard.core.state import STATE, count, dense_allowed_here, guarded
-from fusionguard.dense.memory import default_mask_limit, free_bytes, mask_build_bytes
-from fusionguard.dense.guard import oom_cannot_act
-from fusionguard.errors import DenseFallbackError
 from fusionguard.torch_internals import MASK_COMPILE_FLAG, block_sizes, create_block_mask_code, mask_home, tracing_here
 from fusionguard.watching import naming
 

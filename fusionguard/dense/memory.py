@@ -31,7 +31,9 @@ def _round_up(x: int, multiple: int) -> int:
     return (x + multiple - 1) // multiple * multiple
 
 
-def mask_build_bytes(b: int, h: int, q_len: int, kv_len: int, block: Sequence[int] = (128, 128), kind: str = "block_mask", score_mod: bool = False) -> int:
+def mask_build_bytes(
+    b: int, h: int, q_len: int, kv_len: int, block: Sequence[int] = (128, 128), kind: str = "block_mask", score_mod: bool = False
+) -> int:
     """Extra peak bytes of an eager ``create_block_mask`` / ``create_mask``.
 
     ``create_mask``: the bool B x H x Q x KV mask (1 byte per element); from a ``score_mod``, a
@@ -73,7 +75,9 @@ def _captured_bytes(buffers: Any, q_len: int, kv_len: int) -> int:
     return total
 
 
-def predict_dense(phase: str, q: Any, k: Any, v: Any, score_mod: Any = None, score_buffers: Any = (), mask_buffers: Any = ()) -> Optional[int]:
+def predict_dense(
+    phase: str, q: Any, k: Any, v: Any, score_mod: Any = None, score_buffers: Any = (), mask_buffers: Any = ()
+) -> Optional[int]:
     """Predicted extra peak bytes of ``sdpa_dense`` (forward) / ``sdpa_dense_backward`` on CUDA.
 
     S = B*Hq*Q*KV score elements; w = 4 (8 for float64) working precision bytes, d = input bytes.

@@ -30,11 +30,11 @@ import wrapt
 
 from fusionguard import torch_internals as ti
 from fusionguard.core.config import Runtime, RuntimeRef
-from fusionguard.core.state import STATE, guarded, internal_error
-from fusionguard.eventlog.kinds import FIXES
 from fusionguard.core.frames import defer_warning, first_user_frame, frame_site, warn_at_user_line, warning_at
+from fusionguard.core.state import STATE, guarded, internal_error
 from fusionguard.dense.dynamo_signals import SIGNALS, break_counts, churning, latest_reasons, reason_fix, reason_varies
 from fusionguard.errors import DenseFallbackWarning
+from fusionguard.eventlog.kinds import FIXES
 
 
 def threshold(limit: Optional[int], option: Optional[int]) -> Optional[int]:

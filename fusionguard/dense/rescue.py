@@ -18,20 +18,20 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import copy
 import sys
 import time
 from typing import Any, Callable, Iterator, Optional
 
 import wrapt
 
+from fusionguard import torch_internals as ti
 from fusionguard.core import frames
 from fusionguard.core.config import Runtime, RuntimeRef
-from fusionguard.dense import causes
-from fusionguard import torch_internals as ti
 from fusionguard.core.state import STATE, count, dense_allowed_here, guarded
 from fusionguard.core.tensors import tensor_fields
+from fusionguard.dense import causes
 from fusionguard.watching.naming import flex_layer
-import copy
 
 RESCUABLE = ("eager_call", "recompile_limit", "graph_break", "compile_error")
 

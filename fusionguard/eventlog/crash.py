@@ -57,7 +57,6 @@ Emit = Callable[..., Any]
 _MAX_TRACEBACK = 4000
 
 
-
 class CrashHooks:
     """This module's process-wide bookkeeping, one object (fusionguard's ``State.crash``): the
     hooks it replaced, what they call, the faulthandler file it owns. Never reset while hooks

@@ -82,7 +82,11 @@ def diagnose(exc_type: Optional[type], message: str, flex: Optional[dict], frame
     what = "OOM" if oom else name
     if name.endswith("DenseFallbackError"):
         cause = f" (cause {last.get('cause')})" if last.get("cause") else ""
-        would = f" its {human_bytes(last.get('scores_bytes'))} fp32 score matrix" if dense and last.get("scores_bytes") is not None else " anything"
+        would = (
+            f" its {human_bytes(last.get('scores_bytes'))} fp32 score matrix"
+            if dense and last.get("scores_bytes") is not None
+            else " anything"
+        )
         return f"strict mode blocked a dense {phase}{where_text(flex)}{cause} before it allocated{would}"
     if in_dense and dense:
         return f"{what} inside dense {phase}{where_text(flex)}{size}"

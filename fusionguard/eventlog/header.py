@@ -15,7 +15,6 @@ from fusionguard.eventlog.redact import redact_argv
 SCHEMA_VERSION = 1
 
 
-
 def rank_info() -> dict:
     """Rank, local rank and world size from torchrun's environment or torch.distributed."""
 

@@ -10,11 +10,28 @@ from typing import Dict
 #: Every kind of event fusionguard writes (``report`` counts anything else as unknown).
 KNOWN_EVENTS = frozenset(
     {
-        "header", "flex_call", "flex_compile", "flex_inlined", "recompile_limit", "compile_error",
-        "graph_break", "internal_error", "shutdown", "layer_memory", "fused_calls", "summary", "crash",
-        "flex_run", "rescue_failed", "dense_calls", "watch_traced", "compiled_before_enable",
-        "recompile_pressure", "no_flex_calls",
-        "mask_build", "mask_builds",
+        "header",
+        "flex_call",
+        "flex_compile",
+        "flex_inlined",
+        "recompile_limit",
+        "compile_error",
+        "graph_break",
+        "internal_error",
+        "shutdown",
+        "layer_memory",
+        "fused_calls",
+        "summary",
+        "crash",
+        "flex_run",
+        "rescue_failed",
+        "dense_calls",
+        "watch_traced",
+        "compiled_before_enable",
+        "recompile_pressure",
+        "no_flex_calls",
+        "mask_build",
+        "mask_builds",
         "partial_names",
     }
 )
@@ -50,8 +67,7 @@ FIXES: Dict[str, str] = {
     "or compile the attention call on its own: torch.compile(flex_attention)",
     "compiler_disabled": "remove the torch.compiler.disable / set_stance('force_eager') / "
     "TORCHDYNAMO_DISABLE=1 / torch._dynamo.config.disable around this call",
-    "compile_error": "fix the compile error shown in evidence (set torch._dynamo.config.suppress_errors = "
-    "False to see the full traceback)",
+    "compile_error": "fix the compile error shown in evidence (set torch._dynamo.config.suppress_errors = False to see the full traceback)",
     "debug_flag": "set torch.nn.attention.flex_attention._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = False",
     "unknown": "compile the call with torch.compile (Inductor); see the evidence for what was found",
 }

@@ -37,10 +37,11 @@ from typing import Any, Callable, ContextManager, Deque, Dict, List, Optional, T
 
 import structlog
 
-from fusionguard.eventlog.messages import logger as human_logger, say
 from fusionguard.eventlog.distributed import process_group_ready
 from fusionguard.eventlog.header import rank_info
 from fusionguard.eventlog.kinds import TRACE_EVENTS
+from fusionguard.eventlog.messages import logger as human_logger
+from fusionguard.eventlog.messages import say
 from fusionguard.eventlog.redact import redact_value
 from fusionguard.eventlog.sampler import COUNTER_LEVEL, FLUSH_BEFORE, KEEP, Sampler
 from fusionguard.eventlog.sink import DEFAULT_LOG_MODE, FileSink
@@ -80,8 +81,6 @@ class _EventRank:
             if "RANK" in os.environ or process_group_ready():
                 self.final = rank
         return self.env
-
-
 
 
 class EventLog:
@@ -193,7 +192,12 @@ class EventLog:
                 self.on_sink_resume(sink.unwritten)
 
     def open(
-        self, path: str, fsync: Union[bool, str], max_bytes: Optional[int] = None, backups: int = 3, mode: int = DEFAULT_LOG_MODE,
+        self,
+        path: str,
+        fsync: Union[bool, str],
+        max_bytes: Optional[int] = None,
+        backups: int = 3,
+        mode: int = DEFAULT_LOG_MODE,
         shared: bool = True,
     ) -> None:
         """Write to the file at ``path`` (``shared=False``: no other process writes it)."""

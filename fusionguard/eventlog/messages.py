@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import sys
+
 LOGGER_NAME = "fusionguard"
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -89,4 +90,3 @@ def dense_text(text: str, level: int) -> None:
             logger.log(level, text, extra={"fusionguard_shown": True})
     except Exception:
         pass
-

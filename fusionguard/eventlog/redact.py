@@ -33,13 +33,33 @@ _TEXT_ASSIGN_RE = re.compile(
     r"|credentials?))(\s*[=:]\s*)" + _VALUE
 )
 #: A URL's query parameter named like a secret: ``?token=v``, ``&api_key=v``, ``&sig=v`` (a signed URL).
-_QUERY_RE = re.compile(r"(?i)([?&][A-Za-z0-9_.\-]*(?:token|key|secret|password|passwd|auth|credential|signature|sig)[A-Za-z0-9_.\-]*=)[^&#\s'\"]+")
+_QUERY_RE = re.compile(
+    r"(?i)([?&][A-Za-z0-9_.\-]*(?:token|key|secret|password|passwd|auth|credential|signature|sig)[A-Za-z0-9_.\-]*=)[^&#\s'\"]+"
+)
 #: An HTTP ``Authorization`` header's credentials (``Basic dXNlcjpw...``, ``Digest ...``, a bare token).
 _AUTH_HEADER_RE = re.compile(r"(?i)\b(authorization\s*[:=]\s*(?:(?:basic|bearer|digest|token)\s+)?)[^\s'\",;]+")
 #: Something that may hold a secret, lower-cased: the cheap first look (substring tests: a few
 #: microseconds an event; most strings hold none of these).
-_MARKERS = ("hf_", "sk-", "gh", "glpat-", "xox", "akia", "asia", "eyj", "aiza", "bearer", "://", "token", "key", "secret", "passw",
-            "auth", "credential", "sig")
+_MARKERS = (
+    "hf_",
+    "sk-",
+    "gh",
+    "glpat-",
+    "xox",
+    "akia",
+    "asia",
+    "eyj",
+    "aiza",
+    "bearer",
+    "://",
+    "token",
+    "key",
+    "secret",
+    "passw",
+    "auth",
+    "credential",
+    "sig",
+)
 _URL_PASSWORD_RE = re.compile(r"(?<=://)([^/@:\s]*):[^/@\s]+@")
 _OPTION_RE = re.compile(r"^([-+]{0,2}[A-Za-z0-9_.\-]+)=(.*)$", re.S)  # --x=v, x=v, Hydra +x=v / ++x=v
 

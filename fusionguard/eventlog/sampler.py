@@ -108,7 +108,16 @@ class Sampler:
         if self.keep_all:
             return True
         site = fields.get("call_site") or {}
-        key = (fields.get("layer"), fields.get("phase"), event, fields.get("cause"), fields.get("action"), fields.get("traced"), site.get("file"), site.get("line"))
+        key = (
+            fields.get("layer"),
+            fields.get("phase"),
+            event,
+            fields.get("cause"),
+            fields.get("action"),
+            fields.get("traced"),
+            site.get("file"),
+            site.get("line"),
+        )
         with self._lock:
             w = self._keys.get(key)
             return w is None or w.total < self.dense_first

@@ -19,19 +19,18 @@ import os
 import re
 import sys
 import threading
+import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import wrapt
 
 from fusionguard import torch_internals as ti
+from fusionguard.core.frames import is_torch_file, user_call_site
 from fusionguard.core.state import STATE, guarded
-from fusionguard.core.frames import user_call_site
-from fusionguard.core.frames import is_torch_file
 from fusionguard.core.tensors import scores_bytes
 from fusionguard.fused.runs import Namer, compile_names, count_runs, fqn_from_source, log_compile_record
-from fusionguard.watching.naming import clean_name, flex_layer, note_flex_call, resolve_watched_name
 from fusionguard.torch_internals import compiled_graph_text
-import time
+from fusionguard.watching.naming import clean_name, flex_layer, note_flex_call, resolve_watched_name
 
 _TL = threading.local()
 
@@ -74,6 +73,7 @@ _STACK_LINE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fu
 def _ir_tensor_fields(args: tuple) -> Dict[str, Any]:
     """Shapes, dtype and device of the lowered call's query and key, for releases whose compiled
     graph keeps no graph text to read them from (2.7): saved with the sidecar for cache hits."""
+
     def shape(node: Any) -> Optional[list]:
         try:
             return [int(d) if getattr(d, "is_number", True) else str(d) for d in node.get_size()]

@@ -11,13 +11,21 @@ import weakref
 from collections.abc import MutableMapping
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from fusionguard.core import profiler as profiling
 from fusionguard import torch_internals as ti
-from fusionguard.core.state import STATE, count, internal_error
+from fusionguard.core import profiler as profiling
 from fusionguard.core.frames import take_deferred
-from fusionguard.watching.naming import clean_name, flex_layer, fqn_from_source, in_backward, resolve_watched_name, stack_source, watched_name, is_watching
+from fusionguard.core.state import STATE, count, internal_error
+from fusionguard.watching.naming import (
+    clean_name,
+    flex_layer,
+    fqn_from_source,
+    in_backward,
+    is_watching,
+    resolve_watched_name,
+    stack_source,
+    watched_name,
+)
 from fusionguard.watching.paths import caller_name, is_module_forward, module_path
-
 
 # -- names: the layer of each FlexAttention call of a compiled graph ------------------------------
 #
@@ -165,7 +173,9 @@ def log_compile_record(fields: Dict[str, Any]) -> None:
     STATE.log.emit("info", "flex_compile", **fields)
 
 
-def compile_names(calls: List[Dict[str, Any]], source: Optional[str], around: Optional[str]) -> Tuple[Optional[List[Optional[str]]], Optional[str], Optional["Namer"]]:
+def compile_names(
+    calls: List[Dict[str, Any]], source: Optional[str], around: Optional[str]
+) -> Tuple[Optional[List[Optional[str]]], Optional[str], Optional["Namer"]]:
     """Names of a graph's calls at compile time, how they were found, and its run-time namer.
 
     A forward graph compiled by Dynamo (lowered, or loaded from Inductor's / AOTAutograd's
@@ -290,7 +300,9 @@ def _hook_names(fixed: Tuple[Optional[str], ...]) -> Tuple[Optional[str], ...]:
     return (now,)
 
 
-def _run_events(fields: Dict[str, Any], names: Tuple[Optional[str], ...]) -> Tuple[List[Dict[str, Any]], Tuple[Tuple[Optional[str], int], ...]]:
+def _run_events(
+    fields: Dict[str, Any], names: Tuple[Optional[str], ...]
+) -> Tuple[List[Dict[str, Any]], Tuple[Tuple[Optional[str], int], ...]]:
     """The ``flex_run`` events of a graph run whose calls have ``names``, and its per-layer counts
     (for ``summary()``): one event per layer, so that the log's per-(layer, phase) counters stay
     exact when one graph holds several layers' calls (``flex_calls`` of the layer, ``graph_calls``
@@ -303,7 +315,9 @@ def _run_events(fields: Dict[str, Any], names: Tuple[Optional[str], ...]) -> Tup
         ((x, k),) = counts.items()
         events = [{**fields, "layer": x, "layers": [x] if x else None}]
     else:
-        events = [{**fields, "layer": x, "layers": [x] if x else None, "flex_calls": k, "graph_calls": len(names)} for x, k in counts.items()]
+        events = [
+            {**fields, "layer": x, "layers": [x] if x else None, "flex_calls": k, "graph_calls": len(names)} for x, k in counts.items()
+        ]
     return events, tuple((x, k) for x, k in counts.items() if x != "")
 
 
@@ -340,7 +354,9 @@ def count_runs(compiled: Any, records: List[Dict[str, Any]], namer: Optional[Nam
 
     # Built once: per run, only a counter, the naming of the run (under watch(); its events are
     # built once per set of names) and the (sampled) events remain on the fused path.
-    runs: List[Tuple[str, int, Dict[str, Any], Tuple[Any, ...], Dict[Any, Any]]] = [(f"fused_runs_{s['phase']}", s["flex_calls"], s, tuple(r.get("layer") for r in per_phase[s["phase"]]), {}) for s in summaries]
+    runs: List[Tuple[str, int, Dict[str, Any], Tuple[Any, ...], Dict[Any, Any]]] = [
+        (f"fused_runs_{s['phase']}", s["flex_calls"], s, tuple(r.get("layer") for r in per_phase[s["phase"]]), {}) for s in summaries
+    ]
     if len(runs) != 1:
         namer = None
     unlogged = [r["record"] for r in records if r.get("record", {}).get("source") == "before_enable"]

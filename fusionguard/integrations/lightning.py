@@ -152,11 +152,15 @@ def callback_class(package: str = "lightning") -> type:
         except ImportError:
             raise ImportError(f"fusionguard.integrations.lightning needs {package}: pip install 'fusionguard[lightning]'") from None
         name = "FusionGuardCallback" if package == "lightning" else "PLFusionGuardCallback"
-        cls = _BUILT[package] = type(name, (_Mixin, base), {
-            "__module__": __name__,
-            "__doc__": f"fusionguard inside {package}'s Trainer (module docstring).",
-            "_logger": logging.getLogger(f"{_PACKAGES[package]}.callbacks.fusionguard"),
-        })
+        cls = _BUILT[package] = type(
+            name,
+            (_Mixin, base),
+            {
+                "__module__": __name__,
+                "__doc__": f"fusionguard inside {package}'s Trainer (module docstring).",
+                "_logger": logging.getLogger(f"{_PACKAGES[package]}.callbacks.fusionguard"),
+            },
+        )
     return cls
 
 

@@ -104,7 +104,20 @@ def _short(x: Any, n: int = 200) -> Any:
 class Counts:
     """One process's counts for one (layer, phase)."""
 
-    __slots__ = ("dense", "allowed", "blocked", "oom_blocked", "causes", "runs", "rescued", "layer_calls", "summary_fused", "fused", "compiles", "inlined")
+    __slots__ = (
+        "dense",
+        "allowed",
+        "blocked",
+        "oom_blocked",
+        "causes",
+        "runs",
+        "rescued",
+        "layer_calls",
+        "summary_fused",
+        "fused",
+        "compiles",
+        "inlined",
+    )
 
     def __init__(self) -> None:
         self.dense = 0  # dense calls that were not allowed (warned or blocked)
@@ -256,8 +269,15 @@ class Aggregator:
         self.keys: Dict[Tuple[str, str], KeyStats] = {}
         self.kinds: Dict[str, int] = {}
         # eager mask builds (mask_build / its sampled counter mask_builds) and compiled ones
-        self.masks: Dict[str, Any] = {"dense": 0, "compiled": 0, "blocked": 0, "estimated_max": None, "call_site": None,
-                                      "small": 0, "small_estimated_max": None}
+        self.masks: Dict[str, Any] = {
+            "dense": 0,
+            "compiled": 0,
+            "blocked": 0,
+            "estimated_max": None,
+            "call_site": None,
+            "small": 0,
+            "small_estimated_max": None,
+        }
         self.unknown: Dict[str, int] = {}
         self.first_ts: Optional[float] = None
         self.last_ts: Optional[float] = None
@@ -504,7 +524,22 @@ class Aggregator:
         elif kind == "shutdown":
             s.last_shutdown = str(e.get("reason"))
         elif kind == "header":
-            s.header = {k: e.get(k) for k in ("schema", "fusionguard", "torch", "triton", "python", "hostname", "cuda", "world_size", "local_rank", "crash_file", "forked_from")}
+            s.header = {
+                k: e.get(k)
+                for k in (
+                    "schema",
+                    "fusionguard",
+                    "torch",
+                    "triton",
+                    "python",
+                    "hostname",
+                    "cuda",
+                    "world_size",
+                    "local_rank",
+                    "crash_file",
+                    "forked_from",
+                )
+            }
 
     def _pressure(self, e: dict) -> None:
         """A frame near Dynamo's recompile limit: one entry per frame (file, line, function),
@@ -519,8 +554,14 @@ class Aggregator:
             old["processes"] += 1
             return
         self.pressure[key] = {
-            "function": key[2], "file": key[0], "line": key[1], "compiles": compiles, "limit": _count(e.get("limit")),
-            "varies": _text(e.get("varies")), "reason": _text(e.get("reason")), "fix": _text(e.get("fix")),
+            "function": key[2],
+            "file": key[0],
+            "line": key[1],
+            "compiles": compiles,
+            "limit": _count(e.get("limit")),
+            "varies": _text(e.get("varies")),
+            "reason": _text(e.get("reason")),
+            "fix": _text(e.get("fix")),
             "processes": (old["processes"] + 1) if old else 1,
         }
 
@@ -541,8 +582,13 @@ class Aggregator:
         o["blocked"] += n
         needed = _count(e.get("predicted_bytes"))
         if needed is not None and (o["needed_bytes"] is None or needed > o["needed_bytes"]):
-            o.update(needed_bytes=needed, free_bytes=_count(e.get("free_bytes")), layer=_text(e.get("layer")),
-                     phase=_text(e.get("phase")), call_site=e.get("call_site") if isinstance(e.get("call_site"), dict) else None)
+            o.update(
+                needed_bytes=needed,
+                free_bytes=_count(e.get("free_bytes")),
+                layer=_text(e.get("layer")),
+                phase=_text(e.get("phase")),
+                call_site=e.get("call_site") if isinstance(e.get("call_site"), dict) else None,
+            )
 
     def _no_flex(self, e: dict) -> None:
         """A watched model whose forward made no FlexAttention call: one entry per model class
@@ -675,4 +721,3 @@ def _crash_fields(e: dict) -> Dict[str, Any]:
     if isinstance(out.get("frames"), list):
         out["frames"] = [_short(f, 300) for f in out["frames"][-8:]]
     return out
-

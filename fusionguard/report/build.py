@@ -12,9 +12,9 @@ import re
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from fusionguard.eventlog.formatting import site_text
-from fusionguard.report.crashfile import native_crash
 from fusionguard.report import aggregate
 from fusionguard.report.aggregate import MAX_KEYS, NO_LAYER, OTHER_LAYERS, Aggregator, Counts, Stream, compact
+from fusionguard.report.crashfile import native_crash
 from fusionguard.report.read import SUPPORTED_SCHEMA, ReportError, find_logs
 
 REPORT_VERSION = 2  # 2: rows' fused = calls (never compile records), allowed apart from dense
@@ -86,7 +86,9 @@ def build_report(agg: Aggregator) -> Dict[str, Any]:
                 dense_ranks.add(r)
             elif f:
                 fused_ranks.add(r)
-        if not (total.dense or total.allowed or total.fused or total.compiles or total.inlined or agg.keys[key].alloc.n or agg.keys[key].peak.n):
+        if not (
+            total.dense or total.allowed or total.fused or total.compiles or total.inlined or agg.keys[key].alloc.n or agg.keys[key].peak.n
+        ):
             continue  # a key only a dense recompute's or an odd record's
         ks = agg.keys[key]
         fd = ks.first_dense
@@ -129,7 +131,9 @@ def build_report(agg: Aggregator) -> Dict[str, Any]:
             rank_rows.append({"rank": r, "dense_calls": sum(d["dense"] for d in dense), "dense": dense})
         for row in rows:
             if row["dense_ranks"] and row["fused_ranks"]:
-                disagreements.append({"layer": row["layer"], "phase": row["phase"], "dense_ranks": row["dense_ranks"], "fused_ranks": row["fused_ranks"]})
+                disagreements.append(
+                    {"layer": row["layer"], "phase": row["phase"], "dense_ranks": row["dense_ranks"], "fused_ranks": row["fused_ranks"]}
+                )
 
     # runs: versions, devices, hosts
     versions: Dict[Tuple, int] = {}
@@ -160,7 +164,9 @@ def build_report(agg: Aggregator) -> Dict[str, Any]:
     if len([k for k in schemas if k != "none"]) > 1:
         warnings.append("mixed schema versions: " + ", ".join(f"{k} ({n} file{'s' if n > 1 else ''})" for k, n in sorted(schemas.items())))
     if numeric and max(numeric) > SUPPORTED_SCHEMA:
-        warnings.append(f"schema {max(numeric)} is newer than this report understands ({SUPPORTED_SCHEMA}): known fields are read, others ignored")
+        warnings.append(
+            f"schema {max(numeric)} is newer than this report understands ({SUPPORTED_SCHEMA}): known fields are read, others ignored"
+        )
     corrupt = sum(f.corrupt for f in agg.files)
     torn = [f.path for f in agg.files if f.torn_last_line]
     if corrupt:
@@ -171,7 +177,9 @@ def build_report(agg: Aggregator) -> Dict[str, Any]:
     if agg.ignored:
         shown = ", ".join(f"{os.path.basename(i['path'])} ({i['reason']})" for i in agg.ignored[:5])
         more = f", +{len(agg.ignored) - 5} more" if len(agg.ignored) > 5 else ""
-        warnings.append(f"ignored {len(agg.ignored)} input{'s' if len(agg.ignored) > 1 else ''} that {'are' if len(agg.ignored) > 1 else 'is'} not a fusionguard log: {shown}{more}")
+        warnings.append(
+            f"ignored {len(agg.ignored)} input{'s' if len(agg.ignored) > 1 else ''} that {'are' if len(agg.ignored) > 1 else 'is'} not a fusionguard log: {shown}{more}"
+        )
     if agg.errors:
         warnings.append(f"{agg.errors} event(s) with fields this report could not read were skipped (counted as corrupt lines)")
     if agg.unknown:
@@ -180,9 +188,13 @@ def build_report(agg: Aggregator) -> Dict[str, Any]:
         warnings.append(f"more than {MAX_KEYS} layer/phase pairs: the rest are counted under {OTHER_LAYERS!r}")
     for what, label in (("pressure", "recompile-pressure frames"), ("no_flex", "watched models without FlexAttention")):
         if what in agg.distinct_full:
-            warnings.append(f"at least {len(agg.distinct[what]):,} {label}: more than {aggregate.MAX_DISTINCT:,} distinct ones, the rest not counted")
+            warnings.append(
+                f"at least {len(agg.distinct[what]):,} {label}: more than {aggregate.MAX_DISTINCT:,} distinct ones, the rest not counted"
+            )
     if agg.kinds.get("partial_names"):  # (layer names without watch(): see docs/compiled.md)
-        warnings.append("some layer names are partial (Class[i]...: the model holding them was not known); fusionguard.watch(model) gives full names")
+        warnings.append(
+            "some layer names are partial (Class[i]...: the model holding them was not known); fusionguard.watch(model) gives full names"
+        )
     if agg.kinds.get("internal_error"):
         warnings.append(f"{agg.kinds['internal_error']} fusionguard internal_error event(s): see the log")
 
@@ -210,10 +222,21 @@ def build_report(agg: Aggregator) -> Dict[str, Any]:
             }
         )
         for cr in s.crashes:
-            crashes.append({"host": s.host, "pid": s.pid, "rank": s.rank, "kind": "crash", "crash": cr["event"], "last_events": cr["before"]})
+            crashes.append(
+                {"host": s.host, "pid": s.pid, "rank": s.rank, "kind": "crash", "crash": cr["event"], "last_events": cr["before"]}
+            )
         if ending.startswith("stopped"):
-            crashes.append({"host": s.host, "pid": s.pid, "rank": s.rank, "kind": "stopped", "crash": None, "last_events": [compact(x) for x in s.recent],
-                            "forked_from": _int(s.header.get("forked_from"))})
+            crashes.append(
+                {
+                    "host": s.host,
+                    "pid": s.pid,
+                    "rank": s.rank,
+                    "kind": "stopped",
+                    "crash": None,
+                    "last_events": [compact(x) for x in s.recent],
+                    "forked_from": _int(s.header.get("forked_from")),
+                }
+            )
 
     missing = sum(e["missing_lines"] for e in endings)
     if missing:
@@ -259,8 +282,14 @@ def build_report(agg: Aggregator) -> Dict[str, Any]:
         },
         "recompile_pressure": sorted(agg.pressure.values(), key=lambda p: (-(p["compiles"] or 0), str(p["file"]), p["line"] or 0)),
         "no_flex_calls": sorted(agg.no_flex.values(), key=lambda m: (str(m["model"]), str(m["attn_implementation"]))),
-        "oom": {**{k: v for k, v in agg.oom.items() if k != "call_site"}, "call_site": site_text(agg.oom["call_site"]) if agg.oom["call_site"] else None},
-        "masks": {**{k: v for k, v in agg.masks.items() if k != "call_site"}, "first_call_site": site_text(agg.masks["call_site"]) if agg.masks["call_site"] else None},
+        "oom": {
+            **{k: v for k, v in agg.oom.items() if k != "call_site"},
+            "call_site": site_text(agg.oom["call_site"]) if agg.oom["call_site"] else None,
+        },
+        "masks": {
+            **{k: v for k, v in agg.masks.items() if k != "call_site"},
+            "first_call_site": site_text(agg.masks["call_site"]) if agg.masks["call_site"] else None,
+        },
         "rows": rows,
         "ranks": rank_rows,
         "disagreements": disagreements,
@@ -324,4 +353,3 @@ def build(paths: Iterable[str], last: int = 10) -> Dict[str, Any]:
         raise ReportError(f"no fusionguard events in the input ({what})")
     agg.finish()
     return build_report(agg)
-

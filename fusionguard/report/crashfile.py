@@ -12,8 +12,11 @@ from fusionguard.eventlog.diagnosis import DENSE_FUNCTIONS, MAX_MESSAGE, compact
 from fusionguard.eventlog.redact import redact_text
 
 _SIGNALS = {
-    "segmentation fault": "SIGSEGV", "aborted": "SIGABRT", "floating point exception": "SIGFPE",
-    "bus error": "SIGBUS", "illegal instruction": "SIGILL",
+    "segmentation fault": "SIGSEGV",
+    "aborted": "SIGABRT",
+    "floating point exception": "SIGFPE",
+    "bus error": "SIGBUS",
+    "illegal instruction": "SIGILL",
 }
 #: The crash files ``native_crash`` read in this process (``report`` never writes over one).
 CRASH_FILES_READ: List[str] = []

@@ -25,10 +25,10 @@ import re
 from contextvars import ContextVar
 from typing import Any, Dict, List, Optional, Tuple
 
-from fusionguard.eventlog.formatting import escape, human_bytes
 from fusionguard._version import __version__
-from fusionguard.report import chart
+from fusionguard.eventlog.formatting import escape, human_bytes
 from fusionguard.eventlog.kinds import CAUSES, FIXES
+from fusionguard.report import chart
 from fusionguard.report.plot import short_labels  # (matplotlib itself is imported by plot() only)
 from fusionguard.report.render import MAX_CRASHES_SHOWN, fmt_duration, fmt_ts, notice_lines, rank_ranges
 
@@ -145,7 +145,10 @@ def _more(shown: int, total: int, what: str) -> str:
 
 
 def _rank_text(ranks: List[Any]) -> str:
-    return _t(rank_ranges(ranks[: _cap(MAX_LIST) * 8]) + (f" (+{len(ranks) - _cap(MAX_LIST) * 8} more)" if len(ranks) > _cap(MAX_LIST) * 8 else ""))
+    return _t(
+        rank_ranges(ranks[: _cap(MAX_LIST) * 8])
+        + (f" (+{len(ranks) - _cap(MAX_LIST) * 8} more)" if len(ranks) > _cap(MAX_LIST) * 8 else "")
+    )
 
 
 # -- how the run ended -----------------------------------------------------------------------------
@@ -170,16 +173,24 @@ def ending(rep: Dict[str, Any]) -> Tuple[str, str]:
         return "crash", f"crash with {ev.get('exc_type')}: {first} on {_who(python[0])}" + _others(len(python))
     if stopped:
         ranks = rank_ranges([e["rank"] for e in stopped])
-        return "stopped", f"stopped without shutdown (rank {ranks}): SIGKILL and the OOM killer leave the same log; or a node failure, or still running"
+        return (
+            "stopped",
+            f"stopped without shutdown (rank {ranks}): SIGKILL and the OOM killer leave the same log; or a node failure, or still running",
+        )
     real = [e for e in endings if e["ending"] != "summary only"]
     signalled = [e for e in real if str(e["ending"]).startswith("sigterm")]
     if signalled:  # a shutdown, but not the end of the program: a scheduler's time limit, a preemption, kill
         ranks = rank_ranges([e["rank"] for e in signalled])
-        return "terminated", f"terminated by SIGTERM (rank {ranks}): the program did not finish on its own (a time limit, a preemption, kill)"
+        return (
+            "terminated",
+            f"terminated by SIGTERM (rank {ranks}): the program did not finish on its own (a time limit, a preemption, kill)",
+        )
     if real:
         reasons = sorted({str(e["ending"]) for e in real})
         thread = any("thread crash" in r for r in reasons)
-        return "clean", "clean: every process shut down (" + ", ".join(reasons) + ")" + ("; a thread other than the main one crashed" if thread else "")
+        return "clean", "clean: every process shut down (" + ", ".join(reasons) + ")" + (
+            "; a thread other than the main one crashed" if thread else ""
+        )
     return "unknown", "how the run ended is unknown (only summary rows gathered from other ranks)"
 
 
@@ -223,9 +234,11 @@ def _banner(rep: Dict[str, Any]) -> str:
         also += f", {_count(totals['allowed_dense_calls'], 'allowed dense call')} (allow_dense(): on purpose)"
     if totals["causes"]:
         causes = list(totals["causes"].items())
-        also += "; causes: " + ", ".join(f"{k} ×{v:,}" for k, v in causes[:_cap(MAX_LIST)]) + (" …" if len(causes) > _cap(MAX_LIST) else "")
+        also += (
+            "; causes: " + ", ".join(f"{k} ×{v:,}" for k, v in causes[: _cap(MAX_LIST)]) + (" …" if len(causes) > _cap(MAX_LIST) else "")
+        )
     notices = notice_lines(rep)  # the text report's own lines: one wording, one counting path
-    shown = "".join(f'<p class="notice">{_t(line, MAX_TEXT * 3)}</p>' for line in notices[:_cap(MAX_NOTICES)])
+    shown = "".join(f'<p class="notice">{_t(line, MAX_TEXT * 3)}</p>' for line in notices[: _cap(MAX_NOTICES)])
     return (
         f'<header class="banner {css}" id="verdict" data-ending="{kind}">'
         f"<h1>{_t(verdict, len(verdict), scaled=False)}</h1>"  # numbers and fixed words: never cut
@@ -261,7 +274,7 @@ def _layer_table(rep: Dict[str, Any]) -> str:
         "inlined: dense implementations Dynamo traced into a graph. Memory: the layer's own peak / allocation rise per call (median / max).</p>",
         f'<div class="scroll"><table id="layers" data-rows="{len(rows)}"><thead>{head}</thead><tbody>',
     ]
-    for r in rows[:_cap(MAX_TABLE_ROWS)]:
+    for r in rows[: _cap(MAX_TABLE_ROWS)]:
         cls = ' class="row dense"' if r["dense"] else ' class="row"'
         cells = [f'<td class="layer">{_t(r["layer"])}</td><td class="phase">{_t(r["phase"])}</td>']
         for col in _COLUMNS:
@@ -269,7 +282,7 @@ def _layer_table(rep: Dict[str, Any]) -> str:
             cells.append(f'<td class="n{dense}" data-col="{col}" data-value="{_attr(r[col])}">{_n(r[col])}</td>')
         causes = list(r["causes"].items())
         parts = []
-        for k, v in causes[:_cap(MAX_LIST)]:
+        for k, v in causes[: _cap(MAX_LIST)]:
             meaning, fix = fixes.get(k, ("", ""))
             tip = f' title="{_t(meaning + ". Fix: " + fix, 1000)}"' if fix else ""
             parts.append(f"<span{tip}><b>{_t(k)}</b> ×{_n(v)}</span>")
@@ -281,14 +294,16 @@ def _layer_table(rep: Dict[str, Any]) -> str:
                 + ("-" if r[med] is None and r[mx] is None else f"{_b(r[med], True)} / {_b(r[mx], True)}")
                 + "</td>"
             )
-        cells.append(f'<td class="n" data-col="scores_bytes_max" data-value="{_attr(r["scores_bytes_max"])}">{_b(r["scores_bytes_max"])}</td>')
+        cells.append(
+            f'<td class="n" data-col="scores_bytes_max" data-value="{_attr(r["scores_bytes_max"])}">{_b(r["scores_bytes_max"])}</td>'
+        )
         cells.append(f"<td><code>{_t(r['first_dense_call_site']) if r['first_dense_call_site'] else '-'}</code></td>")
         if multi:
             cells.append(f"<td>{_rank_text(r['dense_ranks']) if r['dense_ranks'] else '-'}</td>")
         out.append(f'<tr{cls} data-layer="{_t(r["layer"])}" data-phase="{_t(r["phase"])}">' + "".join(cells) + "</tr>")
     out.append("</tbody></table></div>")
     out.append(_more(_cap(MAX_TABLE_ROWS), len(rows), "layer/phase rows"))
-    present = [k for k in rep["totals"]["causes"] if k in fixes][:_cap(MAX_LIST) * 2]
+    present = [k for k in rep["totals"]["causes"] if k in fixes][: _cap(MAX_LIST) * 2]
     if present:
         out.append('<h3>Causes and their fixes</h3><dl class="kv" id="fixes">')
         for k in present:
@@ -348,8 +363,10 @@ def _chart(rep: Dict[str, Any]) -> str:
             dense = b["dense"]
             fill = colors[(b["phase"], dense)]
             value_text = human_bytes(b["value"])
-            tip = f"{b['layer']} {b['phase']}: {'DENSE ' if dense else ''}{value_text}" + (f" ({b['cause']})" if b["cause"] else "") + (
-                " - no memory record: the dense score-matrix size" if b["estimated"] else ""
+            tip = (
+                f"{b['layer']} {b['phase']}: {'DENSE ' if dense else ''}{value_text}"
+                + (f" ({b['cause']})" if b["cause"] else "")
+                + (" - no memory record: the dense score-matrix size" if b["estimated"] else "")
             )
             attrs = f'data-bytes="{_attr(b["value"])}" data-estimated="{str(b["estimated"]).lower()}" data-dense="{str(dense).lower()}"'
             style = ' stroke="#000" stroke-width="1"' if dense else ""
@@ -374,7 +391,9 @@ def _chart(rep: Dict[str, Any]) -> str:
     for i, label in enumerate(labels):
         x = left + 10 + i * slot + slot / 2
         cls = ' class="dense-label"' if names[i] in dense_layers else ""
-        svg.append(f'<text x="{x:.1f}" y="{y0 + 12}" text-anchor="end" transform="rotate(-40 {x:.1f} {y0 + 12})"{cls}>{_t(chart.label(label))}</text>')
+        svg.append(
+            f'<text x="{x:.1f}" y="{y0 + 12}" text-anchor="end" transform="rotate(-40 {x:.1f} {y0 + 12})"{cls}>{_t(chart.label(label))}</text>'
+        )
     svg.append("</svg>")
     what = (
         "peak memory the layer added per call, max over calls; red, outlined: dense (D); dashed: no memory record, the dense score-matrix size"
@@ -387,16 +406,23 @@ def _chart(rep: Dict[str, Any]) -> str:
         + (f"; layer: <code>{_t(pattern)}</code>" if pattern else "")
         + "; forward left, backward right.</p>"
     )
-    return "<h2>Memory per layer</h2>" + legend + '<div class="scroll">' + "".join(svg) + "</div>" + _more(MAX_CHART_LAYERS, len(all_layers), "layers")
+    return (
+        "<h2>Memory per layer</h2>"
+        + legend
+        + '<div class="scroll">'
+        + "".join(svg)
+        + "</div>"
+        + _more(MAX_CHART_LAYERS, len(all_layers), "layers")
+    )
 
 
 def _ranks(rep: Dict[str, Any]) -> str:
     endings = rep["endings"]
     out = ["<h2>Ranks and processes</h2>"]
     if rep["ranks"]:
-        ranks = [rr["rank"] for rr in rep["ranks"]][:_cap(MAX_RANK_COLUMNS)]
+        ranks = [rr["rank"] for rr in rep["ranks"]][: _cap(MAX_RANK_COLUMNS)]
         per: Dict[Any, Dict[Tuple[str, str], int]] = {}
-        for rr in rep["ranks"][:_cap(MAX_RANK_COLUMNS)]:
+        for rr in rep["ranks"][: _cap(MAX_RANK_COLUMNS)]:
             per[rr["rank"]] = {(d["layer"], d["phase"]): d["dense"] for d in rr["dense"]}
         ended: Dict[Any, List[str]] = {}
         for e in endings:
@@ -408,10 +434,10 @@ def _ranks(rep: Dict[str, Any]) -> str:
             bad = any(w == "crash" or w.startswith("stopped") for w in ended.get(r, []))
             body.append(f'<td{" class=dense" if bad else ""}>{_t(what)}</td>')
         body.append("</tr><tr><td colspan=\"2\"><b>dense calls</b></td>")
-        for rr in rep["ranks"][:_cap(MAX_RANK_COLUMNS)]:
+        for rr in rep["ranks"][: _cap(MAX_RANK_COLUMNS)]:
             body.append(f'<td class="n{" dense" if rr["dense_calls"] else ""}">{_n(rr["dense_calls"])}</td>')
         body.append("</tr>")
-        for row in rep["rows"][:_cap(MAX_TABLE_ROWS)]:
+        for row in rep["rows"][: _cap(MAX_TABLE_ROWS)]:
             key = (row["layer"], row["phase"])
             fused = set(map(str, row["fused_ranks"]))
             cells = []
@@ -426,20 +452,22 @@ def _ranks(rep: Dict[str, Any]) -> str:
         out.append(_more(_cap(MAX_RANK_COLUMNS), len(rep["ranks"]), "ranks"))
         if rep["disagreements"]:
             out.append("<p><b>Ranks disagree:</b></p><ul>")
-            for d in rep["disagreements"][:_cap(MAX_TABLE_ROWS)]:
-                out.append(f"<li>{_t(d['layer'])} {_t(d['phase'])}: dense on rank {_rank_text(d['dense_ranks'])}, fused on rank {_rank_text(d['fused_ranks'])}</li>")
+            for d in rep["disagreements"][: _cap(MAX_TABLE_ROWS)]:
+                out.append(
+                    f"<li>{_t(d['layer'])} {_t(d['phase'])}: dense on rank {_rank_text(d['dense_ranks'])}, fused on rank {_rank_text(d['fused_ranks'])}</li>"
+                )
             out.append("</ul>")
         else:
             out.append("<p>Ranks agree on every layer/phase.</p>")
     rows = []
-    for e in endings[:_cap(MAX_PROCESSES)]:
+    for e in endings[: _cap(MAX_PROCESSES)]:
         bad = e["ending"] == "crash" or str(e["ending"]).startswith("stopped")
         files = e.get("files") or []
         rows.append(
             f"<tr><td>{_t(e['rank'])}</td><td>{_t(e['host'])}</td><td>{_t(e['pid'])}</td>"
             f'<td{" class=dense" if bad else ""}>{_t(e["ending"])}</td><td class="n">{_n(e["events"])}</td>'
             f"<td>{_t(fmt_ts(_num(e['first_ts'])))}</td><td>{_t(fmt_ts(_num(e['last_ts'])))}</td><td class=\"n\">{_n(e['crashes'])}</td>"
-            f"<td>{'<br>'.join(_t(f) for f in files[:_cap(MAX_LIST)])}{' …' if len(files) > _cap(MAX_LIST) else ''}</td></tr>"
+            f"<td>{'<br>'.join(_t(f) for f in files[: _cap(MAX_LIST)])}{' …' if len(files) > _cap(MAX_LIST) else ''}</td></tr>"
         )
     out.append(
         '<div class="scroll"><table id="processes"><tr><th>rank</th><th>host</th><th>pid</th><th>ended</th><th>events</th>'
@@ -474,11 +502,13 @@ def _crashes(rep: Dict[str, Any]) -> str:
     if not crashes:
         return ""
     out = ["<h2>Crashes and stops</h2>"]
-    for c in crashes[:_cap(MAX_CRASHES)]:
+    for c in crashes[: _cap(MAX_CRASHES)]:
         if c["kind"] == "crash":
             ev = c.get("crash") or {}
             native = ev.get("where") == "faulthandler"
-            out.append(f'<section class="crash"><h3>{"NATIVE CRASH" if native else "CRASH"} {_t(_who(c))} at {_t(fmt_ts(_num(ev.get("ts"))))}</h3>')
+            out.append(
+                f'<section class="crash"><h3>{"NATIVE CRASH" if native else "CRASH"} {_t(_who(c))} at {_t(fmt_ts(_num(ev.get("ts"))))}</h3>'
+            )
             out.append(f"<pre>{_t(ev.get('exc_type'))}: {_lines(ev.get('message') or '')}</pre>")
             if ev.get("diagnosis"):
                 out.append(f"<p><b>diagnosis:</b> {_t(ev['diagnosis'], 1000)}</p>")
@@ -492,7 +522,9 @@ def _crashes(rep: Dict[str, Any]) -> str:
                 )
             cuda = ev.get("cuda")
             if isinstance(cuda, dict):
-                out.append(f"<p><b>CUDA memory:</b> allocated {_b(cuda.get('allocated'))}, reserved {_b(cuda.get('reserved'))}, peak {_b(cuda.get('peak'))}</p>")
+                out.append(
+                    f"<p><b>CUDA memory:</b> allocated {_b(cuda.get('allocated'))}, reserved {_b(cuda.get('reserved'))}, peak {_b(cuda.get('peak'))}</p>"
+                )
             frames = ev.get("frames")
             if isinstance(frames, list) and frames:
                 out.append("<pre>" + "\n".join(_t(f) for f in frames[-8:]) + "</pre>")
@@ -500,11 +532,15 @@ def _crashes(rep: Dict[str, Any]) -> str:
             label = "before the crash (time relative to it)"
         else:
             last = c["last_events"][-1] if c["last_events"] else {}
-            out.append(f'<section class="crash"><h3>STOPPED {_t(_who(c))}: the log ends at {_t(fmt_ts(_num(last.get("ts"))))} without a shutdown event</h3>')
+            out.append(
+                f'<section class="crash"><h3>STOPPED {_t(_who(c))}: the log ends at {_t(fmt_ts(_num(last.get("ts"))))} without a shutdown event</h3>'
+            )
             if c.get("forked_from") is not None:
                 out.append(f"<p>forked from pid {_t(c['forked_from'])}: a worker that ended with os._exit, or was killed.</p>")
             else:
-                out.append("<p>Killed (SIGKILL and the OOM killer leave the same log), a node failure, or the process is still running.</p>")
+                out.append(
+                    "<p>Killed (SIGKILL and the OOM killer leave the same log), a node failure, or the process is still running.</p>"
+                )
             t0 = _num(last.get("ts"))
             label = "last events (time relative to the last one)"
         if c["last_events"]:
@@ -544,9 +580,12 @@ def _timeline(rep: Dict[str, Any]) -> str:
     rows = "".join(f"<tr>{_event_cells(e, t0)}<td>{_t(e.get('rank'))}</td></tr>" for e in shown)
     return (
         "<h2>Timeline: the first event of each kind</h2>"
-        + '<div class="scroll">' + "".join(svg) + "</div>"
+        + '<div class="scroll">'
+        + "".join(svg)
+        + "</div>"
         + '<table id="first-events"><tr><th>time (from the first event)</th><th>seq</th><th>event</th><th>layer</th><th>detail</th><th>rank</th></tr>'
-        + rows + "</table>"
+        + rows
+        + "</table>"
     )
 
 
@@ -554,22 +593,38 @@ def _run(rep: Dict[str, Any]) -> str:
     run = rep["run"]
     out = ["<h2>Run and versions</h2>", '<dl class="kv" id="run">']
     out.append(f"<dt>files</dt><dd>{_n(run['files'])}</dd><dt>processes</dt><dd>{_n(run['processes'])}</dd>")
-    out.append(f"<dt>ranks</dt><dd>{_rank_text(run['ranks'])}" + (f" of world size {_n(run['world_size'])}" if run.get("world_size") else "") + "</dd>")
-    out.append(f"<dt>hosts</dt><dd>{', '.join(_t(h) for h in run['hosts'][:_cap(MAX_LIST)])}{' …' if len(run['hosts']) > _cap(MAX_LIST) else ''}</dd>")
-    out.append(f"<dt>time</dt><dd>{_t(fmt_ts(_num(run['first_ts'])))} → {_t(fmt_ts(_num(run['last_ts'])))} ({_t(fmt_duration(_num(run['duration_s'])))})</dd>")
-    out.append(f"<dt>events</dt><dd>{_n(run['events'])}: " + ", ".join(f"{_t(k)} {_n(v)}" for k, v in list(run["event_kinds"].items())[:40]) + "</dd>")
-    for v in run["versions"][:_cap(MAX_LIST)]:
+    out.append(
+        f"<dt>ranks</dt><dd>{_rank_text(run['ranks'])}"
+        + (f" of world size {_n(run['world_size'])}" if run.get("world_size") else "")
+        + "</dd>"
+    )
+    out.append(
+        f"<dt>hosts</dt><dd>{', '.join(_t(h) for h in run['hosts'][: _cap(MAX_LIST)])}{' …' if len(run['hosts']) > _cap(MAX_LIST) else ''}</dd>"
+    )
+    out.append(
+        f"<dt>time</dt><dd>{_t(fmt_ts(_num(run['first_ts'])))} → {_t(fmt_ts(_num(run['last_ts'])))} ({_t(fmt_duration(_num(run['duration_s'])))})</dd>"
+    )
+    out.append(
+        f"<dt>events</dt><dd>{_n(run['events'])}: "
+        + ", ".join(f"{_t(k)} {_n(v)}" for k, v in list(run["event_kinds"].items())[:40])
+        + "</dd>"
+    )
+    for v in run["versions"][: _cap(MAX_LIST)]:
         out.append(
             f"<dt>versions</dt><dd>fusionguard {_t(v['fusionguard'])}, torch {_t(v['torch'])}, triton {_t(v['triton'] or '-')}, "
             f"python {_t(v['python'])}" + (f" ({_n(v['processes'])} processes)" if len(run["versions"]) > 1 else "") + "</dd>"
         )
-    for host, names in list(run["devices"].items())[:_cap(MAX_LIST)]:
+    for host, names in list(run["devices"].items())[: _cap(MAX_LIST)]:
         counts: Dict[str, int] = {}
         for n in names:
             counts[str(n)] = counts.get(str(n), 0) + 1
-        out.append(f"<dt>devices</dt><dd>{_t(host)}: " + ", ".join(f"{v}× {_t(k)}" if v > 1 else _t(k) for k, v in list(counts.items())[:_cap(MAX_LIST)]) + "</dd>")
+        out.append(
+            f"<dt>devices</dt><dd>{_t(host)}: "
+            + ", ".join(f"{v}× {_t(k)}" if v > 1 else _t(k) for k, v in list(counts.items())[: _cap(MAX_LIST)])
+            + "</dd>"
+        )
     if run["schemas"]:
-        out.append("<dt>schema</dt><dd>" + ", ".join(_t(k) for k in list(run["schemas"])[:_cap(MAX_LIST)]) + "</dd>")
+        out.append("<dt>schema</dt><dd>" + ", ".join(_t(k) for k in list(run["schemas"])[: _cap(MAX_LIST)]) + "</dd>")
     out.append("</dl>")
     if rep["warnings"]:
         out.append('<h3>Warnings about the input</h3><ul id="warnings">')
@@ -603,7 +658,8 @@ def _cut_note(scale: float) -> str:
     what = (
         f"at most {_cap(MAX_TABLE_ROWS):,} layer/phase rows, {_cap(MAX_PROCESSES):,} processes, {_cap(MAX_RANK_COLUMNS):,} ranks side by side, "
         f"{_cap(MAX_CRASHES):,} crash sections and strings of {max(20, int(MAX_TEXT * scale)):,} characters"
-        if scale else "only the verdict: every section was left out"
+        if scale
+        else "only the verdict: every section was left out"
     )
     return (
         f'<p class="note" id="cut"><b>This page was cut to stay within {MAX_PAGE_BYTES:,} bytes</b> (the log holds more than a page can): '
@@ -629,7 +685,5 @@ def _page(rep: Dict[str, Any], scale: float) -> str:
         "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
         f'<meta http-equiv="Content-Security-Policy" content="{_CSP}">'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
-        f"<title>{_t(title)}</title><style>{_CSS}</style></head><body>"
-        + "".join(body)
-        + "</body></html>\n"
+        f"<title>{_t(title)}</title><style>{_CSS}</style></head><body>" + "".join(body) + "</body></html>\n"
     )

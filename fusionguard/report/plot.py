@@ -130,7 +130,12 @@ def _plot_counts(rep: Dict[str, Any]) -> Any:
     n = max(1, len(layers))
     fig, ax = plt.subplots(figsize=(min(20.0, max(8.5, 0.6 * n + 5)), 5.4))
     width = 0.2
-    bars = [("forward", "fused", "#7fa7d6"), ("forward", "dense", "#f08a7e"), ("backward", "fused", "#2c5d94"), ("backward", "dense", "#b3261e")]
+    bars = [
+        ("forward", "fused", "#7fa7d6"),
+        ("forward", "dense", "#f08a7e"),
+        ("backward", "fused", "#2c5d94"),
+        ("backward", "dense", "#b3261e"),
+    ]
     series = {(phase, what): j for j, (phase, what, _) in enumerate(bars)}
     for b in chart.count_bars(rep):
         j = series[(b["phase"], b["what"])]
@@ -142,8 +147,16 @@ def _plot_counts(rep: Dict[str, Any]) -> Any:
         ax.set_xlabel(f"layer: {pattern}", fontsize=9)
     ax.set_ylabel("FlexAttention calls")
     t = rep["totals"]
-    ax.set_title(f"fusionguard: calls per attention layer ({t['dense_calls']:,} dense, {t['fused_calls']:,} fused)", fontsize=11, loc="left")
-    fig.text(0.01, 0.01, "no memory data in the log (CPU run or watch(memory=False)): call counts shown" + _left_out(rows), fontsize=7, color="#444444")
+    ax.set_title(
+        f"fusionguard: calls per attention layer ({t['dense_calls']:,} dense, {t['fused_calls']:,} fused)", fontsize=11, loc="left"
+    )
+    fig.text(
+        0.01,
+        0.01,
+        "no memory data in the log (CPU run or watch(memory=False)): call counts shown" + _left_out(rows),
+        fontsize=7,
+        color="#444444",
+    )
     handles = [Patch(color=color, label=f"{phase}, {what}") for phase, what, color in bars]
     ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, frameon=False)
     return _finish_plot(fig, ax, rows)
@@ -176,9 +189,14 @@ def _plot_memory(rep: Dict[str, Any]) -> Any:
         layer, phase, value, est, dense = b["layer"], b["phase"], b["value"], b["estimated"], b["dense"]
         x = b["index"] + (chart.PHASES.index(phase) - 0.5) * width
         (rect,) = ax.bar(
-            [x], [value / scale], width=width, color=colors[(phase, dense)],
-            edgecolor="black" if dense else "none", linewidth=1.2 if dense else 0,
-            hatch="//" if est else None, alpha=0.6 if est else 1.0,
+            [x],
+            [value / scale],
+            width=width,
+            color=colors[(phase, dense)],
+            edgecolor="black" if dense else "none",
+            linewidth=1.2 if dense else 0,
+            hatch="//" if est else None,
+            alpha=0.6 if est else 1.0,
         )
         rect.set_gid(f"{b['index']}|{phase}")
         if dense:
@@ -186,11 +204,31 @@ def _plot_memory(rep: Dict[str, Any]) -> Any:
             label = f"DENSE {value / scale:.2f} {unit}{cause}"
             if top and value >= 0.45 * top:  # tall bar: the label fits inside it
                 ink = "white" if phase == "backward" and not est else "#5c0d08"
-                ax.text(x, 0.02 * top / scale, label, rotation=90, ha="center", va="bottom", fontsize=7,
-                        color=ink, fontweight="bold", clip_on=True)
+                ax.text(
+                    x,
+                    0.02 * top / scale,
+                    label,
+                    rotation=90,
+                    ha="center",
+                    va="bottom",
+                    fontsize=7,
+                    color=ink,
+                    fontweight="bold",
+                    clip_on=True,
+                )
             else:
-                ax.annotate(label, (x, value / scale), xytext=(0, 4), textcoords="offset points", rotation=90,
-                            ha="center", va="bottom", fontsize=7, color="#b3261e", fontweight="bold")
+                ax.annotate(
+                    label,
+                    (x, value / scale),
+                    xytext=(0, 4),
+                    textcoords="offset points",
+                    rotation=90,
+                    ha="center",
+                    va="bottom",
+                    fontsize=7,
+                    color="#b3261e",
+                    fontweight="bold",
+                )
             dense_labels.append(f"{layer} {'fwd' if phase == 'forward' else 'bwd'}")
     ax.set_xticks(range(n))
     crowded = sum(len(str(label)) + 1 for label in labels) * 6.5 > 72 * (fig.get_figwidth() - 3)

@@ -130,8 +130,17 @@ class FileStats:
     report's warnings say how many, and where the first ones are)."""
 
     __slots__ = (
-        "path", "bytes", "lines", "events", "corrupt", "corrupt_lines", "torn_last_line", "oversized", "schemas",
-        "headers", "known",
+        "path",
+        "bytes",
+        "lines",
+        "events",
+        "corrupt",
+        "corrupt_lines",
+        "torn_last_line",
+        "oversized",
+        "schemas",
+        "headers",
+        "known",
     )
 
     def __init__(self, path: str) -> None:
@@ -205,19 +214,61 @@ def _fields(v: Any) -> bool:
 
 
 _STR_FIELDS = (
-    "event", "level", "thread", "hostname", "layer", "phase", "path", "cause", "action", "template", "reason", "of",
-    "function", "where", "exc_type", "diagnosis", "message", "error", "file", "fusionguard", "torch", "triton",
-    "python", "version", "source",
+    "event",
+    "level",
+    "thread",
+    "hostname",
+    "layer",
+    "phase",
+    "path",
+    "cause",
+    "action",
+    "template",
+    "reason",
+    "of",
+    "function",
+    "where",
+    "exc_type",
+    "diagnosis",
+    "message",
+    "error",
+    "file",
+    "fusionguard",
+    "torch",
+    "triton",
+    "python",
+    "version",
+    "source",
 )
 _INT_FIELDS = ("seq", "pid", "rank", "line", "world_size", "local_rank")
 _COUNT_FIELDS = (  # never negative: a count of -5 would take calls away
-    "scores_bytes", "scores_bytes_max", "scores_bytes_last", "count", "total", "flex_calls", "calls", "dense",
-    "fused", "dense_recompute", "measured", "predicted_bytes", "predicted_bytes_max", "free_bytes", "estimated_bytes",
+    "scores_bytes",
+    "scores_bytes_max",
+    "scores_bytes_last",
+    "count",
+    "total",
+    "flex_calls",
+    "calls",
+    "dense",
+    "fused",
+    "dense_recompute",
+    "measured",
+    "predicted_bytes",
+    "predicted_bytes_max",
+    "free_bytes",
+    "estimated_bytes",
     "estimated_bytes_max",
 )
 _NUM_FIELDS = (
-    "alloc_delta", "peak_delta", "alloc_delta_max", "alloc_delta_last", "peak_delta_max", "peak_delta_last",
-    "allocated", "reserved", "peak",
+    "alloc_delta",
+    "peak_delta",
+    "alloc_delta_max",
+    "alloc_delta_last",
+    "peak_delta_max",
+    "peak_delta_last",
+    "allocated",
+    "reserved",
+    "peak",
 )
 _CHECKS: Dict[str, Callable[[Any], bool]] = {
     **{k: _is_str for k in _STR_FIELDS},
@@ -318,4 +369,3 @@ def read_events(path: str, stats: FileStats) -> Iterator[dict]:
                     continue
             stats.events += 1
             yield obj
-

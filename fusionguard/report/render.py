@@ -122,7 +122,15 @@ def render_text(rep: Dict[str, Any]) -> str:
     endings: Dict[str, List[str]] = {}
     for e in rep["endings"]:
         endings.setdefault(e["ending"], []).append(str(e["rank"]))
-    out.append("  ended:    " + "; ".join(f"{k} (rank {','.join(v) if len(v) < 9 else rank_ranges([int(x) if x.isdigit() else x for x in v])})" for k, v in sorted(endings.items())) if endings else "  ended:    -")
+    out.append(
+        "  ended:    "
+        + "; ".join(
+            f"{k} (rank {','.join(v) if len(v) < 9 else rank_ranges([int(x) if x.isdigit() else x for x in v])})"
+            for k, v in sorted(endings.items())
+        )
+        if endings
+        else "  ended:    -"
+    )
     for w in rep["warnings"]:
         out.append(f"  warning:  {w}")
     out.append("")
@@ -134,7 +142,8 @@ def render_text(rep: Dict[str, Any]) -> str:
     allowed = totals["allowed_dense_calls"]
     allowed_text = (
         f"{allowed:,} allowed dense call{'s' if allowed != 1 else ''} (allow_dense() or the debug flag: on purpose, not counted as dense)"
-        if allowed else ""
+        if allowed
+        else ""
     )
     masks = rep.get("masks") or {}
     if masks.get("dense") or masks.get("small") or masks.get("compiled"):
@@ -174,9 +183,18 @@ def render_text(rep: Dict[str, Any]) -> str:
                 r["first_dense_call_site"] or "-",
             ]
             table_rows.append(cells)
-        heads = ["layer", "phase", "dense"] + (["allowed"] if show_allowed else []) + [
-            "fused", "compiled", "causes", "alloc Δ med / max", "peak Δ med / max", "first dense call site",
-        ]
+        heads = (
+            ["layer", "phase", "dense"]
+            + (["allowed"] if show_allowed else [])
+            + [
+                "fused",
+                "compiled",
+                "causes",
+                "alloc Δ med / max",
+                "peak Δ med / max",
+                "first dense call site",
+            ]
+        )
         n = 4 if show_allowed else 3
         out.extend(table(heads, table_rows, right=range(2, n + 2)))
         out.append("")
@@ -195,7 +213,9 @@ def render_text(rep: Dict[str, Any]) -> str:
         if rep["disagreements"]:
             out.append("  ranks disagree:")
             for d in rep["disagreements"]:
-                out.append(f"    {d['layer']} {d['phase']}: dense on rank {rank_ranges(d['dense_ranks'])}, fused on rank {rank_ranges(d['fused_ranks'])}")
+                out.append(
+                    f"    {d['layer']} {d['phase']}: dense on rank {rank_ranges(d['dense_ranks'])}, fused on rank {rank_ranges(d['fused_ranks'])}"
+                )
         else:
             out.append("  ranks agree on every layer/phase")
 
@@ -234,7 +254,9 @@ def render_text(rep: Dict[str, Any]) -> str:
             last = c["last_events"][-1] if c["last_events"] else {}
             out.append(f"STOPPED {_who(c)}: the log ends at {fmt_ts(last.get('ts'))} without a shutdown event")
             if c.get("forked_from") is not None:  # a forked worker ends with os._exit: no exit handlers
-                out.append(f"  (forked from pid {c['forked_from']}: a worker that ended with os._exit, or killed: SIGKILL, the OOM killer, a node failure, or still running)")
+                out.append(
+                    f"  (forked from pid {c['forked_from']}: a worker that ended with os._exit, or killed: SIGKILL, the OOM killer, a node failure, or still running)"
+                )
             else:
                 out.append("  (killed: SIGKILL, the OOM killer, a node failure, or the process is still running)")
             t0 = last.get("ts")
@@ -353,9 +375,22 @@ def _devices_text(names: List[str]) -> str:
 # -- csv and json --------------------------------------------------------------------------------
 
 CSV_COLUMNS = (
-    "layer", "phase", "dense", "allowed", "blocked", "fused", "compiles", "causes",
-    "alloc_delta_median", "alloc_delta_max", "peak_delta_median", "peak_delta_max",
-    "scores_bytes_max", "first_dense_call_site", "dense_ranks", "fused_ranks",
+    "layer",
+    "phase",
+    "dense",
+    "allowed",
+    "blocked",
+    "fused",
+    "compiles",
+    "causes",
+    "alloc_delta_median",
+    "alloc_delta_max",
+    "peak_delta_median",
+    "peak_delta_max",
+    "scores_bytes_max",
+    "first_dense_call_site",
+    "dense_ranks",
+    "fused_ranks",
 )
 
 
@@ -412,4 +447,3 @@ def _json_escape(c: int) -> str:
         return f"\\u{c:04x}"
     c -= 0x10000
     return f"\\u{0xD800 + (c >> 10):04x}\\u{0xDC00 + (c & 0x3FF):04x}"
-

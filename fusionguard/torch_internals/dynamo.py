@@ -8,10 +8,11 @@ import os
 import types
 from typing import Any, Callable, Dict, Optional, Tuple
 
+from fusionguard.torch_internals.lookups import dynamo_frame_graph, module
 from fusionguard.torch_internals.names import (
     CACHE_ENTRY_LIST,
-    CALLBACK_TRIGGER,
     CALL_FUNCTION,
+    CALLBACK_TRIGGER,
     COMPILATION_METRICS,
     COMPILE_WRAPPER_FN,
     DISABLE_CONTEXT,
@@ -25,11 +26,10 @@ from fusionguard.torch_internals.names import (
     SOURCE_CODE,
     STANCE,
     START_CALLBACKS,
-    Unavailable,
     WRAPPER_FN,
+    Unavailable,
     torch_version,
 )
-from fusionguard.torch_internals.lookups import dynamo_frame_graph, module
 
 # --- Dynamo's own records, read by causes / dynamo_signals / guard / rescue ---------------------
 # Each lookup answers "nothing" (None, empty, False) where this release keeps it elsewhere: the
@@ -179,11 +179,7 @@ def is_disable_wrapper(code: types.CodeType) -> bool:
 def is_compile_entry(code: types.CodeType) -> bool:
     """``code`` is the wrapper of a ``torch.compile``d callable: frames inside it run under Dynamo."""
     qual = getattr(code, "co_qualname", code.co_name)
-    return (
-        code.co_name in (COMPILE_WRAPPER_FN, WRAPPER_FN)
-        and DISABLE_CONTEXT not in qual
-        and code.co_filename.endswith(EVAL_FRAME_FILE)
-    )
+    return code.co_name in (COMPILE_WRAPPER_FN, WRAPPER_FN) and DISABLE_CONTEXT not in qual and code.co_filename.endswith(EVAL_FRAME_FILE)
 
 
 def compiling_frame() -> Optional[Tuple[Any, types.CodeType]]:

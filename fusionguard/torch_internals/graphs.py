@@ -7,6 +7,7 @@ import inspect
 import types
 from typing import Any, Callable, Dict, Optional, Tuple
 
+from fusionguard.torch_internals.lookups import module, public_module
 from fusionguard.torch_internals.names import (
     COMPILED_CALL_IMPL,
     CONTEXT_PARALLEL,
@@ -26,7 +27,6 @@ from fusionguard.torch_internals.names import (
     Unavailable,
     torch_version,
 )
-from fusionguard.torch_internals.lookups import module, public_module
 
 # --- watch() and compiled graphs (watching/, fused/inductor.py, fused/runs.py) ----------------
 
@@ -190,8 +190,16 @@ def _cp_block_mask(build: Callable[..., Any]) -> Callable[..., Any]:
     except (TypeError, ValueError):
         takes_block_size = False
 
-    def create_cp_block_mask(mask_mod: Callable[..., Any], B: int, H: int, Q_LEN: int, KV_LEN: int,
-                             device_mesh: Any, block_size: Optional[Tuple[int, int]] = None, **kwargs: Any) -> Any:
+    def create_cp_block_mask(
+        mask_mod: Callable[..., Any],
+        B: int,
+        H: int,
+        Q_LEN: int,
+        KV_LEN: int,
+        device_mesh: Any,
+        block_size: Optional[Tuple[int, int]] = None,
+        **kwargs: Any,
+    ) -> Any:
         if takes_block_size:
             size = int(getattr(public_module(), DEFAULT_BLOCK_SIZE, 128))
             kwargs["BLOCK_SIZE"] = block_size or (size, size)

@@ -24,6 +24,7 @@ from fusionguard.torch_internals.names import (
     PY_KERNELS,
 )
 
+
 def module(name: str) -> types.ModuleType:
     # Not ``import a.b as m``: torch._higher_order_ops re-exports the operator under the
     # module's own name, so attribute access would give the operator, not the module.
@@ -174,7 +175,9 @@ def is_concrete(t: Any) -> bool:
     except Exception:
         pass
     try:
-        from torch._subclasses.functional_tensor import FunctionalTensor  # lazy: torch loads on first use, never when this module is imported
+        from torch._subclasses.functional_tensor import (
+            FunctionalTensor,
+        )  # lazy: torch loads on first use, never when this module is imported
 
         if isinstance(t, FunctionalTensor):
             return False

@@ -58,7 +58,9 @@ DEBUG_FLAG = _private("_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", "torch.nn.attenti
 DEFAULT_BLOCK_SIZE = _private("_DEFAULT_SPARSE_BLOCK_SIZE", "torch.nn.attention.flex_attention: the block size of create_block_mask")
 IDENTITY_SCORE_MOD = _private("_identity", "torch.nn.attention.flex_attention: the no-op score_mod flex_attention defaults to")
 MASK_COMPILE_FLAG = _private("_compile", "create_block_mask's parameter that compiled the build (deprecated from 2.13)")
-SETUP_COMPILATION_ENV = _private("setup_compilation_env", "torch.nn.attention.flex_attention: yields the backend of its eager compile (2.11+)")
+SETUP_COMPILATION_ENV = _private(
+    "setup_compilation_env", "torch.nn.attention.flex_attention: yields the backend of its eager compile (2.11+)"
+)
 # Inductor's compiled graphs
 POST_COMPILE = _private("post_compile", "CompiledFxGraph: runs after every Inductor compile and cache hit (patched)")
 CURRENT_CALLABLE = _private("current_callable", "CompiledFxGraph: the callable every run of the graph goes through (wrapped)")
@@ -71,7 +73,9 @@ END_CALLBACKS = _private("end_callbacks", "torch._dynamo.callback's handler: the
 REGISTER_START_CALLBACK = _private("register_start_callback", "torch._dynamo.callback's handler: add a compile-start callback")
 REGISTER_END_CALLBACK = _private("register_end_callback", "torch._dynamo.callback's handler: add a compile-end callback")
 REMOVE_END_CALLBACK = _private("remove_end_callback", "torch._dynamo.callback's handler: drop a compile-end callback")
-CALLBACK_TRIGGER = _private("callback_trigger", "torch._dynamo.callback's CallbackArgs: what started the compile (DYNAMO, a lazy backward, a CUDA graph)")
+CALLBACK_TRIGGER = _private(
+    "callback_trigger", "torch._dynamo.callback's CallbackArgs: what started the compile (DYNAMO, a lazy backward, a CUDA graph)"
+)
 CUDAGRAPH_INFO = _private("cudagraph_info", "CompiledFxGraph: set when the graph runs as CUDA graphs")
 FX_GRAPH_CACHE_KEY = _private("_fx_graph_cache_key", "CompiledFxGraph: the FX graph cache key on older releases (cache_key later)")
 # Dynamo
@@ -111,7 +115,9 @@ CP_MODULES = (
 )
 CONTEXT_PARALLEL = _private("_ContextParallel", "torch.distributed.tensor.experimental: ParallelStyle; AttentionType.FLEX all-gathers K/V")
 CP_BLOCK_MASK = _private("_create_cp_block_mask", "torch.distributed.tensor.experimental: a rank's BlockMask, local Q against the whole KV")
-CP_SHARD = _private("_context_parallel_shard", "torch.distributed.tensor.experimental: shards buffers along the sequence as the mask expects")
+CP_SHARD = _private(
+    "_context_parallel_shard", "torch.distributed.tensor.experimental: shards buffers along the sequence as the mask expects"
+)
 FSDP_WRAPPED_MODULE = _private("_fsdp_wrapped_module", "FullyShardedDataParallel (FSDP1): the wrapped module")
 CHECKPOINT_WRAPPED_MODULE = _private("_checkpoint_wrapped_module", "CheckpointWrapper (activation checkpointing): the wrapped module")
 

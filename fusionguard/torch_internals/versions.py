@@ -6,6 +6,8 @@ import sys
 import types
 from typing import Any, Callable, Dict, Optional
 
+from fusionguard.torch_internals.dynamo import cache_entries
+from fusionguard.torch_internals.lookups import module, public_module
 from fusionguard.torch_internals.names import (
     CUDAGRAPH_INFO,
     CURRENT_CALLABLE,
@@ -21,8 +23,6 @@ from fusionguard.torch_internals.names import (
     Unavailable,
     torch_version,
 )
-from fusionguard.torch_internals.lookups import module, public_module
-from fusionguard.torch_internals.dynamo import cache_entries
 
 # --- Version differences, each behind one lookup (torch 2.6 ... 2.15) -------------------------
 
@@ -33,8 +33,7 @@ def setup_compilation_env_home() -> Dict[str, Any]:
     mod = public_module()
     if mod is None or not callable(mod.__dict__.get("setup_compilation_env")):
         raise Unavailable(
-            f"rescue=True is unavailable on torch {torch_version()} "
-            f"({PUBLIC_MODULE}.setup_compilation_env, added in 2.11, is missing)"
+            f"rescue=True is unavailable on torch {torch_version()} ({PUBLIC_MODULE}.setup_compilation_env, added in 2.11, is missing)"
         )
     return mod.__dict__
 
@@ -119,7 +118,11 @@ def dynamo_skips_frames(fn: Any, nested: bool) -> bool:
     Dynamo inlines ``fn`` when it traces a caller is unchanged. False where this torch has no such
     switch (``set_code_exec_strategy``, 2.7+)."""
     try:
-        from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy  # lazy: torch loads on first use, never when this module is imported
+        from torch._C._dynamo.eval_frame import (
+            _FrameAction,
+            _FrameExecStrategy,
+            set_code_exec_strategy,
+        )  # lazy: torch loads on first use, never when this module is imported
     except ImportError:
         return False
     action = _FrameAction.SKIP if nested else _FrameAction.DEFAULT

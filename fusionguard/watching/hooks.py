@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from fusionguard import torch_internals as ti
-from fusionguard.core.state import STATE, guarded, internal_error
 from fusionguard.core.frames import warn_at_user_line
+from fusionguard.core.state import STATE, guarded, internal_error
 from fusionguard.watching.memory import Measure, tensors
 
 if TYPE_CHECKING:

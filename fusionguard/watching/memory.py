@@ -12,7 +12,6 @@ import torch
 
 from fusionguard.core.state import STATE
 
-
 OPEN: contextvars.ContextVar[Tuple["Measure", ...]] = contextvars.ContextVar("fusionguard_open_measures", default=())
 
 
@@ -119,9 +118,7 @@ def record(layer: str, phase: str, alloc: Optional[int], peak: Optional[int], re
             row.alloc_delta_max = alloc if row.alloc_delta_max is None else max(row.alloc_delta_max, alloc)
             row.peak_delta_max = peak if row.peak_delta_max is None else max(row.peak_delta_max, peak)
     if alloc is not None:
-        STATE.log.emit(
-            "info", "layer_memory", layer=layer, phase=phase, path=path, alloc_delta=alloc, peak_delta=peak, recompute=recompute
-        )
+        STATE.log.emit("info", "layer_memory", layer=layer, phase=phase, path=path, alloc_delta=alloc, peak_delta=peak, recompute=recompute)
 
 
 # -- hooks ---------------------------------------------------------------------------------------

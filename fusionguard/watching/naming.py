@@ -17,7 +17,6 @@ import wrapt
 from fusionguard import torch_internals as ti
 from fusionguard.core.state import STATE, guarded
 
-
 # The stack of (qualified name, module class) of the watched modules whose forward is running.
 LAYER: contextvars.ContextVar[Tuple[Tuple[str, Optional[type]], ...]] = contextvars.ContextVar("fusionguard_layer", default=())
 
@@ -74,6 +73,8 @@ def stack_source(entry: Any) -> str:
 
 
 _FLEX_CALL_LINE = re.compile(r"^\s*(\w+) = torch\.ops\.higher_order\.flex_attention(?:_backward)?\(")
+
+
 def _graph_lines(gm: Any) -> Dict[int, str]:
     """Line of ``gm``'s generated code -> the module path (relative to the compiled frame's root)
     of the FlexAttention call on that line ("" when its node has no module stack); once per graph."""
@@ -125,11 +126,7 @@ def flex_layer(frame: Any = None) -> Optional[str]:
     module whose forward is on the stack (``layer_from_stack``)."""
     stack = LAYER.get()
     name = stack[-1][0] if stack else None
-    return (
-        name
-        or (backward_layer() if in_backward() else None)
-        or (layer_from_stack(frame) if frame is not None else None)
-    )
+    return name or (backward_layer() if in_backward() else None) or (layer_from_stack(frame) if frame is not None else None)
 
 
 def note_flex_call(frame: Any = None) -> Optional[str]:

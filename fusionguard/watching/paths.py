@@ -28,9 +28,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from fusionguard import torch_internals as ti
-from fusionguard.eventlog.messages import logger
-from fusionguard.core.state import STATE, guarded
 from fusionguard.core.frames import is_torch_file
+from fusionguard.core.state import STATE, guarded
+from fusionguard.eventlog.messages import logger
 from fusionguard.watching.naming import _WRAPPER_ATTRS, clean_name
 
 # (a scan keeps at most this many modules' parents; a process past it gets partial names)

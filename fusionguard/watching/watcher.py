@@ -11,11 +11,22 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Unio
 import torch
 
 from fusionguard import torch_internals as ti
-from fusionguard.core.state import STATE, internal_error
 from fusionguard.core.frames import warn_at_user_line
+from fusionguard.core.state import STATE, internal_error
 from fusionguard.watching.hooks import Frame, Hooks, frames_of, span_inputs
 from fusionguard.watching.memory import cuda_device, cuda_ready, dense_count, measure_start, measure_stop, record, tensors
-from fusionguard.watching.naming import LAYER, bw_pop, bw_push, clean_name, compiled_inside, decrement, in_backward, name_module, under, unname_modules
+from fusionguard.watching.naming import (
+    LAYER,
+    bw_pop,
+    bw_push,
+    clean_name,
+    compiled_inside,
+    decrement,
+    in_backward,
+    name_module,
+    under,
+    unname_modules,
+)
 
 
 def _builtin(module: torch.nn.Module) -> bool:
@@ -280,9 +291,7 @@ class Watch:
         pending[key] = handles
 
 
-def watch(
-    *models: torch.nn.Module, memory: bool = True, layers: Iterable[Union[type, str]] = (), expect_flex: bool = True
-) -> Watch:
+def watch(*models: torch.nn.Module, memory: bool = True, layers: Iterable[Union[type, str]] = (), expect_flex: bool = True) -> Watch:
     """Attribute FlexAttention events to layers and measure each attention layer's memory.
 
     Use as a context manager (``with fusionguard.watch(model): ...``) around a step or the whole

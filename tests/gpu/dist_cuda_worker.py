@@ -89,10 +89,11 @@ def fsdp2_train(out: Path, rank: int, dev: torch.device, watch: bool) -> None:
     """FSDP2 + compile per block, 3 training steps (bf16), each rank its own batch."""
     import contextlib
 
+    from compile_models import Model as Blocks
+    from compile_models import tokens
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from compile_models import Model as Blocks, tokens
     from fusionguard.core.state import STATE
 
     torch.manual_seed(0)
@@ -148,10 +149,21 @@ def lightning_ddp_stop(out: Path, rank: int) -> None:
             return torch.utils.data.DataLoader([torch.randn(Q, DIM, generator=g).to(torch.bfloat16) for _ in range(8)], batch_size=2)
 
     cb = FusionGuardCallback(stop_on_dense=True, log_path=str(out / "logs") + os.sep)
-    trainer = L.Trainer(accelerator="cuda", devices=2, strategy="ddp", callbacks=[cb], max_steps=4, logger=False,
-                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    trainer = L.Trainer(
+        accelerator="cuda",
+        devices=2,
+        strategy="ddp",
+        callbacks=[cb],
+        max_steps=4,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
     trainer.fit(Net())
-    (out / f"result{trainer.global_rank}.json").write_text(json.dumps({"global_step": trainer.global_step, "world_size": trainer.world_size}))
+    (out / f"result{trainer.global_rank}.json").write_text(
+        json.dumps({"global_step": trainer.global_step, "world_size": trainer.world_size})
+    )
 
 
 @record
@@ -177,8 +189,9 @@ def main() -> None:
         fsdp2_strict(out, rank, dev, train=True, compiled=True, **SHAPE)
         return
     if scenario == "cp":
-        context_parallel_flex(out, rank, dev, seq=16384, heads=8, dim=64, dtype=torch.bfloat16,
-                              steps=("compiled", "dense", "oom"), train=True)
+        context_parallel_flex(
+            out, rank, dev, seq=16384, heads=8, dim=64, dtype=torch.bfloat16, steps=("compiled", "dense", "oom"), train=True
+        )
         finish(out, rank)
         return
     mask = create_block_mask(causal, None, None, Q, Q, device=dev)
@@ -206,6 +219,7 @@ def main() -> None:
     torch.manual_seed(0)  # same weights on both ranks (DDP also broadcasts them)
     model = Model().to(dev, torch.bfloat16)
     from fusionguard.core.state import STATE
+
     ddp = DistributedDataParallel(model, device_ids=[local])
     compiled = torch.compile(ddp)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -13,11 +13,10 @@ import threading
 
 import pytest
 import torch
+from conftest import causal, flex_events
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import fusionguard
-
-from conftest import causal, flex_events
 
 pytestmark = [
     pytest.mark.gpu,

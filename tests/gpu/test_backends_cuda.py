@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import flex_events
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import fusionguard
 from fusionguard.core import state as _state
-
-from conftest import flex_events
 
 pytestmark = [
     pytest.mark.gpu,

@@ -13,13 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._functorch.config
+from compile_models import Model, tokens
+from conftest import flex_events
 
 import fusionguard
 from fusionguard.core import state as _state
 from fusionguard.report.build import build as build_report_dict
-
-from compile_models import Model, tokens
-from conftest import flex_events
 
 pytestmark = [
     pytest.mark.gpu,
@@ -117,11 +116,17 @@ def test_per_block_compile_in_training_names_every_block(guard, fresh_cache, wat
     counts = _state.STATE.counts
     assert counts["fused_runs_forward"] == counts["fused_runs_backward"] == 4
     runs = [(e["layer"], e["phase"]) for e in flex_events("flex_run")]
-    assert runs == [("layers.0.attn", "forward"), ("layers.1.attn", "forward"), ("layers.1.attn", "backward"), ("layers.0.attn", "backward")] * 2
+    assert (
+        runs
+        == [("layers.0.attn", "forward"), ("layers.1.attn", "forward"), ("layers.1.attn", "backward"), ("layers.0.attn", "backward")] * 2
+    )
     bw = [e for e in flex_events("flex_compile") if e["phase"] == "backward"]
     # compiled at the first backward (block 1's): named by its forward run; or, where AOTAutograd
     # compiles it with the forward, by the compiling frame's block
-    assert len(bw) == 1 and (bw[0]["layer"], bw[0]["named_from"]) in (("layers.1.attn", "forward_run"), ("layers.0.attn", "nn_module_stack"))
+    assert len(bw) == 1 and (bw[0]["layer"], bw[0]["named_from"]) in (
+        ("layers.1.attn", "forward_run"),
+        ("layers.0.attn", "nn_module_stack"),
+    )
     r = rows()
     assert sorted(r) == [(f"layers.{i}.attn", p) for i in (0, 1) for p in ("backward", "forward")]
     assert all(row["fused"] == 2 and row["dense"] == 0 for row in r.values())

@@ -11,11 +11,10 @@ import textwrap
 
 import pytest
 import torch
+from conftest import ROOT, causal, flex_events, read_jsonl
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import fusionguard
-
-from conftest import ROOT, causal, flex_events, read_jsonl
 
 pytestmark = [
     pytest.mark.gpu,
@@ -218,7 +217,10 @@ def test_fused_forward_and_backward_runs_are_counted(guard, dynamo_reset, mode):
 def test_doctor_exit_codes_on_gpu(backend, code):
     proc = subprocess.run(
         [sys.executable, "-m", "fusionguard", "doctor", "--shape", "1,8,2,512,2048,64", "--backend", backend],
-        capture_output=True, text=True, timeout=600, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
     )
     assert proc.returncode == code, proc.stdout + proc.stderr[-3000:]
     assert proc.stdout.splitlines()[-1].startswith("FUSED - OK" if code == 0 else "DENSE")

@@ -29,6 +29,7 @@ bench = importlib.util.module_from_spec(_spec)
 sys.modules["dense_memory_cuda"] = bench  # importable by name: Dynamo looks up a score_mod's globals
 _spec.loader.exec_module(bench)  # type: ignore[union-attr]
 
+
 @pytest.mark.parametrize("backend", bench.BACKENDS)
 @pytest.mark.parametrize("shape", bench.SHAPES, ids=[s[0] for s in bench.SHAPES])
 def test_prediction_within_15_percent_of_the_measured_peak(shape, backend):
@@ -135,4 +136,3 @@ def test_a_mask_build_that_cannot_fit_raises_in_oom_mode(tmp_path):
         fusionguard.disable()
         del ballast
         torch.cuda.empty_cache()
-

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from test_distributed import check_strict_stop, flex_calls, fusionguard_run, launch, output, rank_logs
 
 pytestmark = [
@@ -95,7 +94,8 @@ def test_fsdp2_compile_per_block_training_exact_per_rank(tmp_path, scenario):
     for rank in (0, 1):
         rows = json.loads((tmp_path / f"rows{rank}.json").read_text())
         assert sorted((r["layer"], r["phase"], r["calls"], r["fused"], r["dense"]) for r in rows) == sorted(
-            (layer, phase, 3, 3, 0) for layer in layers for phase in ("forward", "backward")), (rank, rows)
+            (layer, phase, 3, 3, 0) for layer in layers for phase in ("forward", "backward")
+        ), (rank, rows)
         counts = json.loads((tmp_path / f"counts{rank}.json").read_text())
         assert counts["counts"]["fused_runs_forward"] == counts["counts"]["fused_runs_backward"] == 6, counts
         order = [("layers.0.attn", "forward"), ("layers.1.attn", "forward"), ("layers.1.attn", "backward"), ("layers.0.attn", "backward")]
@@ -105,7 +105,8 @@ def test_fsdp2_compile_per_block_training_exact_per_rank(tmp_path, scenario):
         assert compiles and {c["path"] for c in compiles} == {"fused"}, compiles
     rep = build_report_dict([str(tmp_path / "logs")])
     assert {(r["layer"], r["phase"]): (r["fused"], r["dense"]) for r in rep["rows"]} == {
-        (layer, phase): (6, 0) for layer in layers for phase in ("forward", "backward")}
+        (layer, phase): (6, 0) for layer in layers for phase in ("forward", "backward")
+    }
 
 
 def test_fsdp2_strict_one_rank_forced_dense_every_rank_stops_no_nccl_hang(tmp_path):
@@ -171,5 +172,6 @@ def test_lightning_ddp_compiled_stop_on_dense_stops_both_ranks_together(tmp_path
     dense = flex_calls(logs[1])
     # (named from the LightningModule the callback watches: ``model.layers.0``, the Model's ``layers.0``)
     assert {(e["layer"].rsplit("model.", 1)[-1], e["phase"]) for e in dense} == {
-        (f"layers.{i}", p) for i in (0, 1) for p in ("forward", "backward")}, dense
+        (f"layers.{i}", p) for i in (0, 1) for p in ("forward", "backward")
+    }, dense
     assert all(e["action"] == "warn" for e in dense)

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import warnings
 
+import docs_blocks as db
 import pytest
 import torch
-
-import docs_blocks as db
 
 pytestmark = [
     pytest.mark.gpu,

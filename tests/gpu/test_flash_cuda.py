@@ -19,13 +19,12 @@ import textwrap
 
 import pytest
 import torch
+from conftest import ROOT, causal, flex_events, read_jsonl
 from torch import nn
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import fusionguard
 from fusionguard.core import state as _state
-
-from conftest import ROOT, causal, flex_events, read_jsonl
 
 
 def _flash_missing() -> str:
@@ -192,7 +191,9 @@ def test_eager_flash_is_dense(guard):
     torch.cuda.synchronize()
     events = flex_events()
     assert sorted((e["phase"], e["path"], e["cause"]) for e in events) == [
-        ("backward", "dense", "eager_call"), ("forward", "dense", "eager_call")]
+        ("backward", "dense", "eager_call"),
+        ("forward", "dense", "eager_call"),
+    ]
     fusionguard.enable(strict=True, log_path=False)
     q, k, v, mask = make()
     with pytest.raises(fusionguard.DenseFallbackError, match="eager_call"):

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import fresh_hf_wrapper, read_jsonl
 
 import fusionguard
-from fusionguard.core import state as _state
 from fusionguard import _testing
-
-from conftest import fresh_hf_wrapper, read_jsonl
+from fusionguard.core import state as _state
 
 transformers = pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
@@ -37,8 +36,15 @@ STEPS, SEQ = 3, 2048
 
 def train(mode: str, log) -> dict:
     fresh_hf_wrapper()
-    cfg = LlamaConfig(hidden_size=1024, num_attention_heads=16, num_key_value_heads=4, num_hidden_layers=2,
-                      intermediate_size=2048, vocab_size=1024, attn_implementation="flex_attention")
+    cfg = LlamaConfig(
+        hidden_size=1024,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        num_hidden_layers=2,
+        intermediate_size=2048,
+        vocab_size=1024,
+        attn_implementation="flex_attention",
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).train()
     run = {"compiled": torch.compile(model), "aot_eager": torch.compile(model, backend="aot_eager")}.get(mode, model)
@@ -74,15 +80,21 @@ def runs(tmp_path_factory):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         out[mode] = train(mode, tmp_path_factory.mktemp("hf") / f"{mode}.jsonl")
-    lines = [f"transformers {transformers.__version__}, torch {torch.__version__}, {torch.cuda.get_device_name()}; "
-             f"Llama 2 layers, hidden 1024, 16/4 heads, seq {SEQ}, bf16, {STEPS} AdamW steps"]
+    lines = [
+        f"transformers {transformers.__version__}, torch {torch.__version__}, {torch.cuda.get_device_name()}; "
+        f"Llama 2 layers, hidden 1024, 16/4 heads, seq {SEQ}, bf16, {STEPS} AdamW steps"
+    ]
     for mode, r in out.items():
-        lines.append(f"{mode}: losses {[round(x, 4) for x in r['losses']]}, process peak {r['peak'] / 1e9:.3f} GB, "
-                     f"fused runs fwd/bwd {r['counts'].get('fused_runs_forward', 0)}/{r['counts'].get('fused_runs_backward', 0)}")
+        lines.append(
+            f"{mode}: losses {[round(x, 4) for x in r['losses']]}, process peak {r['peak'] / 1e9:.3f} GB, "
+            f"fused runs fwd/bwd {r['counts'].get('fused_runs_forward', 0)}/{r['counts'].get('fused_runs_backward', 0)}"
+        )
         for (layer, phase), row in sorted(r["rows"].items()):
             peak = row.get("peak_delta_max")
-            lines.append(f"  {layer:<26} {phase:<8} calls {row['calls']} dense {row['dense']} fused {row['fused']} "
-                         f"causes {row['causes'] or '-'} peak {peak / 1e9 if peak is not None else float('nan'):.4f} GB")
+            lines.append(
+                f"  {layer:<26} {phase:<8} calls {row['calls']} dense {row['dense']} fused {row['fused']} "
+                f"causes {row['causes'] or '-'} peak {peak / 1e9 if peak is not None else float('nan'):.4f} GB"
+            )
     print("\n".join(lines))
     return out
 
@@ -111,7 +123,8 @@ def test_compiled_model_trains_fused_per_layer(runs):
     assert flex(r["events"], "flex_call") == []
     compiles = flex(r["events"], "flex_compile")
     assert sorted({(c["layer"], c["phase"]) for c in compiles}) == sorted(
-        (layer, phase) for layer in LAYERS for phase in ("forward", "backward"))
+        (layer, phase) for layer in LAYERS for phase in ("forward", "backward")
+    )
     assert all(c["path"] == "fused" and c["template"].startswith("triton") for c in compiles)
     assert r["counts"].get("fused_runs_forward") == STEPS * len(LAYERS)
     assert r["counts"].get("fused_runs_backward") == STEPS * len(LAYERS)

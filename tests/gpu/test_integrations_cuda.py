@@ -21,11 +21,11 @@ import logging
 
 import pytest
 import torch
+from conftest import Lines, fresh_hf_wrapper, read_jsonl
 from torch.nn.attention.flex_attention import flex_attention
 
 import fusionguard
 from fusionguard import _testing
-from conftest import Lines, fresh_hf_wrapper, read_jsonl
 
 pytestmark = [
     pytest.mark.gpu,
@@ -58,14 +58,30 @@ def hf_train(tmp_path, cb, **args):
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
     fresh_hf_wrapper()
-    cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-                      intermediate_size=512, vocab_size=256, attn_implementation="flex_attention")
+    cfg = LlamaConfig(
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        intermediate_size=512,
+        vocab_size=256,
+        attn_implementation="flex_attention",
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     g = torch.Generator().manual_seed(0)
     rows = [{"input_ids": ids, "labels": ids.clone()} for ids in torch.randint(0, 256, (8, SEQ), generator=g)]
-    targs = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=STEPS, per_device_train_batch_size=1,
-                              logging_steps=1, report_to=[], save_strategy="no", bf16=True, disable_tqdm=True, **args)
+    targs = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=STEPS,
+        per_device_train_batch_size=1,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        bf16=True,
+        disable_tqdm=True,
+        **args,
+    )
     trainer = Trainer(model=model, args=targs, train_dataset=rows, callbacks=[cb])
     trainer.train()
     assert transformers.__version__
@@ -84,8 +100,7 @@ def test_hf_torch_compile_trains_fused_counts_exact(tmp_path, said):
     assert all(h["fusionguard/dense_calls"] == 0 for h in steps)
     events = read_jsonl(log)
     assert [e for e in events if e["event"] in ("watch_traced", "flex_call")] == []
-    assert sorted({e["layer"] for e in events if e["event"] == "flex_compile"}) == [
-        "model.layers.0.self_attn", "model.layers.1.self_attn"]
+    assert sorted({e["layer"] for e in events if e["event"] == "flex_compile"}) == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
 
 
 def test_hf_stop_on_dense_stops_a_forced_dense_run(tmp_path, said):
@@ -143,9 +158,17 @@ def lightning_fit(tmp_path, cb, compiled):
             x = torch.randn(8, SEQ, D, generator=torch.Generator().manual_seed(0))
             return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=1)
 
-    trainer = L.Trainer(accelerator="cuda", devices=1, max_steps=STEPS, callbacks=[cb], log_every_n_steps=1,
-                        logger=L.loggers.CSVLogger(str(tmp_path), name="csv"), enable_progress_bar=False,
-                        enable_model_summary=False, enable_checkpointing=False)
+    trainer = L.Trainer(
+        accelerator="cuda",
+        devices=1,
+        max_steps=STEPS,
+        callbacks=[cb],
+        log_every_n_steps=1,
+        logger=L.loggers.CSVLogger(str(tmp_path), name="csv"),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
     trainer.fit(Net())
     return trainer
 

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import causal
 from torch import nn
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import fusionguard
-
-from conftest import causal
 
 pytestmark = [
     pytest.mark.gpu,
@@ -91,7 +90,12 @@ def test_layer_peaks_match_an_independent_measurement(guard, mode):
         for phase, ref in (("forward", fwd), ("backward", bwd)):
             row = rows[(f"layers.{i}", phase)]
             report.append((mode, i, phase, row["peak_delta_last"], ref, row["alloc_delta_last"]))
-    print("\n".join(f"{m} layers.{i} {p}: fusionguard peak {g / 1e9:.4f} GB (alloc {a / 1e9:.4f}), alone {r / 1e9:.4f} GB" for m, i, p, g, r, a in report))
+    print(
+        "\n".join(
+            f"{m} layers.{i} {p}: fusionguard peak {g / 1e9:.4f} GB (alloc {a / 1e9:.4f}), alone {r / 1e9:.4f} GB"
+            for m, i, p, g, r, a in report
+        )
+    )
     for m, i, phase, got, ref, _ in report:
         assert got is not None
         assert abs(got - ref) <= max(0.05 * ref, 2 << 20), (m, i, phase, got, ref)

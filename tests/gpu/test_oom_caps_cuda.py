@@ -19,7 +19,6 @@ import textwrap
 
 import pytest
 import torch
-
 from conftest import ROOT
 
 pytestmark = [

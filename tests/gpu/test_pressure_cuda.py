@@ -12,9 +12,8 @@ import warnings
 
 import pytest
 import torch
-from torch.nn.attention.flex_attention import flex_attention
-
 from conftest import flex_events, read_jsonl, recompile_limit
+from torch.nn.attention.flex_attention import flex_attention
 
 pytestmark = [
     pytest.mark.gpu,
@@ -53,7 +52,9 @@ def test_pressure_comes_while_fused_and_the_limit_after(guard, dynamo_reset, sil
     events = read_jsonl(log)
     kinds = [e["event"] for e in events]
     (pressure,) = [e for e in events if e["event"] == "recompile_pressure"]
-    assert pressure["function"] == "train_step" and pressure["compiles"] == 3 and pressure["limit"] == 4  # (#32: the 3rd compile shows the churn)
+    assert (
+        pressure["function"] == "train_step" and pressure["compiles"] == 3 and pressure["limit"] == 4
+    )  # (#32: the 3rd compile shows the churn)
     assert pressure["varies"] in ("q dim 2 varies", "k dim 2 varies", "v dim 2 varies")
     told = [w for w in caught if "recompile pressure" in str(w.message)]
     assert len(told) == 1 and told[0].filename == __file__

@@ -72,8 +72,11 @@ def _traced(model, tmp_path, name):
 def _kernels_inside(r, events):
     """The GPU kernels launched from inside range ``r`` (same thread, by correlation id)."""
     lo, hi = r["ts"], r["ts"] + r["dur"]
-    corr = {(e.get("args") or {}).get("correlation") for e in events
-            if e.get("cat") in ("cuda_runtime", "cuda_driver") and e.get("tid") == r.get("tid") and lo <= e["ts"] <= hi}
+    corr = {
+        (e.get("args") or {}).get("correlation")
+        for e in events
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and e.get("tid") == r.get("tid") and lo <= e["ts"] <= hi
+    }
     corr.discard(None)
     return [e for e in events if e.get("cat") == "kernel" and (e.get("args") or {}).get("correlation") in corr]
 
@@ -82,10 +85,14 @@ def test_dense_forward_and_backward_ranges_hold_their_kernels(fresh, tmp_path):
     model = Model().cuda()
     with fusionguard.watch(model, memory=False):
         events = _traced(model, tmp_path, "dense")
-    ours = [e for e in events if e["name"].startswith("fusionguard: ") and e.get("cat") == "user_annotation"]  # (CUDA traces mirror each as gpu_user_annotation)
+    ours = [
+        e for e in events if e["name"].startswith("fusionguard: ") and e.get("cat") == "user_annotation"
+    ]  # (CUDA traces mirror each as gpu_user_annotation)
     names = sorted({e["name"] for e in ours})
     size = "1.05 MB"  # 1*4*256*256 fp32
-    assert names == sorted(f"fusionguard: dense {p} layers.{i} (eager_call, {size})" for p in ("forward", "backward") for i in (0, 1)), names
+    assert names == sorted(f"fusionguard: dense {p} layers.{i} (eager_call, {size})" for p in ("forward", "backward") for i in (0, 1)), (
+        names
+    )
     assert len(ours) == 8  # 2 steps x 2 layers x 2 phases: every call, sampled ones too
     for r in ours:
         assert _kernels_inside(r, events), r["name"]
@@ -96,7 +103,9 @@ def test_fused_graph_runs_are_ranges_naming_their_layers(fresh, tmp_path):
     compiled = torch.compile(model)
     with fusionguard.watch(model, memory=False):
         events = _traced(compiled, tmp_path, "fused")
-    ours = [e for e in events if e["name"].startswith("fusionguard: ") and e.get("cat") == "user_annotation"]  # (CUDA traces mirror each as gpu_user_annotation)
+    ours = [
+        e for e in events if e["name"].startswith("fusionguard: ") and e.get("cat") == "user_annotation"
+    ]  # (CUDA traces mirror each as gpu_user_annotation)
     names = [e["name"] for e in ours]
     for phase in ("forward", "backward"):  # (a backward names its calls last to first)
         runs = [n for n in names if n.startswith(f"fusionguard: fused {phase} ")]

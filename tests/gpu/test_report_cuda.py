@@ -11,14 +11,13 @@ import json
 
 import pytest
 import torch
+from conftest import causal
 from torch import nn
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import fusionguard
 from fusionguard import _testing
 from fusionguard.report.build import build as build_report_dict
-
-from conftest import causal
 
 pytestmark = [
     pytest.mark.gpu,

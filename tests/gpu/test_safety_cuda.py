@@ -14,7 +14,6 @@ import textwrap
 
 import pytest
 import torch
-
 from conftest import ROOT, read_jsonl, run_cli
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

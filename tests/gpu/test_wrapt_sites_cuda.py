@@ -16,15 +16,14 @@ from __future__ import annotations
 import pytest
 import torch
 import wrapt
+from compile_models import Model, tokens
+from conftest import flex_events
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 from torch.nn.attention.flex_attention import flex_attention
 
 import fusionguard
 from fusionguard import torch_internals as ti
-
-from compile_models import Model, tokens
-from conftest import flex_events
 
 pytestmark = [
     pytest.mark.gpu,
@@ -63,7 +62,13 @@ def _attribute_sites():
     cls = ti.autograd_op()
     cfg = ti.compiled_fx_graph()
     var, name = ti.flex_trace_method()
-    return [vars(cls)["forward"], vars(cls)["backward"], vars(cfg)["post_compile"], vars(var)[name], vars(ti.optimized_module())["__init__"]]
+    return [
+        vars(cls)["forward"],
+        vars(cls)["backward"],
+        vars(cfg)["post_compile"],
+        vars(var)[name],
+        vars(ti.optimized_module())["__init__"],
+    ]
 
 
 def test_compiled_training_is_the_same_with_the_wrappers(guard, fresh_cache):
