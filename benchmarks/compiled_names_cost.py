@@ -48,7 +48,8 @@ def search_cost(n: int) -> None:
     graphs = len(ti.found_compiled_graphs())
     best = min(inductor.live_flex_graphs()[1] for _ in range(5))
     print(
-        f"search: {graphs} compiled graphs alive, {len(gc.get_objects()):,} gc objects: live_flex_graphs() {best:.1f} ms (best of 5); compiling them took {compile_s:.1f} s"
+        f"search: {graphs} compiled graphs alive, {len(gc.get_objects()):,} gc objects: "
+        f"live_flex_graphs() {best:.1f} ms (best of 5); compiling them took {compile_s:.1f} s"
     )
 
 

@@ -379,7 +379,8 @@ def main() -> None:
                 }
             )
         print(
-            f"{'variant':<10} {'compile s':>9} {'x (min-max)':>20} {'step ms':>9} {'x (min-max)':>20} {'graphs':>6} {'breaks':>6} {'frames':>6}"
+            f"{'variant':<10} {'compile s':>9} {'x (min-max)':>20} {'step ms':>9} {'x (min-max)':>20} "
+            f"{'graphs':>6} {'breaks':>6} {'frames':>6}"
         )
         for r in summary:
             cr, sr = r["compile_ratio_range"], r["step_ratio_range"]
@@ -392,7 +393,8 @@ def main() -> None:
     if not args.skip_steps:
         inter = interleaved(args, shape)
         print(
-            f"interleaved, step by step ({inter['steps']} steps per variant; Dynamo: {inter['graphs']}; fused runs counted: {inter['counted_runs']}):"
+            f"interleaved, step by step ({inter['steps']} steps per variant; Dynamo: {inter['graphs']}; "
+            f"fused runs counted: {inter['counted_runs']}):"
         )
         print(f"{'variant':<16} {'step ms':>9} {'x off':>7} {'(IQR of per-step ratios)':>26}")
         for r in inter["rows"]:
@@ -412,11 +414,13 @@ def main() -> None:
             print(f"paired, call by call ({label}): guard {d['paired_cost_us']:+.0f} us = {d['paired_share'] * 100:.2f} % of the call")
             p = d["pipelined"]
             print(
-                f"pipelined, 5 calls per sync ({label}): guard {p['cost_us']:+.0f} us per call = {p['share'] * 100:.2f} % of {p['plain_ms']:.3f} ms"
+                f"pipelined, 5 calls per sync ({label}): guard {p['cost_us']:+.0f} us per call = "
+                f"{p['share'] * 100:.2f} % of {p['plain_ms']:.3f} ms"
             )
         print(
             f"guard's fixed cost per dense call as a share of the seed-shape call: "
-            f"{dense['fsync_default_fixed_share'] * 100:.2f} % (fsync=True), {dense['fsync_always_fixed_share'] * 100:.2f} % (fsync='always')"
+            f"{dense['fsync_default_fixed_share'] * 100:.2f} % (fsync=True), "
+            f"{dense['fsync_always_fixed_share'] * 100:.2f} % (fsync='always')"
         )
     if args.json:
         with open(args.json, "w") as fh:

@@ -1,6 +1,7 @@
 """A pytest plugin that writes each test's CPU seconds, its own process's and its waited-for
-children's (subprocesses, torchrun workers, pytester sessions, tests/forkserver.py's grandchildren and its start), to FUSIONGUARD_TEST_CPU (a JSON
-lines file; one per xdist worker, suffixed with the worker's name). CPU seconds barely change
+children's (subprocesses, torchrun workers, pytester sessions, tests/forkserver.py's
+grandchildren and its start), to FUSIONGUARD_TEST_CPU (a JSON lines file; one per xdist
+worker, suffixed with the worker's name). CPU seconds barely change
 with the machine's load, unlike wall time: the share of each test in the suite's work.
 
     FUSIONGUARD_TEST_CPU=/tmp/cpu.jsonl PYTHONPATH=.:benchmarks python -m pytest -q -p pytest_cpu

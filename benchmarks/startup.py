@@ -139,7 +139,10 @@ def main() -> None:
             f"{m} {statistics.median(r.get(m, 0) for r in runs) / 1e3:.1f}" for m in ("wrapt", "asyncio", "importlib.metadata", "inspect")
         )
     )
-    code = "import sys, time, torch; a = 'asyncio' in sys.modules; t = time.perf_counter(); import wrapt; print(time.perf_counter() - t, a, torch.__version__)"
+    code = (
+        "import sys, time, torch; a = 'asyncio' in sys.modules; t = time.perf_counter(); "
+        "import wrapt; print(time.perf_counter() - t, a, torch.__version__)"
+    )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=base)
     if p.returncode == 0:
         after = [p.stdout.split()]
@@ -149,7 +152,8 @@ def main() -> None:
         ]
         ms = statistics.median(float(a[0]) for a in after) * 1e3
         print(
-            f"`import wrapt` after `import torch` (torch {after[0][2]}, which imported asyncio itself: {after[0][1]}), median of 3: {ms:.1f} ms"
+            f"`import wrapt` after `import torch` (torch {after[0][2]}, which imported asyncio itself: {after[0][1]}), "
+            f"median of 3: {ms:.1f} ms"
         )
 
 

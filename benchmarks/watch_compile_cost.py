@@ -159,7 +159,8 @@ def main() -> None:
         f"{args.rounds} rounds, TORCHINDUCTOR_CACHE_DIR={os.environ['TORCHINDUCTOR_CACHE_DIR']}"
     )
     print(
-        f"{'pattern':<44} {'variant':<7} {'wall s':>7} {'/ none':>7} {'CPU s':>7} {'/ none':>7} {'calls /none':>11}  guards frames graphs breaks"
+        f"{'pattern':<44} {'variant':<7} {'wall s':>7} {'/ none':>7} {'CPU s':>7} {'/ none':>7} {'calls /none':>11}  "
+        "guards frames graphs breaks"
     )
     for p in args.patterns:
         base = runs[(p, "none")]
@@ -170,7 +171,8 @@ def main() -> None:
             d = last[(p, v)]
             print(
                 f"({p}) {PATTERNS[p]:<40} {v:<7} {statistics.median(x[0] for x in rs):7.2f} {ratio[0]:7.3f} "
-                f"{statistics.median(x[1] for x in rs):7.2f} {ratio[1]:7.3f} {calls}  {d['guards']:6} {d['frames']:6} {d['graphs']:6} {d['breaks']:6}"
+                f"{statistics.median(x[1] for x in rs):7.2f} {ratio[1]:7.3f} {calls}  "
+                f"{d['guards']:6} {d['frames']:6} {d['graphs']:6} {d['breaks']:6}"
             )
 
 

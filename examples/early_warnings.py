@@ -53,7 +53,8 @@ def main() -> None:
         print(f"  step with L={L}")
     (pressure,) = fusionguard.events("recompile_pressure")
     print(
-        f"  -> recompile_pressure: {pressure['function']} compiled {pressure['compiles']} of {pressure['limit']} times ({pressure['varies']})"
+        f"  -> recompile_pressure: {pressure['function']} compiled {pressure['compiles']} of {pressure['limit']} times "
+        f"({pressure['varies']})"
     )
     print(f"     fix: {pressure['fix']}")
 

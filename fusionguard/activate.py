@@ -337,7 +337,10 @@ def check_mode(value: Optional[str]) -> Optional[str]:
     (or unset / empty: the default, warn)."""
     if value is None or not value.strip() or value.strip().lower() in MODES:
         return None
-    return f"fusionguard run: {ENV}={value!r} is not a mode: use one of {', '.join(MODES)} (or --strict / --warn / --oom); nothing was started\n"
+    return (
+        f"fusionguard run: {ENV}={value!r} is not a mode: use one of {', '.join(MODES)} "
+        "(or --strict / --warn / --oom); nothing was started\n"
+    )
 
 
 def run(cmd: Sequence[str], mode: Optional[str] = None, log: Optional[str] = None) -> int:

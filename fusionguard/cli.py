@@ -58,7 +58,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--fail-on-recompile-pressure",
         action="store_true",
-        help="exit status 1 when the logs hold a recompile_pressure event: a frame holding FlexAttention that Dynamo recompiled up to half its recompile limit (--fail-on-dense does not fail on it)",
+        help="exit status 1 when the logs hold a recompile_pressure event: a frame holding FlexAttention that Dynamo "
+        "recompiled up to half its recompile limit (--fail-on-dense does not fail on it)",
     )
     r.add_argument(
         "--expect-fused",
@@ -163,7 +164,8 @@ def _gates(args: argparse.Namespace, totals: Dict[str, Any]) -> List[str]:
     if args.fail_on_recompile_pressure and frames:
         at_least = "at least " if totals.get("recompile_pressure_frames_at_least") else ""
         failed.append(
-            f"--fail-on-recompile-pressure: {at_least}{frames:,} frame{'s' if frames != 1 else ''} holding FlexAttention near Dynamo's recompile limit"
+            f"--fail-on-recompile-pressure: {at_least}{frames:,} frame{'s' if frames != 1 else ''} "
+            "holding FlexAttention near Dynamo's recompile limit"
         )
     expected = max(1 if args.expect_fused else 0, args.expect_calls or 0)
     if expected and totals["fused_calls"] < expected:

@@ -16,8 +16,9 @@ FRAMEWORK:
   lightning  lightning.pytorch Trainer(strategy="ddp", accelerator="cpu", devices=2).validate()
              over the same 4 lengths; the callback logs to OUT_DIR/logs/ (a file per rank).
 
-FG_INTEG_DEVICE=cuda: the same on two GPUs with NCCL (one per rank). Each rank writes OUT_DIR/result{R}.json (the metrics its Trainer holds). The process group is the
-framework's (accelerate's or Lightning's), not this worker's.
+FG_INTEG_DEVICE=cuda: the same on two GPUs with NCCL (one per rank). Each rank writes
+OUT_DIR/result{R}.json (the metrics its Trainer holds). The process group is the framework's
+(accelerate's or Lightning's), not this worker's.
 """
 
 from __future__ import annotations

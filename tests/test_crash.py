@@ -623,7 +623,8 @@ def test_native_crash_parser_reads_faulthandler_text(tmp_path):
     f = tmp_path / "x.crash"
     f.write_text(
         "Fatal Python error: Aborted\n\nThread 0x00007f01 (most recent call first):\n  File \"/a/worker.py\", line 3 in loop\n\n"
-        "Current thread 0x00007f00 (most recent call first):\n  File \"/t/torch/_higher_order_ops/flex_attention.py\", line 80 in sdpa_dense\n"
+        "Current thread 0x00007f00 (most recent call first):\n"
+        "  File \"/t/torch/_higher_order_ops/flex_attention.py\", line 80 in sdpa_dense\n"
         "  File \"/u/train.py\", line 12 in step\n  File \"/u/train.py\", line 20 in <module>\n\nExtension modules: x (total: 1)\n"
     )
     recent = [{"event": "flex_call", "path": "dense", "phase": "forward", "layer": "layers.3.attn", "seq": 7}]

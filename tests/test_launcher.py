@@ -257,7 +257,9 @@ try:
     outcome = "ran"
 except RuntimeError as exc:
     outcome = type(exc).__name__
-print(json.dumps({{"enabled": fusionguard.is_enabled(), "strict": STATE.config.strict, "not_patched": STATE.not_patched, "outcome": outcome}}))
+print(json.dumps({{
+    "enabled": fusionguard.is_enabled(), "strict": STATE.config.strict, "not_patched": STATE.not_patched, "outcome": outcome
+}}))
 """
 
 ORDERS = {
@@ -353,7 +355,8 @@ def test_a_bad_mode_exits_2_before_starting_anything(tmp_path):
         p = _run(cmd, tmp_path, FUSIONGUARD=bad)
         assert p.returncode == 2 and not marker.exists(), (bad, p.stderr)
         assert p.stderr.splitlines() == [
-            f"fusionguard run: FUSIONGUARD={bad!r} is not a mode: use one of strict, warn, oom, off (or --strict / --warn / --oom); nothing was started"
+            f"fusionguard run: FUSIONGUARD={bad!r} is not a mode: use one of strict, warn, oom, off "
+            "(or --strict / --warn / --oom); nothing was started"
         ]
     for good in ("STRICT", " warn ", "off", ""):
         p = _run(cmd, tmp_path, FUSIONGUARD=good)

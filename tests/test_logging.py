@@ -130,7 +130,10 @@ class Collect(logging.Handler):
 
 
 def _announce(path) -> str:
-    return f"fusionguard: logging FlexAttention verdicts to {path} (FUSIONGUARD_LOG or enable(log_path=...) to change, log_path=False for none)\n"
+    return (
+        f"fusionguard: logging FlexAttention verdicts to {path} "
+        "(FUSIONGUARD_LOG or enable(log_path=...) to change, log_path=False for none)\n"
+    )
 
 
 def _lacks() -> list:

@@ -337,7 +337,8 @@ pytest_plugins = ["pytester"]
 def test_pytest_option_and_ini_spell_oom(pytester):
     """In any case, as FUSIONGUARD= and enable(mode=) take it."""
     pytester.makepyfile(
-        test_inner="import fusionguard\nfrom fusionguard.core.state import STATE\n\ndef test_mode():\n    assert STATE.config.mode == 'oom' and not STATE.config.strict\n"
+        test_inner="import fusionguard\nfrom fusionguard.core.state import STATE\n\n"
+        "def test_mode():\n    assert STATE.config.mode == 'oom' and not STATE.config.strict\n"
     )
     result = run_forked(pytester, "-p", "fusionguard.pytest_plugin", "--fusionguard=OOM", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)

@@ -82,7 +82,8 @@ def test_strict_fails_dense_tests_with_the_verdict(pytester):
     result.stdout.fnmatch_lines(
         [
             "*_ test_dense _*",
-            "*DenseFallbackError: fusionguard: dense FlexAttention forward blocked before it allocated a 2.05 KB score matrix (strict mode)",
+            "*DenseFallbackError: fusionguard: dense FlexAttention forward blocked before it allocated "
+            "a 2.05 KB score matrix (strict mode)",
             "*at:*test_inner.py:* in attend",
             "*cause:    eager_call*",
             "*fix:*torch.compile*",
@@ -325,7 +326,10 @@ def test_the_kill_switch_wins_over_the_option_and_the_summary_says_so(pytester, 
     result.assert_outcomes(passed=1)  # the dense call ran: nothing was guarded
     out = "\n".join(result.outlines)
     assert "no dense FlexAttention calls" not in out, out
-    message = "off: FUSIONGUARD=off in the environment (the kill switch) wins over --fusionguard=strict; FlexAttention calls are not checked, no log"
+    message = (
+        "off: FUSIONGUARD=off in the environment (the kill switch) wins over --fusionguard=strict; "
+        "FlexAttention calls are not checked, no log"
+    )
     result.stdout.fnmatch_lines([f"fusionguard: {message}"])
     assert f"{message} (1 test(s) ran unguarded)" in section(result.outlines, "fusionguard")
     assert not list(pytester.path.rglob("fusionguard*.jsonl"))

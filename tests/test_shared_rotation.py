@@ -50,14 +50,20 @@ if how == "flex":
         flex_attention(q, q, q)
 else:
     for i in range(n):
-        STATE.log.emit_fields("warning", "flex_call", {"layer": "layers.%%d" %% (i %% 4), "phase": "forward", "path": "dense", "cause": "eager_call", "action": "logged"})
+        STATE.log.emit_fields(
+            "warning", "flex_call",
+            {"layer": "layers.%%d" %% (i %% 4), "phase": "forward", "path": "dense", "cause": "eager_call", "action": "logged"},
+        )
 together = int(sys.argv[5]) if len(sys.argv) > 5 else 0  # the writers that end together (0: no wait)
 if together:
     open(os.path.join(barrier, "done.%%d" %% os.getpid()), "w").close()
     while len([f for f in os.listdir(barrier) if f.startswith("done.")]) < together and time.monotonic() < deadline:
         time.sleep(0.001)
     for i in range(20):  # the last files hold both processes' lines, interleaved
-        STATE.log.emit_fields("warning", "flex_call", {"layer": "end", "phase": "forward", "path": "dense", "cause": "eager_call", "action": "logged"})
+        STATE.log.emit_fields(
+            "warning", "flex_call",
+            {"layer": "end", "phase": "forward", "path": "dense", "cause": "eager_call", "action": "logged"},
+        )
 fusionguard.disable()
 """
 
@@ -79,7 +85,10 @@ for c in range(children):
             os.close(w)
             os.read(r, 1)  # the go signal: the parent closes its end when every child is forked
             for i in range(n):
-                STATE.log.emit_fields("warning", "flex_call", {"layer": "child.%%d" %% c, "phase": "forward", "path": "dense", "cause": "eager_call", "action": "logged"})
+                STATE.log.emit_fields(
+                    "warning", "flex_call",
+                    {"layer": "child.%%d" %% c, "phase": "forward", "path": "dense", "cause": "eager_call", "action": "logged"},
+                )
             code = 0
         finally:
             os._exit(code)
@@ -87,7 +96,10 @@ for c in range(children):
 os.close(r)
 os.close(w)
 for i in range(n):
-    STATE.log.emit_fields("warning", "flex_call", {"layer": "parent", "phase": "forward", "path": "dense", "cause": "eager_call", "action": "logged"})
+    STATE.log.emit_fields(
+        "warning", "flex_call",
+        {"layer": "parent", "phase": "forward", "path": "dense", "cause": "eager_call", "action": "logged"},
+    )
 status, deadline = {}, time.monotonic() + 120
 while len(status) < len(pids) and time.monotonic() < deadline:
     for pid in pids:
@@ -397,7 +409,10 @@ import fusionguard
 from fusionguard.core.state import STATE
 fusionguard.enable(log_path=sys.argv[1], log_max_bytes=1024, keep_all=True)
 for i in range(40):
-    STATE.log.emit_fields("warning", "flex_call", {"layer": "l", "phase": "forward", "path": "dense", "cause": "eager_call", "action": "logged"})
+    STATE.log.emit_fields(
+        "warning", "flex_call",
+        {"layer": "l", "phase": "forward", "path": "dense", "cause": "eager_call", "action": "logged"},
+    )
 fusionguard.disable()
 """
 

@@ -412,7 +412,8 @@ def _open_child_log(parent_sink: Any) -> None:
         _open_child_log_now(parent_sink)
     except Exception as exc:
         write_stderr(
-            f"fusionguard: forked process {os.getpid()} could not start its own log ({type(exc).__name__}: {exc}); its events are kept in memory only\n"
+            f"fusionguard: forked process {os.getpid()} could not start its own log ({type(exc).__name__}: {exc}); "
+            "its events are kept in memory only\n"
         )
 
 

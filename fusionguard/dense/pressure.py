@@ -50,9 +50,9 @@ def threshold(limit: Optional[int], option: Optional[int]) -> Optional[int]:
 
 def make_trace_wrapper(runtime: RuntimeRef, original: Callable[..., Any]) -> wrapt.FunctionWrapper:
     """Dynamo's FlexAttention tracing method, also counting the compiles of the frame being
-    compiled (``runtime``: ``STATE.runtime``, read once per trace). Decided while Dynamo traces: its cache entries then hold the earlier compiles and
-    its guard failures the reasons of this one (no compile-end callback, which
-    ``torch._dynamo.reset()`` clears)."""
+    compiled (``runtime``: ``STATE.runtime``, read once per trace). Decided while Dynamo
+    traces: its cache entries then hold the earlier compiles and its guard failures the
+    reasons of this one (no compile-end callback, which ``torch._dynamo.reset()`` clears)."""
 
     def traced(wrapped: Callable[..., Any], _variable: Any, args: tuple, kwargs: dict) -> Any:
         before = _break_counts()

@@ -220,11 +220,11 @@ def _caller_names(namer: "Namer") -> Tuple[Optional[List[Optional[str]]], Option
 
 class Namer:
     """Names a compiled graph's calls at each run under ``watch()`` (without it, the module is
-    named by ``watching.paths``); results built once per set of names (a run looks them up). Forward: the compile-time paths joined to the watched name of
-    the module the frame runs for now (read from the running frame, ``_FrameLocal``); the names
-    go on AOTAutograd's ``ctx`` for the backward. Backward: the names its forward left on the
-    ``ctx``. A graph with one call and nothing better: the layer running now (hooks, backward
-    span; ``_hook_names``)."""
+    named by ``watching.paths``); results built once per set of names (a run looks them up).
+    Forward: the compile-time paths joined to the watched name of the module the frame runs for
+    now (read from the running frame, ``_FrameLocal``); the names go on AOTAutograd's ``ctx`` for
+    the backward. Backward: the names its forward left on the ``ctx``. A graph with one call and
+    nothing better: the layer running now (hooks, backward span; ``_hook_names``)."""
 
     __slots__ = ("phase", "n", "rels", "root", "outer", "ctx", "built", "unwatched", "caller")
 

@@ -178,7 +178,8 @@ def build_report(agg: Aggregator) -> Dict[str, Any]:
         shown = ", ".join(f"{os.path.basename(i['path'])} ({i['reason']})" for i in agg.ignored[:5])
         more = f", +{len(agg.ignored) - 5} more" if len(agg.ignored) > 5 else ""
         warnings.append(
-            f"ignored {len(agg.ignored)} input{'s' if len(agg.ignored) > 1 else ''} that {'are' if len(agg.ignored) > 1 else 'is'} not a fusionguard log: {shown}{more}"
+            f"ignored {len(agg.ignored)} input{'s' if len(agg.ignored) > 1 else ''} "
+            f"that {'are' if len(agg.ignored) > 1 else 'is'} not a fusionguard log: {shown}{more}"
         )
     if agg.errors:
         warnings.append(f"{agg.errors} event(s) with fields this report could not read were skipped (counted as corrupt lines)")

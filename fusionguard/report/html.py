@@ -271,7 +271,8 @@ def _layer_table(rep: Dict[str, Any]) -> str:
     out = [
         "<h2>Layers</h2>",
         '<p class="note">dense: calls that ran (or were blocked) dense; fused: calls executed fused; compiled: graphs compiled or loaded; '
-        "inlined: dense implementations Dynamo traced into a graph. Memory: the layer's own peak / allocation rise per call (median / max).</p>",
+        "inlined: dense implementations Dynamo traced into a graph. "
+        "Memory: the layer's own peak / allocation rise per call (median / max).</p>",
         f'<div class="scroll"><table id="layers" data-rows="{len(rows)}"><thead>{head}</thead><tbody>',
     ]
     for r in rows[: _cap(MAX_TABLE_ROWS)]:
@@ -392,13 +393,16 @@ def _chart(rep: Dict[str, Any]) -> str:
         x = left + 10 + i * slot + slot / 2
         cls = ' class="dense-label"' if names[i] in dense_layers else ""
         svg.append(
-            f'<text x="{x:.1f}" y="{y0 + 12}" text-anchor="end" transform="rotate(-40 {x:.1f} {y0 + 12})"{cls}>{_t(chart.label(label))}</text>'
+            f'<text x="{x:.1f}" y="{y0 + 12}" text-anchor="end" transform="rotate(-40 {x:.1f} {y0 + 12})"{cls}>'
+            f"{_t(chart.label(label))}</text>"
         )
     svg.append("</svg>")
     what = (
-        "peak memory the layer added per call, max over calls; red, outlined: dense (D); dashed: no memory record, the dense score-matrix size"
+        "peak memory the layer added per call, max over calls; red, outlined: dense (D); "
+        "dashed: no memory record, the dense score-matrix size"
         if memory
-        else "no memory figures in the log (CPU run or watch(memory=False)): FlexAttention calls per layer (light: forward, dark: backward; red: dense)"
+        else "no memory figures in the log (CPU run or watch(memory=False)): "
+        "FlexAttention calls per layer (light: forward, dark: backward; red: dense)"
     )
     legend = (
         '<p class="note">'
@@ -454,7 +458,8 @@ def _ranks(rep: Dict[str, Any]) -> str:
             out.append("<p><b>Ranks disagree:</b></p><ul>")
             for d in rep["disagreements"][: _cap(MAX_TABLE_ROWS)]:
                 out.append(
-                    f"<li>{_t(d['layer'])} {_t(d['phase'])}: dense on rank {_rank_text(d['dense_ranks'])}, fused on rank {_rank_text(d['fused_ranks'])}</li>"
+                    f"<li>{_t(d['layer'])} {_t(d['phase'])}: dense on rank {_rank_text(d['dense_ranks'])}, "
+                    f"fused on rank {_rank_text(d['fused_ranks'])}</li>"
                 )
             out.append("</ul>")
         else:
@@ -494,7 +499,10 @@ def _event_cells(e: Dict[str, Any], t0: Optional[float]) -> str:
     for k in ("alloc_delta", "peak_delta"):
         if _num(e.get(k)) is not None:
             detail.append(f"{k.split('_')[0]}={_b(e[k], True)}")
-    return f"<td class=\"n\">{rel}</td><td>{_n(e.get('seq'))}</td><td><b>{_t(e.get('event'))}</b></td><td>{where}</td><td>{' '.join(detail)}</td>"
+    return (
+        f"<td class=\"n\">{rel}</td><td>{_n(e.get('seq'))}</td><td><b>{_t(e.get('event'))}</b></td>"
+        f"<td>{where}</td><td>{' '.join(detail)}</td>"
+    )
 
 
 def _crashes(rep: Dict[str, Any]) -> str:
@@ -515,7 +523,8 @@ def _crashes(rep: Dict[str, Any]) -> str:
             lf = ev.get("last_flex")
             if isinstance(lf, dict):
                 out.append(
-                    f"<p><b>last FlexAttention event:</b> {_t(lf.get('event'))} {_t(lf.get('path'))} {_t(lf.get('phase'))} of {_t(lf.get('layer') or '(no layer)')}"
+                    f"<p><b>last FlexAttention event:</b> {_t(lf.get('event'))} {_t(lf.get('path'))} {_t(lf.get('phase'))} "
+                    f"of {_t(lf.get('layer') or '(no layer)')}"
                     + (f", cause {_t(lf['cause'])}" if lf.get("cause") else "")
                     + (f", scores {_b(lf['scores_bytes'])}" if _num(lf.get("scores_bytes")) is not None else "")
                     + "</p>"
@@ -523,7 +532,8 @@ def _crashes(rep: Dict[str, Any]) -> str:
             cuda = ev.get("cuda")
             if isinstance(cuda, dict):
                 out.append(
-                    f"<p><b>CUDA memory:</b> allocated {_b(cuda.get('allocated'))}, reserved {_b(cuda.get('reserved'))}, peak {_b(cuda.get('peak'))}</p>"
+                    f"<p><b>CUDA memory:</b> allocated {_b(cuda.get('allocated'))}, reserved {_b(cuda.get('reserved'))}, "
+                    f"peak {_b(cuda.get('peak'))}</p>"
                 )
             frames = ev.get("frames")
             if isinstance(frames, list) and frames:
@@ -533,7 +543,8 @@ def _crashes(rep: Dict[str, Any]) -> str:
         else:
             last = c["last_events"][-1] if c["last_events"] else {}
             out.append(
-                f'<section class="crash"><h3>STOPPED {_t(_who(c))}: the log ends at {_t(fmt_ts(_num(last.get("ts"))))} without a shutdown event</h3>'
+                f'<section class="crash"><h3>STOPPED {_t(_who(c))}: the log ends at {_t(fmt_ts(_num(last.get("ts"))))} '
+                "without a shutdown event</h3>"
             )
             if c.get("forked_from") is not None:
                 out.append(f"<p>forked from pid {_t(c['forked_from'])}: a worker that ended with os._exit, or was killed.</p>")
@@ -578,12 +589,13 @@ def _timeline(rep: Dict[str, Any]) -> str:
         svg.append(f'<circle cx="{x:.1f}" cy="{yy}" r="5" fill="{color}"><title>{_t(tip)}</title></circle>')
     svg.append("</svg>")
     rows = "".join(f"<tr>{_event_cells(e, t0)}<td>{_t(e.get('rank'))}</td></tr>" for e in shown)
+    head = "".join(f"<th>{h}</th>" for h in ("time (from the first event)", "seq", "event", "layer", "detail", "rank"))
     return (
         "<h2>Timeline: the first event of each kind</h2>"
         + '<div class="scroll">'
         + "".join(svg)
         + "</div>"
-        + '<table id="first-events"><tr><th>time (from the first event)</th><th>seq</th><th>event</th><th>layer</th><th>detail</th><th>rank</th></tr>'
+        + f'<table id="first-events"><tr>{head}</tr>'
         + rows
         + "</table>"
     )
@@ -599,10 +611,12 @@ def _run(rep: Dict[str, Any]) -> str:
         + "</dd>"
     )
     out.append(
-        f"<dt>hosts</dt><dd>{', '.join(_t(h) for h in run['hosts'][: _cap(MAX_LIST)])}{' …' if len(run['hosts']) > _cap(MAX_LIST) else ''}</dd>"
+        f"<dt>hosts</dt><dd>{', '.join(_t(h) for h in run['hosts'][: _cap(MAX_LIST)])}"
+        f"{' …' if len(run['hosts']) > _cap(MAX_LIST) else ''}</dd>"
     )
     out.append(
-        f"<dt>time</dt><dd>{_t(fmt_ts(_num(run['first_ts'])))} → {_t(fmt_ts(_num(run['last_ts'])))} ({_t(fmt_duration(_num(run['duration_s'])))})</dd>"
+        f"<dt>time</dt><dd>{_t(fmt_ts(_num(run['first_ts'])))} → {_t(fmt_ts(_num(run['last_ts'])))} "
+        f"({_t(fmt_duration(_num(run['duration_s'])))})</dd>"
     )
     out.append(
         f"<dt>events</dt><dd>{_n(run['events'])}: "
@@ -656,7 +670,8 @@ def _cut_note(scale: float) -> str:
     if scale >= 1.0:
         return ""
     what = (
-        f"at most {_cap(MAX_TABLE_ROWS):,} layer/phase rows, {_cap(MAX_PROCESSES):,} processes, {_cap(MAX_RANK_COLUMNS):,} ranks side by side, "
+        f"at most {_cap(MAX_TABLE_ROWS):,} layer/phase rows, {_cap(MAX_PROCESSES):,} processes, "
+        f"{_cap(MAX_RANK_COLUMNS):,} ranks side by side, "
         f"{_cap(MAX_CRASHES):,} crash sections and strings of {max(20, int(MAX_TEXT * scale)):,} characters"
         if scale
         else "only the verdict: every section was left out"

@@ -158,7 +158,8 @@ def render_text(rep: Dict[str, Any]) -> str:
             blocked = f" ({totals['blocked_calls']:,} blocked)" if totals["blocked_calls"] else ""
             out.append(
                 f"DENSE: {totals['dense_calls']:,} dense FlexAttention call{'s' if totals['dense_calls'] != 1 else ''}{blocked} in "
-                f"{totals['dense_pairs']} layer/phase pair{'s' if totals['dense_pairs'] != 1 else ''}; causes: {causes_text(totals['causes'])}{big}"
+                f"{totals['dense_pairs']} layer/phase pair{'s' if totals['dense_pairs'] != 1 else ''}; "
+                f"causes: {causes_text(totals['causes'])}{big}"
             )
             if totals.get("oom_blocked_calls"):
                 out.append(oom_line(rep))
@@ -214,7 +215,8 @@ def render_text(rep: Dict[str, Any]) -> str:
             out.append("  ranks disagree:")
             for d in rep["disagreements"]:
                 out.append(
-                    f"    {d['layer']} {d['phase']}: dense on rank {rank_ranges(d['dense_ranks'])}, fused on rank {rank_ranges(d['fused_ranks'])}"
+                    f"    {d['layer']} {d['phase']}: dense on rank {rank_ranges(d['dense_ranks'])}, "
+                    f"fused on rank {rank_ranges(d['fused_ranks'])}"
                 )
         else:
             out.append("  ranks agree on every layer/phase")
@@ -244,7 +246,8 @@ def render_text(rep: Dict[str, Any]) -> str:
             cuda = ev.get("cuda")
             if isinstance(cuda, dict):
                 out.append(
-                    f"  CUDA memory: allocated {human_bytes(cuda.get('allocated'))}, reserved {human_bytes(cuda.get('reserved'))}, peak {human_bytes(cuda.get('peak'))}"
+                    f"  CUDA memory: allocated {human_bytes(cuda.get('allocated'))}, reserved {human_bytes(cuda.get('reserved'))}, "
+                    f"peak {human_bytes(cuda.get('peak'))}"
                 )
             if ev.get("frames"):
                 out.append(f"  raised at: {ev['frames'][-1]}")
@@ -255,7 +258,8 @@ def render_text(rep: Dict[str, Any]) -> str:
             out.append(f"STOPPED {_who(c)}: the log ends at {fmt_ts(last.get('ts'))} without a shutdown event")
             if c.get("forked_from") is not None:  # a forked worker ends with os._exit: no exit handlers
                 out.append(
-                    f"  (forked from pid {c['forked_from']}: a worker that ended with os._exit, or killed: SIGKILL, the OOM killer, a node failure, or still running)"
+                    f"  (forked from pid {c['forked_from']}: a worker that ended with os._exit, or killed: "
+                    "SIGKILL, the OOM killer, a node failure, or still running)"
                 )
             else:
                 out.append("  (killed: SIGKILL, the OOM killer, a node failure, or the process is still running)")
@@ -409,7 +413,10 @@ def masks_text(m: Dict[str, Any]) -> str:
     site = f", first at {m['first_call_site']}" if m.get("first_call_site") else ""
     compiled = f"; {m['compiled']:,} compiled" if m.get("compiled") else ""
     compiled += f"; {small_text}" if small else ""
-    return f"DENSE MASKS: {m['dense']:,} eager mask build(s){blocked}{big}{site}{compiled} (fix: compile create_block_mask, build the mask once)"
+    return (
+        f"DENSE MASKS: {m['dense']:,} eager mask build(s){blocked}{big}{site}{compiled} "
+        "(fix: compile create_block_mask, build the mask once)"
+    )
 
 
 def render_csv(rep: Dict[str, Any]) -> str:

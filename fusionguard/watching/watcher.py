@@ -36,7 +36,10 @@ def _builtin(module: torch.nn.Module) -> bool:
 
 def _layers(layers: Any) -> List[Union[type, str]]:
     """``layers=``, checked (read once: a generator is fine): module classes and qualified names."""
-    what = 'fusionguard.watch(): layers must be a list of module classes or qualified names (e.g. layers=[MyAttention] or layers=["layers.0.attn"])'
+    what = (
+        "fusionguard.watch(): layers must be a list of module classes or qualified names "
+        '(e.g. layers=[MyAttention] or layers=["layers.0.attn"])'
+    )
     if isinstance(layers, (str, bytes)) or isinstance(layers, type):
         raise TypeError(f"{what}; got the single {type(layers).__name__} {layers!r}: put it in a list")
     try:
