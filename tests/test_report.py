@@ -24,9 +24,10 @@ from fusionguard import cli
 from fusionguard.eventlog.log import EventLog
 from fusionguard.eventlog.sampler import Sampler
 from fusionguard.report import read as report_read
-from fusionguard.report.aggregate import NO_LAYER, Reservoir
+from fusionguard.report.aggregate import NO_LAYER
 from fusionguard.report.build import build as build_report_dict
 from fusionguard.report.render import CSV_COLUMNS
+from fusionguard.report.reservoir import Reservoir
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 

@@ -4,11 +4,13 @@ much memory it took and how the run ended.
 One module per job, each importing only those before it (no cycle; nothing here imports torch):
 
 - ``read``: find the log files and read them one line at a time, hostile lines counted, never fatal;
+- ``reservoir``: a fixed-size sample of memory figures (median) and their exact max;
 - ``aggregate``: fold the events into bounded per-process and per-(layer, phase) counts;
 - ``build``: the report dict (``build(paths)``, also ``--format json``);
 - ``render``: text, CSV and JSON writers, every string from a log escaped;
 - ``chart``: the per-layer chart's numbers, once, for ``--plot`` and ``--html``;
 - ``plot``: the ``--plot`` chart (matplotlib, imported only then);
+- ``html_style``: that page's stylesheet (fixed text);
 - ``html``: the ``--html`` page (self-contained, no script; every log string escaped);
 - ``crashfile``: a faulthandler file (native crash) read into a ``crash`` record.
 
