@@ -318,6 +318,17 @@ def test_disable_removes_every_sessions_hooks_and_a_later_drop_says_nothing(clea
     assert not fusionguard.is_enabled()
 
 
+def test_reset_for_tests_forgets_what_the_sessions_said_once(clean, said):
+    """Each test starts as a fresh process would: a conflict said in one test is said again in the next."""
+    for _ in range(2):
+        fusionguard.enable(strict=False, log_path=False)  # the program's own
+        with fusionguard.track(strict=True):
+            pass
+        fusionguard.disable()
+        _testing.reset_for_tests()
+    assert len([line for line in said.lines if "the program's settings stand" in line]) == 2
+
+
 def test_a_model_pickles_and_copies_during_and_after_watch_and_a_session(clean, tmp_path):
     model = Net()
     fusionguard.enable(log_path=False)
