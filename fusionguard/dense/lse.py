@@ -34,9 +34,10 @@ from fusionguard.dense.dynamo_signals import is_public_flex
 _MEASURING: contextvars.ContextVar[bool] = contextvars.ContextVar("fusionguard_measuring_lse", default=False)
 
 
-def measuring() -> bool:
-    """True while this module's own measurement runs: the dense guard lets it through unseen."""
-    return _MEASURING.get()
+#: ``measuring()``: True while this module's own measurement runs, and the dense guard lets it
+#: through unseen. The ContextVar's own ``get`` (read on every dense call: 22 ns, a function
+#: around it 38 ns on the 2-core CPU machine).
+measuring = _MEASURING.get
 
 
 @functools.lru_cache(maxsize=1)
