@@ -30,8 +30,8 @@ a directory, default ``fusionguard.jsonl`` in pytest's base temporary directory)
   autograd's device thread, outside the block, and still fail the test (unless the test calls
   ``backward()`` under ``torch.autograd.set_multithreading_enabled(False)``).
 
-A test that calls ``fusionguard.enable(...)`` / ``disable()`` itself changes the session guard;
-the plugin puts the session's configuration back before the next test.
+A test that calls ``fusionguard.enable(...)`` / ``disable()`` itself changes the test session's guard;
+the plugin puts its own configuration back before the next test.
 """
 
 from __future__ import annotations
@@ -110,9 +110,9 @@ def pytest_configure(config: Any) -> None:
     if mode in (None, "off"):
         return
     # FUSIONGUARD=off in the environment is the kill switch: it wins over the option, as over
-    # enable() in code; the session says so rather than reporting "no dense calls".
+    # enable() in code; the plugin says so rather than reporting "no dense calls".
     killed = os.environ.get("FUSIONGUARD", "").strip().lower() == "off"
-    config.pluginmanager.register(FusionGuardSession(config, mode, killed=killed), "fusionguard-session")
+    config.pluginmanager.register(FusionGuardPlugin(config, mode, killed=killed), "fusionguard-session")
 
 
 def _is_xdist_controller(config: Any) -> bool:
@@ -133,16 +133,18 @@ def _compact(event: Dict[str, Any]) -> Dict[str, Any]:
     }
 
 
-class FusionGuardSession:
-    """Registered only when ``--fusionguard`` is strict, warn or oom."""
+class FusionGuardPlugin:
+    """Registered (as ``fusionguard-session``) only when ``--fusionguard`` is strict, warn or oom.
+    "Session" in this file is pytest's test session; ``self.fg`` is the ``fusionguard.Session``
+    (``fusionguard.track()``) that runs for the whole of it."""
 
     def __init__(self, config: Any, mode: str, killed: bool = False) -> None:
         self.config = config
         self.mode = mode
         self.strict = mode == "strict"
-        self.killed = killed  # FUSIONGUARD=off: nothing is enabled, the session says so
+        self.killed = killed  # FUSIONGUARD=off: nothing is enabled, the plugin says so
         self.log_path: Optional[str] = None
-        self.fg: Any = None  # the fusionguard.Session of the test session
+        self.fg: Any = None  # the fusionguard.Session running for the whole test session
         self.active = not killed and not _is_xdist_controller(config)
         self.worker_logs: List[str] = []  # (xdist controller) each worker's log, sent back as it ends
         # filled from reports, so that it also works under xdist (reports come from workers)
@@ -169,7 +171,7 @@ class FusionGuardSession:
         # keep_all: every dense call of every test is reported, none folded into counters
         self.fg = fusionguard.Session(None, mode=self.mode, log_path=path, keep_all=True, name=f"pytest --fusionguard={self.mode}")
         self.fg.start()
-        self.fg.restore()  # (a conftest's own enable() before the session: the session's settings)
+        self.fg.restore()  # (a conftest's own enable() before the test session: the plugin's settings)
         self.log_path = self.fg.log_path  # resolved (a directory becomes rank/pid file)
         self.fg.new_events()
 
@@ -188,7 +190,7 @@ class FusionGuardSession:
         return full
 
     def _where(self) -> str:
-        """Where the session's log is: this process's file; on an xdist controller, the files
+        """Where the test session's log is: this process's file; on an xdist controller, the files
         the workers wrote (or, before they end, what they were told)."""
         if self.active:
             return self.log_path or "none (the log could not be opened: events in memory only)"
@@ -242,7 +244,7 @@ class FusionGuardSession:
         if not self.active:
             yield
             return
-        self.fg.restore()  # a test that called enable() / disable() itself: the session's settings back
+        self.fg.restore()  # a test that called enable() / disable() itself: the plugin's settings back
         self._take_new()  # whatever ran between tests is not this test's
         allow: Any = contextlib.nullcontext()
         if item.get_closest_marker(MARKER) is not None:

@@ -22,113 +22,55 @@ when fusionguard is off (``FUSIONGUARD=off``, ``disable()``) and says so instead
 
 from __future__ import annotations
 
+import gc
 import itertools
 import os
 import threading
 import weakref
-from dataclasses import dataclass, field
-from typing import Any, ContextManager, Dict, Iterator, List, NamedTuple, Optional, Tuple
+from typing import Any, ContextManager, Dict, List, Optional, Tuple
 
 import fusionguard
-from fusionguard import torch_internals as ti
 from fusionguard._summary import Summary
+from fusionguard._tally import PEAK, Counts, Tally, Verdict, tap, verdict
 from fusionguard.activate import switched_off
 from fusionguard.core.config import UNSET, Config, check_log_path, check_options
 from fusionguard.core.state import STATE, guarded, internal_error
-from fusionguard.core.tables import NO_LAYER
 from fusionguard.eventlog.messages import say
 
 __all__ = ["Counts", "Session", "Verdict", "describe", "track"]
 
-#: The metric names of ``Counts.metrics()`` (and of every framework callback).
-DENSE, FUSED, ALLOWED, PEAK = (
-    "fusionguard/dense_calls",
-    "fusionguard/fused_calls",
-    "fusionguard/allowed_calls",
-    "fusionguard/peak_layer_bytes",
-)
 KILL_SWITCH = "FUSIONGUARD=off in the environment (the kill switch)"
 DISABLED = "fusionguard.disable() was called"
 
 
-@dataclass(frozen=True)
-class Counts:
-    """FlexAttention calls counted over a span of a session: ``dense`` (kernels that ran or were
-    blocked dense, not allowed), ``fused`` (calls in compiled graphs), ``allowed`` (dense on
-    purpose: ``allow_dense()``), and ``rows``: per (layer, phase) dicts with those three and
-    ``causes`` ({cause: dense calls})."""
+class _Life:
+    """Everything a session's end needs, apart from the session (a weak reference to it at most):
+    the finalizer of a session dropped without ``stop()`` ends it through this, never keeping it
+    alive, and the undo registry and the other sessions hold this, not the session."""
 
-    dense: int = 0
-    fused: int = 0
-    allowed: int = 0
-    rows: Tuple[Dict[str, Any], ...] = field(default_factory=tuple)
-
-    def metrics(self) -> Dict[str, float]:
-        """``{"fusionguard/dense_calls": ..., "fusionguard/fused_calls": ..., "fusionguard/allowed_calls": ...}``."""
-        return {DENSE: float(self.dense), FUSED: float(self.fused), ALLOWED: float(self.allowed)}
-
-
-class Verdict(NamedTuple):
-    """One line on a span of calls (``text``) and whether it is all fused (``ok``)."""
-
-    text: str
-    ok: bool
-
-
-class _Tally:
-    """The calls counted since a point: fed by ``Stats`` (``STATE.stats.taps``) under its lock."""
-
-    def __init__(self) -> None:
-        self.rows: Dict[Tuple[str, str], List[Any]] = {}  # (layer, phase) -> [dense, fused, allowed, {cause: n}]
-
-    def _row(self, layer: str, phase: str) -> List[Any]:
-        row = self.rows.get((layer, phase))
-        if row is None:
-            row = self.rows[(layer, phase)] = [0, 0, 0, {}]
-        return row
-
-    def on_dense(self, layer: str, phase: str, cause: Optional[str], allowed: bool) -> None:
-        row = self._row(layer, phase)
-        if allowed:
-            row[2] += 1
-            return
-        row[0] += 1
-        if cause:
-            row[3][cause] = row[3].get(cause, 0) + 1
-
-    def on_fused(self, layer: str, phase: str, n: int) -> None:
-        self._row(layer, phase)[1] += n
-
-    def counts(self) -> Counts:
-        with STATE.stats.lock:
-            items = [(k, list(v[:3]) + [dict(v[3])]) for k, v in self.rows.items()]
-        rows = tuple(
-            {"layer": layer, "phase": phase, "dense": d, "fused": f, "allowed": a, "calls": d + f + a, "causes": c}
-            for (layer, phase), (d, f, a, c) in sorted(items, key=lambda kv: (kv[0][0] == NO_LAYER, kv[0]))
-        )
-        return Counts(sum(r["dense"] for r in rows), sum(r["fused"] for r in rows), sum(r["allowed"] for r in rows), rows)
-
-
-def _tap(tally: _Tally, on: bool, instead_of: Optional[_Tally] = None) -> None:
-    stats = STATE.stats
-    with stats.lock:
-        taps = tuple(t for t in stats.taps if t is not tally and t is not instead_of)
-        stats.taps = taps + (tally,) if on else taps
-
-
-class _Held:
-    """A session's counters and watch, apart from it: what its finalizer undoes."""
-
-    def __init__(self) -> None:
-        self.total = _Tally()
-        self.step = _Tally()
+    def __init__(self, session: "Session", name: str, wanted: Dict[str, Any]) -> None:
+        self.session = weakref.ref(session)  # (to give the model's hooks back to it)
+        self.key = f"session {next(_IDS)} ({name})"
+        self.name = name
+        self.wanted = wanted  # what the session names, as the running Config spells it
+        self.lock = threading.RLock()
+        self.started = False
+        self.off: Optional[str] = None
+        self.mine: Any = None  # the Config of the enable() this session made
+        self.over: Any = None  # (the Config it replaced, who had enabled that, the one put in its place)
+        self.order = 0  # when it started (the sessions started after it inherit what it replaced)
+        self.total = Tally()
+        self.step = Tally()
         self.watch: Any = None
+        self.watched: Any = None  # the model the watch is on
+        self.took_from: Any = None  # weak reference to the _Life it took the model's hooks over from
+        self.bound: List[Any] = []  # finalizers of the objects it is bound to
 
 
 _IDS = itertools.count(1)
 _STARTS = itertools.count(1)
-_LIVE: "weakref.WeakSet[Session]" = weakref.WeakSet()  # started, not ended
-_OWNERS: Dict[int, Tuple[Any, Any]] = {}  # id(model) -> (weak model, weak session watching it)
+_LIVE: Dict[str, _Life] = {}  # started, not ended, oldest first
+_OWNERS: Dict[int, Tuple[Any, Any]] = {}  # id(model) -> (weak model, weak _Life watching it)
 _TOLD: set = set()  # conflicts said (once per process)
 _LOCK = threading.RLock()
 
@@ -189,42 +131,34 @@ class Session:
         #: False: names only, no hooks (set before ``start()``; a framework that compiles the model later)
         self.hooks = bool(hooks)
         self._model = model
-        self._id = next(_IDS)
-        self._lock = threading.RLock()
-        self._started = False
-        self._off: Optional[str] = None
-        self._mine: Any = None  # the Config of the enable() this session made
-        self._over: Any = None  # (the Config it replaced, who had enabled that, the one put in its place)
-        self._order = 0  # when it started (the sessions started after it inherit what it replaced)
-        self._h = _Held()  # what the finalizer needs: counters and the watch
-        self._watched: Any = None  # the model the watch is on
-        self._took_from: Any = None  # weak reference to the session it took the model's hooks over from
+        self._h = _Life(self, name, self._wanted())  # (its end, apart from it)
         self._seen: Tuple[Any, int] = (None, 0)  # (log, seq) for new_events()
-        self._bound: List[Any] = []
         self._entered = 0  # nested ``with`` blocks of this session
-        weakref.finalize(self, _finalize, self._h).atexit = False  # (the process's exit has its own end: at_exit)
+        weakref.finalize(self, _end_soon, self._h, True).atexit = False  # (the process's exit has its own end: at_exit)
 
     # -- life ---------------------------------------------------------------------------------------
     def start(self) -> "Session":
         """Enable or join (the rule in the module docstring), watch the model, count from here.
         A second call does nothing."""
-        with self._lock:
-            if self._started:
+        life = self._h
+        with life.lock:
+            if life.started:
                 return self
-            self._started = True
-            self._off = None
-            self._order = next(_STARTS)
+            life.started = True
+            life.off = None
+            life.order = next(_STARTS)
             self._join()
-            if self._off is not None:
+            if life.off is not None:
                 return self
-            self._h.total, self._h.step = _Tally(), _Tally()
-            _tap(self._h.total, True)
-            _tap(self._h.step, True)
+            tap(life.total, False)  # (restore(): the old counters out)
+            tap(life.step, False)
+            life.total, life.step = Tally(), Tally()
+            tap(life.total, True)
+            tap(life.step, True)
             self._seen = (STATE.log, STATE.log.seq)
             with _LOCK:
-                _LIVE.add(self)
-            me, held = weakref.ref(self), self._h  # (the registry must not keep a dropped session alive)
-            STATE.patches.add_hook(self._key(), lambda: _if_alive(me, Session._ended_by_disable), lambda: held.watch is None)
+                _LIVE[life.key] = life
+            STATE.patches.add_hook(life.key, lambda: _ended_by_disable(life), lambda: life.watch is None)
             if self._model is not None:
                 self._follow(self._model)
         return self
@@ -232,16 +166,7 @@ class Session:
     def stop(self) -> None:
         """End the session: its hooks come off, its counts stop; if it enabled fusionguard and no
         other session is running, disable (the launcher's settings come back if it replaced them)."""
-        with self._lock:
-            if not self._started:
-                return
-            self._started = False
-            STATE.patches.remove(self._key())  # (the entry's undo ends the watch and the counts)
-            self._end(None)
-            with _LOCK:
-                _LIVE.discard(self)
-                others = [s for s in _LIVE if s._started]
-            self._hand_over(others)
+        _stop(self._h)
 
     def __enter__(self) -> "Session":
         self._entered += 1
@@ -256,9 +181,9 @@ class Session:
     def bind(self, owner: Any) -> "Session":
         """End the session when ``owner`` (a Trainer, say) is garbage-collected."""
         try:
-            end = weakref.finalize(owner, Session.stop, self)
+            end = weakref.finalize(owner, _end_soon, self._h, False)
             end.atexit = False  # (at the process's exit fusionguard's own end runs, as without a session)
-            self._bound.append(end)
+            self._h.bound.append(end)
         except TypeError:  # (no weak references to it: the session ends with itself or the process)
             pass
         return self
@@ -266,28 +191,29 @@ class Session:
     def follow(self, model: Any) -> None:
         """Watch ``model`` from now on (the framework swapped it: ``model_init``, a wrapper, a
         compiled or unwrapped model); the same module again does nothing."""
-        with self._lock:
+        with self._h.lock:
             self._model = model
-            if self._started and self._off is None:
+            if self._h.started and self._h.off is None:
                 self._follow(model)
 
     # -- what it knows --------------------------------------------------------------------------------
     @property
     def model(self) -> Any:
         """The model watched (unwrapped), or the one given."""
-        return self._watched if self._watched is not None else self._model
+        return self._h.watched if self._h.watched is not None else self._model
 
     @property
     def active(self) -> bool:
         """Started, not ended, and fusionguard is on."""
-        return self._started and self.off is None
+        return self._h.started and self.off is None
 
     @property
     def off(self) -> Optional[str]:
         """Why fusionguard checks nothing for this session (``FUSIONGUARD=off``, ``disable()``), or None."""
-        if self._off is None and self._started and not fusionguard.is_enabled():
-            self._off = DISABLED
-        return self._off
+        life = self._h
+        if life.off is None and life.started and not fusionguard.is_enabled():
+            life.off = DISABLED
+        return life.off
 
     @property
     def mode(self) -> Optional[str]:
@@ -305,10 +231,10 @@ class Session:
 
     def step(self) -> Counts:
         """The calls since the last ``step()`` (or the start), and a new step from here."""
-        with self._lock:
-            old, self._h.step = self._h.step, _Tally()
-            if self._started and self._off is None:
-                _tap(self._h.step, True, instead_of=old)  # (one swap: no call falls between the two)
+        with self._h.lock:
+            old, self._h.step = self._h.step, Tally()
+            if self._h.started and self._h.off is None:
+                tap(self._h.step, True, instead_of=old)  # (one swap: no call falls between the two)
         return old.counts()
 
     def pending(self) -> Counts:
@@ -335,7 +261,7 @@ class Session:
         if self.off is not None:
             return Verdict(f"fusionguard: {label}: no verdict: {self.off}; FlexAttention calls are not checked", True)
         try:  # (not guarded(): the fallback names the label)
-            return _verdict(label, counts or self.pending(), self.model)
+            return verdict(label, counts or self.pending(), self.model)
         except Exception as exc:
             internal_error("session verdict", exc)
             return Verdict(f"fusionguard: {label}: no verdict (internal error, see the log)", True)
@@ -376,14 +302,14 @@ class Session:
     def restore(self) -> None:
         """Put the session's own settings back if the program changed them (its own ``enable()``
         or ``disable()``): for a test runner between tests. Starts the session if it had ended."""
-        if self._off == KILL_SWITCH:
+        if self._h.off == KILL_SWITCH:
             return
-        with self._lock:
+        with self._h.lock:
             if not fusionguard.is_enabled() or self._differs():
-                self._started = False
-                self._off = None
+                self._h.started = False
+                self._h.off = None
                 fusionguard._enable_as("session", **self._settings())
-                self._mine = STATE.config
+                self._h.mine = STATE.config
             self.start()
 
     def guarded(self, where: str) -> ContextManager[None]:
@@ -439,9 +365,6 @@ class Session:
         return f"fusionguard: stop_on_dense: dense FlexAttention{on} at {at}: training stops"
 
     # -- inside ---------------------------------------------------------------------------------------
-    def _key(self) -> str:
-        return f"session {self._id} ({self.name})"
-
     def _settings(self) -> Dict[str, Any]:
         return dict(self._named) if self._log_path is UNSET else {**self._named, "log_path": self._log_path}
 
@@ -469,11 +392,11 @@ class Session:
 
     def _join(self) -> None:
         if switched_off():
-            self._off = KILL_SWITCH
+            self._h.off = KILL_SWITCH
             return
         if not fusionguard.is_enabled():
             fusionguard._enable_as("session", **self._settings())
-            self._mine = STATE.config if fusionguard.is_enabled() else None
+            self._h.mine = STATE.config if fusionguard.is_enabled() else None
             return
         differ = self._differs()
         if not differ:
@@ -481,9 +404,9 @@ class Session:
         if STATE.enabled_by in ("launcher", "session"):  # defaults: the session's explicit settings win
             before, by = STATE.config, STATE.enabled_by
             if by == "session":
-                self._tell_overridden(differ)
+                _tell_overridden(self._h, differ)
             fusionguard._enable_as("session", **self._settings())
-            self._over = (before, by, STATE.config)  # (put back at stop: the earlier session's or the launcher's)
+            self._h.over = (before, by, STATE.config)  # (put back at stop: the earlier session's or the launcher's)
             _renamed(before, STATE.config)
             return
         running = ", ".join(f"{k}={have!r}" for k, (have, _) in sorted(differ.items()))
@@ -501,130 +424,189 @@ class Session:
             import torch  # lazy: torch loads with the first watched model, never when this module is imported
 
             inner = unwrap(model)
-            if not isinstance(inner, torch.nn.Module) or inner is self._watched:
+            life = self._h
+            if not isinstance(inner, torch.nn.Module) or inner is life.watched:
                 return
             from fusionguard.watching.watcher import Watch  # lazy: it imports torch
 
-            self._unwatch()
+            _unwatch(life)
             with _LOCK:  # one session per model: the newest takes the hooks over (and gives them back at its end)
                 ref, owner = _OWNERS.get(id(inner), (None, None))
                 other = owner() if owner is not None and ref is not None and ref() is inner else None
-                if other is not None and other is not self:
-                    other._unwatch(give_back=False)
-                    self._took_from = weakref.ref(other)
+                if other is not None and other is not life:
+                    _unwatch(other, give_back=False)
+                    life.took_from = weakref.ref(other)
                 elif not regain:
-                    self._took_from = None
-                self._h.watch = Watch(inner, memory=self._memory, hooks=self.hooks).__enter__()
-                self._watched = inner
+                    life.took_from = None
+                life.watch = Watch(inner, memory=self._memory, hooks=self.hooks).__enter__()
+                life.watched = inner
                 try:
-                    _OWNERS[id(inner)] = (weakref.ref(inner), weakref.ref(self))
+                    _OWNERS[id(inner)] = (weakref.ref(inner), weakref.ref(life))
                 except TypeError:
                     pass
 
-    def _unwatch(self, give_back: bool = True) -> None:
-        """Hooks off; ``give_back``: the running session this one took the model over from
-        (a nested session on the same model; through any that ended meanwhile) watches it again."""
-        owned = False
-        with _LOCK:
-            w, self._h.watch = self._h.watch, None
-            inner, self._watched = self._watched, None
-            if inner is not None:
-                ref, owner = _OWNERS.get(id(inner), (None, None))
-                if owner is not None and owner() is self:
-                    del _OWNERS[id(inner)]
-                    owned = True
-        if w is not None:
-            _end_watch(w)
-        earlier = self._took_from() if owned and give_back and self._took_from is not None else None
-        for _ in range(64):
-            if earlier is None or (earlier._started and earlier._off is None):
-                break
-            earlier = earlier._took_from() if earlier._took_from is not None else None
-        if earlier is not None and earlier._watched is None and unwrap(earlier._model) is inner:
-            earlier._follow(earlier._model, regain=True)
 
-    def _end(self, why: Optional[str]) -> None:
-        self._unwatch(give_back=why is None)  # (disable() ends every session: none takes hooks back)
-        _tap(self._h.total, False)
-        _tap(self._h.step, False)
-        if why is not None:
-            self._off = why
-        for f in self._bound:
-            f.detach()
-        self._bound = []
+# -- a session's end, from its _Life (stop(), disable(), its finalizer) ------------------------------
 
-    def _ended_by_disable(self) -> None:
-        """``disable()`` (the registry's undo; also run by ``stop()``, then a no-op): hooks off,
-        counts stop, the session says so."""
-        if not self._started:
+
+def _stop(life: _Life) -> None:
+    """``stop()``: hooks off, counts stop, then what it enabled or replaced is handed over."""
+    with life.lock:
+        if not life.started:
             return
-        self._started = False
-        self._end(DISABLED)
+        life.started = False
+        STATE.patches.remove(life.key)  # (its undo, _ended_by_disable, is then a no-op)
+        _end(life, None)
         with _LOCK:
-            _LIVE.discard(self)
+            _LIVE.pop(life.key, None)
+            others = [o for o in _LIVE.values() if o.started]
+        _hand_over(life, others)
 
-    def _tell_overridden(self, differ: Dict[str, Tuple[Any, Any]]) -> None:
-        """A running session named a setting this one replaces: said once (it comes back at this one's stop)."""
-        with _LOCK:
-            others = [s for s in _LIVE if s is not self and s._started and s._off is None]
-        for other in others:
-            theirs = other._wanted()
-            keys = sorted(k for k in differ if k in theirs)
-            if not keys:
-                continue
-            was = ", ".join(f"{k}={differ[k][0]!r}" for k in keys)
-            now = ", ".join(f"{k}={differ[k][1]!r}" for k in keys)
-            key = (self.name, other.name, now, was)
-            if key not in _TOLD:
-                _TOLD.add(key)
-                say(
-                    f"fusionguard: {self.name} sets {now} while {other.name} (still running) asked for {was}: "
-                    f"the newest session's settings apply until it stops, then {other.name}'s come back\n"
-                )
 
-    def _hand_over(self, others: List["Session"]) -> None:
-        """What this session enabled passes to a running session, else is undone; what it replaced
-        (the launcher's or an earlier session's settings) comes back, unless a session started
-        after it runs on its settings (which then puts them back at its own stop)."""
-        mine, self._mine = self._mine, None
-        over, self._over = self._over, None
-        if not fusionguard.is_enabled():
+def _end_soon(life: _Life, dropped: bool) -> None:
+    """The finalizer of a session (``dropped``: garbage-collected without ``stop()``) or of what it
+    is bound to: the session ends as ``stop()`` ends it, now; inside a cyclic garbage collection,
+    which may run while this thread holds one of fusionguard's locks, on a short-lived thread."""
+    if not life.started:
+        return
+    if _COLLECTING:
+        try:
+            threading.Thread(target=_end_dropped, args=(life, dropped), name="fusionguard-session-end", daemon=True).start()
             return
-        with guarded("session stop"):
-            if mine is not None and STATE.config is mine:
-                if not others:
-                    fusionguard.disable()
-                    return
-                others[-1]._mine = mine
-            if over is not None:
-                before, by, put = over
-                if STATE.config is not put:  # (changed since: whoever replaced it puts back what this one replaced)
-                    for s in others:
-                        if s._over is not None and s._over[0] is put:
-                            s._over = (before, by, s._over[2])
-                    return
-                later = [s for s in others if s._order > self._order]
-                if later:  # the next one started on what this one put in place: it puts back what this one replaced
-                    after = min(later, key=lambda s: s._order)
-                    after._over = over if after._over is None else (before, by, after._over[2])
-                    return
-                back = {k: getattr(before, k) for k in self._wanted() if k != "log_path"}
-                if "log_path" in self._wanted():
-                    back["log_path"] = before.log_path if before.log_path is not None else False
-                fusionguard._enable_as(by, **back)
-                _renamed(put, STATE.config)
+        except RuntimeError:  # (the interpreter is shutting down: at_exit ends everything)
+            return
+    _end_dropped(life, dropped)
+
+
+@guarded("session finalizer")
+def _end_dropped(life: _Life, dropped: bool) -> None:
+    if dropped and life.started and life.off is None and ("dropped", life.name) not in _TOLD:
+        _TOLD.add(("dropped", life.name))
+        say(f"fusionguard: a session of {life.name} was garbage-collected without stop(): it ended as stop() ends it\n")
+    _stop(life)
+
+
+_COLLECTING: List[bool] = []  # non-empty while a cyclic garbage collection runs (gc.callbacks)
+
+
+def _gc_phase(phase: str, info: Any) -> None:
+    if phase == "start":
+        _COLLECTING.append(True)
+    else:
+        _COLLECTING.clear()
+
+
+gc.callbacks.append(_gc_phase)
+
+
+def _unwatch(life: _Life, give_back: bool = True) -> None:
+    """Hooks off; ``give_back``: the running session this one took the model over from
+    (a nested session on the same model; through any that ended meanwhile) watches it again."""
+    owned = False
+    with _LOCK:
+        w, life.watch = life.watch, None
+        inner, life.watched = life.watched, None
+        if inner is not None:
+            ref, owner = _OWNERS.get(id(inner), (None, None))
+            if owner is not None and owner() is life:
+                del _OWNERS[id(inner)]
+                owned = True
+    if w is not None:
+        _end_watch(w)
+    earlier = life.took_from() if owned and give_back and life.took_from is not None else None
+    for _ in range(64):
+        if earlier is None or (earlier.started and earlier.off is None):
+            break
+        earlier = earlier.took_from() if earlier.took_from is not None else None
+    session = earlier.session() if earlier is not None and earlier.watched is None else None
+    if session is not None and unwrap(session._model) is inner:
+        session._follow(session._model, regain=True)
+
+
+def _end(life: _Life, why: Optional[str]) -> None:
+    _unwatch(life, give_back=why is None)  # (disable() ends every session: none takes hooks back)
+    tap(life.total, False)
+    tap(life.step, False)
+    if why is not None:
+        life.off = why
+    for f in life.bound:
+        f.detach()
+    life.bound = []
+
+
+def _ended_by_disable(life: _Life) -> None:
+    """``disable()`` (the registry's undo; also run by ``stop()``, then a no-op): hooks off,
+    counts stop, the session says so."""
+    if not life.started:
+        return
+    life.started = False
+    _end(life, DISABLED)
+    with _LOCK:
+        _LIVE.pop(life.key, None)
+
+
+def _tell_overridden(life: _Life, differ: Dict[str, Tuple[Any, Any]]) -> None:
+    """A running session named a setting this one replaces: said once (it comes back at this one's stop)."""
+    with _LOCK:
+        others = [o for o in _LIVE.values() if o is not life and o.started and o.off is None]
+    for other in others:
+        keys = sorted(k for k in differ if k in other.wanted)
+        if not keys:
+            continue
+        was = ", ".join(f"{k}={differ[k][0]!r}" for k in keys)
+        now = ", ".join(f"{k}={differ[k][1]!r}" for k in keys)
+        key = (life.name, other.name, now, was)
+        if key not in _TOLD:
+            _TOLD.add(key)
+            say(
+                f"fusionguard: {life.name} sets {now} while {other.name} (still running) asked for {was}: "
+                f"the newest session's settings apply until it stops, then {other.name}'s come back\n"
+            )
+
+
+def _hand_over(life: _Life, others: List[_Life]) -> None:
+    """What this session enabled passes to a running session, else is undone; what it replaced
+    (the launcher's or an earlier session's settings) comes back, unless a session started
+    after it runs on its settings (which then puts them back at its own stop)."""
+    mine, life.mine = life.mine, None
+    over, life.over = life.over, None
+    if not fusionguard.is_enabled():
+        return
+    with guarded("session stop"):
+        if mine is not None and STATE.config is mine:
+            if not others:
+                fusionguard.disable()
+                return
+            others[-1].mine = mine
+        if over is not None:
+            before, by, put = over
+            if STATE.config is not put:  # (changed since: whoever replaced it puts back what this one replaced)
+                for o in others:
+                    if o.over is not None and o.over[0] is put:
+                        o.over = (before, by, o.over[2])
+                return
+            later = [o for o in others if o.order > life.order]
+            if later:  # the next one started on what this one put in place: it puts back what this one replaced
+                after = min(later, key=lambda o: o.order)
+                after.over = over if after.over is None else (before, by, after.over[2])
+                return
+            back = {k: getattr(before, k) for k in life.wanted if k != "log_path"}
+            if "log_path" in life.wanted:
+                back["log_path"] = before.log_path if before.log_path is not None else False
+            fusionguard._enable_as(by, **back)
+            _renamed(put, STATE.config)
 
 
 def _renamed(old: Any, new: Any) -> None:
     """The running Config ``old`` was replaced by ``new``: the sessions that hold it (the one
     they enabled, the one they put in place of another) hold ``new``."""
     with _LOCK:
-        live = list(_LIVE)
-    for s in live:
-        if s._mine is old:
-            s._mine = new
-        if s._over is not None and s._over[2] is old:
-            s._over = (s._over[0], s._over[1], new)
+        live = list(_LIVE.values())
+    for o in live:
+        if o.mine is old:
+            o.mine = new
+        if o.over is not None and o.over[2] is old:
+            o.over = (o.over[0], o.over[1], new)
 
 
 def _check_arguments(name: Any, model: Any, **flags: Any) -> None:
@@ -639,24 +621,6 @@ def _check_arguments(name: Any, model: Any, **flags: Any) -> None:
 
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"{name}: model must be a torch.nn.Module (or None: counts only), not {type(model).__name__}")
-
-
-def _if_alive(ref: Any, method: Any) -> None:
-    obj = ref()
-    if obj is not None:
-        method(obj)
-
-
-def _finalize(held: _Held) -> None:
-    """The session was garbage-collected without ``stop()``: its hooks come off, its counters out."""
-    try:
-        _tap(held.total, False)
-        _tap(held.step, False)
-        w, held.watch = held.watch, None
-        if w is not None:
-            _end_watch(w)
-    except Exception:
-        pass
 
 
 def track(
@@ -677,63 +641,3 @@ def describe(event: Dict[str, Any]) -> str:
     from fusionguard.dense.guard import format_message  # lazy: it imports torch
 
     return format_message(event)
-
-
-# -- the verdict line --------------------------------------------------------------------------------
-
-
-def _verdict(label: str, counts: Counts, model: Any) -> Verdict:
-    rows = [r for r in counts.rows if r["layer"] != NO_LAYER and (r["dense"] or r["fused"])]
-    layers = sorted({r["layer"] for r in rows})
-    impl = ti.attn_implementation(model) if model is not None else None
-    impl_text = f" (config._attn_implementation={impl!r})" if impl else ""
-    if not layers:
-        if counts.dense:
-            return Verdict(f"fusionguard: {label}: {counts.dense} dense FlexAttention call(s) outside any watched layer", False)
-        if counts.allowed:
-            return Verdict(f"fusionguard: {label}: {counts.allowed} allowed dense FlexAttention call(s) (allow_dense()), none fused", True)
-        return Verdict(f"fusionguard: {label}: no FlexAttention call: the model never ran flex{impl_text}", False)
-    parts = [f"fusionguard: {label}: {len(layers)} FlexAttention layer{'s' if len(layers) != 1 else ''}"]
-    dense_rows = [r for r in rows if r["dense"]]
-    for phase in ("forward", "backward"):
-        ran = {r["layer"] for r in rows if r["phase"] == phase}
-        if ran:
-            clean = {r["layer"] for r in rows if r["phase"] == phase and not r["dense"]}
-            parts.append(f"{phase} fused {len(clean)}/{len(layers)}")
-    text = ", ".join(parts)
-    ok = not dense_rows and counts.dense == 0
-    if dense_rows:
-        text += "; dense: " + "; ".join(_dense_text(r) for r in dense_rows[:4])
-        if len(dense_rows) > 4:
-            text += f"; +{len(dense_rows) - 4} more"
-    never = _never_ran(layers, model)
-    if never:
-        ok = False
-        shown = ", ".join(never[:4]) + (f", +{len(never) - 4} more" if len(never) > 4 else "")
-        text += f"; never ran flex: {shown}{impl_text}"
-    return Verdict(text, ok)
-
-
-def _dense_text(row: Dict[str, Any]) -> str:
-    causes = ", ".join(sorted(row.get("causes") or {})) or "cause unknown"
-    return f"{row['layer']} {row['phase']} x{row['dense']} ({causes})"
-
-
-def _never_ran(layers: List[str], model: Any) -> List[str]:
-    """Modules of the same classes as the layers that ran flex, which did not."""
-    if model is None:
-        return []
-    try:  # (not guarded(): a fresh list per call)
-        from fusionguard.watching import clean_name  # lazy: it imports torch
-
-        named = {clean_name(n): m for n, m in model.named_modules()}
-        classes = {type(named[name]) for name in layers if name in named}
-        return sorted(n for n, m in named.items() if type(m) in classes and n not in layers)
-    except Exception as exc:
-        internal_error("session never-ran", exc)
-        return []
-
-
-def _iter_live() -> Iterator[Session]:  # (tests)
-    with _LOCK:
-        return iter(list(_LIVE))

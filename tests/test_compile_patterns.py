@@ -19,6 +19,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import fusionguard
+from fusionguard import _testing
 from fusionguard.core import state as _state
 from fusionguard.core.tables import NO_LAYER
 from fusionguard.report.build import build as build_report_dict
@@ -255,3 +256,27 @@ def test_graphs_compiled_before_enable_are_found_and_counted(tmp_path):
     assert {(r["layer"], r["fused"]) for r in build_report_dict([str(log)])["rows"] if r["fused"]} == {
         (r["layer"], r["fused"]) for r in result["rows"]
     }
+
+
+def test_a_compiled_model_keeps_its_names_over_disable_and_enable(tmp_path, dynamo_reset):
+    """#33: a notebook runs ``with fusionguard.track(model):`` twice on one compiled model; the
+    first session's end disables fusionguard (it made the enable()), the second enables again,
+    and Dynamo runs the graph it already compiled. That graph, found living at the second
+    ``enable()``, kept the names it was compiled with: the second session's rows are named as
+    the first's (they were ``(no layer)``), and its log's records too."""
+    model = Model()
+    compiled = torch.compile(model)
+    sessions = []
+    for i in range(2):
+        log = tmp_path / f"fg{i}.jsonl"
+        with fusionguard.track(model, log_path=str(log)) as fg:
+            steps(compiled)
+        assert not fusionguard.is_enabled()
+        sessions.append((fg.counts(), read_jsonl(log)))
+    (first, _), (second, events) = sessions
+    named = [(r["layer"], r["phase"], r["fused"]) for r in first.rows]
+    assert named == [("layers.0.attn", "forward", 2), ("layers.1.attn", "forward", 2)]
+    assert [(r["layer"], r["phase"], r["fused"]) for r in second.rows] == named
+    records = [(e["layer"], e["source"], e["named_from"]) for e in events if e["event"] == "flex_compile"]
+    assert records == [("layers.0.attn", "before_enable", "nn_module_stack"), ("layers.1.attn", "before_enable", "nn_module_stack")]
+    _testing.reset_for_tests()

@@ -491,3 +491,43 @@ def test_flash_backend_lse_on_the_dense_path_is_warned_where_wrong(guard):
     assert len(said) == 2 and f"{wrong:.4f}x too large on torch {torch.__version__}" in said[0], said
     assert [round(e.get("lse_scale") or 0, 3) for e in events] == [round(wrong, 3)] * 2 + [0, 0]
     assert all(w.filename == __file__ for w in seen if "LSE" in str(w.message))
+
+
+def test_the_lse_probe_leaves_other_threads_compiled_functions_compiled(monkeypatch):
+    """#33: the FLASH LSE probe changed Dynamo's stance for the whole process
+    (``set_stance("force_eager")``): a compiled function another thread ran meanwhile ran
+    eagerly. It now runs the public calls as any eager call runs them, and still measures."""
+    from torch.nn.attention import flex_attention as flex_module
+
+    from fusionguard.dense import lse
+
+    ran = []
+
+    def counting(gm, example_inputs):  # a backend whose compiled code says it ran
+        def run(*args):
+            ran.append(threading.current_thread().name)
+            return gm.forward(*args)
+
+        return run
+
+    compiled = torch.compile(lambda x: x * 2 + 1, backend=counting)
+    x = torch.ones(3)
+    compiled(x)
+    assert ran == ["MainThread"]
+    ran.clear()
+    real = flex_module.flex_attention
+
+    def probed(*args, **kwargs):  # the probe's own calls: another thread runs the compiled function meanwhile
+        other = threading.Thread(target=compiled, args=(x,), name="other")
+        other.start()
+        other.join()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(flex_module, "flex_attention", probed)
+    lse.flash_lse_scale.cache_clear()
+    try:
+        scale = lse.flash_lse_scale()
+    finally:
+        lse.flash_lse_scale.cache_clear()
+    assert ran == ["other", "other"]  # compiled both times (force_eager: [])
+    assert scale is not None and (abs(scale - 1.0) < 1e-3 or abs(scale - 1 / 0.6931471805599453) < 1e-3)

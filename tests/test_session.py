@@ -18,6 +18,7 @@ import os
 import pickle
 import subprocess
 import sys
+import time
 import warnings
 
 import pytest
@@ -251,6 +252,81 @@ def test_an_exception_ends_it_and_so_does_the_owner_going_away(clean):
     del fg2  # the session itself, dropped without stop()
     gc.collect()
     assert hooks(model) == 0
+
+
+def _held(model):
+    """What a session leaves in the process: fusionguard on, hooks on the model, undo entries, taps."""
+    entries = [e.name for e in _state.STATE.patches.entries() if e.name.startswith("session ")]
+    return fusionguard.is_enabled(), hooks(model), len(entries), len(_state.STATE.stats.taps)
+
+
+def test_a_session_dropped_without_stop_ends_as_stop_would_said_once(clean, said):
+    """A notebook cell ``fg = fusionguard.track(model); fg.start()`` run again, then the name
+    dropped: each dropped session ends as stop() ends it (its hooks, its undo entry, its counters,
+    and the enable() it made), said once."""
+    from fusionguard import session as _session
+
+    _session._TOLD.clear()
+    model = Net()
+    fg = fusionguard.track(model, log_path=False)
+    fg.start()
+    first = _held(model)
+    fg = fusionguard.track(model, log_path=False)  # the cell again: the first session is dropped here
+    fg.start()
+    assert _held(model) == first and first[0] and first[1] > 0 and first[2] == 1
+    run(model)
+    assert fg.counts().dense == 2
+    del fg
+    gc.collect()
+    assert _held(model) == (False, 0, 0, 0)
+    dropped = [line for line in said.lines if "garbage-collected without stop()" in line]
+    assert dropped == ["fusionguard: a session of fusionguard.track() was garbage-collected without stop(): it ended as stop() ends it"]
+    before = len(fusionguard.events())
+    run(model)  # nothing logs it
+    assert len(fusionguard.events()) == before
+
+
+def test_a_session_in_a_reference_cycle_is_ended_by_the_collector(clean):
+    """Collected by the cyclic collector (which may run while fusionguard holds a lock), it ends
+    on a short-lived thread: the same end, a moment later."""
+    model = Net()
+    fg = fusionguard.track(model, log_path=False).start()
+    fg.cycle = fg
+    del fg
+    gc.collect()
+    for _ in range(200):
+        if _held(model) == (False, 0, 0, 0):
+            break
+        time.sleep(0.05)
+    assert _held(model) == (False, 0, 0, 0)
+
+
+def test_disable_removes_every_sessions_hooks_and_a_later_drop_says_nothing(clean, said):
+    from fusionguard import session as _session
+
+    _session._TOLD.clear()
+    model, other = Net(), Net()
+    a = fusionguard.track(model, log_path=False).start()
+    b = fusionguard.track(other, log_path=False).start()
+    assert hooks(model) > 0 and hooks(other) > 0
+    fusionguard.disable()
+    assert _held(model) == (False, 0, 0, 0) and hooks(other) == 0
+    assert a.off == b.off == "fusionguard.disable() was called"
+    del a, b
+    gc.collect()
+    assert not [line for line in said.lines if "garbage-collected" in line]
+    assert not fusionguard.is_enabled()
+
+
+def test_reset_for_tests_forgets_what_the_sessions_said_once(clean, said):
+    """Each test starts as a fresh process would: a conflict said in one test is said again in the next."""
+    for _ in range(2):
+        fusionguard.enable(strict=False, log_path=False)  # the program's own
+        with fusionguard.track(strict=True):
+            pass
+        fusionguard.disable()
+        _testing.reset_for_tests()
+    assert len([line for line in said.lines if "the program's settings stand" in line]) == 2
 
 
 def test_a_model_pickles_and_copies_during_and_after_watch_and_a_session(clean, tmp_path):

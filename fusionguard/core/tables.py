@@ -203,6 +203,10 @@ class Caches:
         # watching.naming: per FX graph's generated code object, line -> the module path of the
         # FlexAttention call on that line (a dense call inside an aot_eager graph)
         self.graph_lines: Dict[Any, Dict[int, str]] = {}
+        # fused.runs: id(compiled graph) -> (weak reference to it, its records, its namer), as the
+        # enable() that counted it had them: kept over disable(), so a graph Dynamo reuses after a
+        # later enable() keeps its layer names
+        self.graph_names: Dict[int, Tuple[Any, List[Dict[str, Any]], Any]] = {}
 
     def reset(self) -> None:
         for table in vars(self).values():

@@ -28,7 +28,7 @@ from fusionguard import torch_internals as ti
 from fusionguard.core.frames import is_torch_file, user_call_site
 from fusionguard.core.state import STATE, guarded
 from fusionguard.core.tensors import scores_bytes
-from fusionguard.fused.runs import Namer, compile_names, count_runs, fqn_from_source, log_compile_record
+from fusionguard.fused.runs import Namer, compile_names, count_runs, counted_before, fqn_from_source, log_compile_record
 from fusionguard.torch_internals import compiled_graph_text
 from fusionguard.watching.naming import clean_name, flex_layer, note_flex_call, resolve_watched_name
 
@@ -374,17 +374,19 @@ def _flex_call_count(g: Any) -> int:
 def unseen_graphs(graphs: List[Any]) -> int:
     """Of the graphs found at ``enable()``: those whose runs cannot be counted (no
     ``current_callable`` of their own) or whose calls cannot be named per layer (several)."""
-    return sum(1 for g in graphs if not ti.graph_callable_is_own(g) or _flex_call_count(g) != 1)
+    return sum(1 for g in graphs if not ti.graph_callable_is_own(g) or (_flex_call_count(g) != 1 and counted_before(g) is None))
 
 
 def adopt_live_graphs(graphs: List[Any], search_ms: float) -> Dict[str, Any]:
     """Record the graphs ``live_flex_graphs`` found (``source: "before_enable"``) and count their
     runs from now on. Their calls carry no module path (the FX graph that had it is gone): a
     graph with one call is named by the layer running it (hooks), others stay unnamed; those,
-    and any whose runs cannot be counted, are the ``unseen`` ones."""
+    and any whose runs cannot be counted, are the ``unseen`` ones. A graph an earlier
+    ``enable()`` counted keeps the names it had (``counted_before``)."""
     counted = 0
     for g in graphs:
-        emitted, namer = record_compiled_graph(g, source="before_enable")
+        kept = counted_before(g)  # (counted by an earlier enable(): its names kept)
+        emitted, namer = kept if kept is not None else record_compiled_graph(g, source="before_enable")
         count_runs(g, emitted, namer)
         if getattr(ti.graph_callable(g), "_fusionguard_records", None) is not None:
             counted += 1

@@ -417,9 +417,38 @@ def count_runs(compiled: Any, records: List[Dict[str, Any]], namer: Optional[Nam
     counted.__wrapped__ = fn  # type: ignore[attr-defined]
     if not ti.graph_callable_is_own(compiled):  # (not reversible: not wrapped)
         return
+    if not unlogged:
+        _remember(compiled, records, namer)
     table = _GraphAttrs(compiled)
     # (keyed by the table, which the registry keeps alive: its id is never reused meanwhile)
     STATE.patches.apply(f"graph {id(table)}.{ti.CURRENT_CALLABLE}", table, ti.CURRENT_CALLABLE, lambda _: counted)
+
+
+def _remember(compiled: Any, records: List[Dict[str, Any]], namer: Optional[Namer]) -> None:
+    """Keep a compiled graph's records and namer past ``disable()`` (``counted_before``)."""
+    table, key = STATE.caches.graph_names, id(compiled)
+
+    def forget(ref: Any) -> None:  # (the graph is gone: its id may be reused)
+        entry = table.get(key)
+        if entry is not None and entry[0] is ref:
+            del table[key]
+
+    try:
+        table[key] = (weakref.ref(compiled, forget), records, namer)
+    except TypeError:  # (no weak reference to it: not kept)
+        pass
+
+
+def counted_before(compiled: Any) -> Optional[Tuple[List[Dict[str, Any]], Optional[Namer]]]:
+    """The records and namer an earlier ``enable()`` of this process counted ``compiled`` with, or
+    None. ``disable()`` puts the graph's own callable back, and Dynamo runs the same graph after the
+    next ``enable()``, which finds it living (``source: "before_enable"``): its compile-time names
+    (``nn_module_stack``) are gone with its FX graph, so they are kept here. Its records are
+    written again (to the new log) at its first run, with ``source: "before_enable"``."""
+    entry = STATE.caches.graph_names.get(id(compiled))
+    if entry is None or entry[0]() is not compiled:
+        return None
+    return [{**r, "record": {**r["record"], "source": "before_enable"}} for r in entry[1]], entry[2]
 
 
 class _GraphAttrs(MutableMapping):

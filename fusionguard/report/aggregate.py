@@ -114,7 +114,7 @@ class SeqSpan:
         self.elsewhere = 0  # of before + between: the gaps that a header of this process ends
 
     def add(self, seq: int, opens: bool = False) -> None:
-        """``opens``: the line is a header (``enable()``): a session of its own in this path."""
+        """``opens``: the line is a header: an ``enable()`` of this process starts a log of its own in this path."""
         last = self.last
         if last is None:
             self.first = self.last = seq
