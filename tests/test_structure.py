@@ -309,16 +309,13 @@ def test_every_import_goes_to_its_own_layer_or_a_lower_one():
 # -- size: a module over MAX_MODULE_LINES holds more than one job (issue #33) ------------------------
 
 MAX_MODULE_LINES = 700
-# Modules still over the bound, by path under fusionguard/; each must still be over it (else remove it here).
-LONG_FOR_NOW = {"session.py"}  # #33: split in branch leftovers33
 
 
 def test_no_module_is_longer_than_700_lines():
     lengths = {os.path.relpath(p, PKG).replace(os.sep, "/"): len(open(p).read().splitlines()) for p in _modules().values()}
     assert lengths["report/aggregate.py"] > 100, "the walk counts lines"
-    too_long = {f: n for f, n in lengths.items() if n > MAX_MODULE_LINES and f not in LONG_FOR_NOW}
+    too_long = {f: n for f, n in lengths.items() if n > MAX_MODULE_LINES}
     assert too_long == {}, "split the module: move one coherent part into a new module of the same folder (docs/internals.md)"
-    assert {f for f in LONG_FOR_NOW if lengths.get(f, 0) <= MAX_MODULE_LINES} == set(), "no longer too long: remove it from LONG_FOR_NOW"
 
 
 def _dynamic_lookups(path: str) -> List[int]:
