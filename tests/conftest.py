@@ -223,6 +223,17 @@ os.environ.setdefault("PYTHONPATH", str(ROOT))
 
 import forkserver  # noqa: E402  (its server's environment is this one, before any test's monkeypatch)
 
+#: Installed pytest plugins that the tests' inner sessions do not use (no hypothesis test; anyio only
+#: where a test says so): each imports its package on every session start (hypothesis's: 77 modules at
+#: the terminal summary) and pytest rewrites the asserts of every module of a plugin's distribution,
+#: about 2 CPU s a session. Inner sessions pass ``-p no:NAME`` for them (xdist's workers inherit it).
+UNUSED_PLUGINS = ("hypothesispytest", "anyio")
+
+
+def plugins_off(names=UNUSED_PLUGINS) -> tuple:
+    """``-p no:NAME`` for each plugin name: arguments of an inner pytest session."""
+    return tuple(arg for name in names for arg in ("-p", f"no:{name}"))
+
 
 def in_own_process(test):
     """Run ``test`` in a child pytest process (forked from tests/forkserver.py): it leaves process-wide PyTorch state behind that
@@ -239,7 +250,7 @@ def in_own_process(test):
         # one test, no workers, in a grandchild of tests/forkserver.py: a process with only torch imported
         # (as `python -m pytest` in a fresh interpreter would have, without its start)
         main = "import sys, pytest; sys.exit(pytest.console_main())"
-        cmd = [sys.executable, "-c", main, "-q", "-p", "no:cacheprovider", "-n0", node]
+        cmd = [sys.executable, "-c", main, "-q", "-p", "no:cacheprovider", *plugins_off(), "-n0", node]
         out = forkserver.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
         passed = any(line.startswith("1 passed") for line in out.stdout.splitlines())  # not skipped
         assert out.returncode == 0 and passed, out.stdout[-4000:] + out.stderr[-2000:]
@@ -247,10 +258,11 @@ def in_own_process(test):
     return run
 
 
-def run_forked(pytester, *args):
+def run_forked(pytester, *args, unused=UNUSED_PLUGINS):
     """``pytester.runpytest_subprocess(*args)`` with the inner session forked from tests/forkserver.py:
     a process of its own with only torch imported (no fusionguard, no outer pytest state), without a
-    fresh interpreter's 3.5 CPU s start. The same arguments, cwd and environment as pytester's."""
+    fresh interpreter's 3.5 CPU s start. The same arguments, cwd and environment as pytester's, and
+    the ``unused`` plugins off."""
 
     def popen(cmdargs, stdout, stderr, stdin=None, **kw):
         env = os.environ.copy()
@@ -259,8 +271,9 @@ def run_forked(pytester, *args):
         proc.stdin.close()
         return proc
 
+    main = (sys.executable, "-c", "import sys, pytest; sys.exit(pytest.console_main())")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(pytester, "_getpytestargs", lambda: (sys.executable, "-c", "import sys, pytest; sys.exit(pytest.console_main())"))
+        mp.setattr(pytester, "_getpytestargs", lambda: main + plugins_off(unused))
         mp.setattr(pytester, "popen", popen)
         return pytester.runpytest_subprocess(*args)
 

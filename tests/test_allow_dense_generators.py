@@ -221,6 +221,8 @@ def test_pytest_fixtures_and_the_marker_keep_today_s_rule(pytester):
     the plugin's marker (a pluggy hookwrapper) too; a test with neither is blocked."""
     pytest.importorskip("anyio")
     pytester.makepyfile(test_inner=FIXTURE_TESTS)
-    result = run_forked(pytester, "-p", "fusionguard.pytest_plugin", "--fusionguard=strict", "-p", "no:cacheprovider")
+    result = run_forked(
+        pytester, "-p", "fusionguard.pytest_plugin", "--fusionguard=strict", "-p", "no:cacheprovider", unused=["hypothesispytest"]
+    )
     result.assert_outcomes(passed=3, failed=1)
     result.stdout.fnmatch_lines(["*FAILED test_inner.py::test_blocked*"])
