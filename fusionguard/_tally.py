@@ -28,15 +28,20 @@ class Counts:
     """FlexAttention calls counted over a span of a session: ``dense`` (kernels that ran or were
     blocked dense, not allowed), ``fused`` (calls in compiled graphs), ``allowed`` (dense on
     purpose: ``allow_dense()``), and ``rows``: per (layer, phase) dicts with those three and
-    ``causes`` ({cause: dense calls})."""
+    ``causes`` ({cause: dense calls}). ``off``: why fusionguard checked nothing when they were
+    taken (``FUSIONGUARD=off``, ``disable()``), else None."""
 
     dense: int = 0
     fused: int = 0
     allowed: int = 0
     rows: Tuple[Dict[str, Any], ...] = field(default_factory=tuple)
+    off: Optional[str] = None
 
     def metrics(self) -> Dict[str, float]:
-        """``{"fusionguard/dense_calls": ..., "fusionguard/fused_calls": ..., "fusionguard/allowed_calls": ...}``."""
+        """``{"fusionguard/dense_calls": ..., "fusionguard/fused_calls": ..., "fusionguard/allowed_calls": ...}``;
+        empty when fusionguard was off (``off``): a dashboard gets no false 0."""
+        if self.off is not None:
+            return {}
         return {DENSE: float(self.dense), FUSED: float(self.fused), ALLOWED: float(self.allowed)}
 
 
@@ -71,14 +76,14 @@ class Tally:
     def on_fused(self, layer: str, phase: str, n: int) -> None:
         self._row(layer, phase)[1] += n
 
-    def counts(self) -> Counts:
+    def counts(self, off: Optional[str] = None) -> Counts:
         with STATE.stats.lock:
             items = [(k, list(v[:3]) + [dict(v[3])]) for k, v in self.rows.items()]
         rows = tuple(
             {"layer": layer, "phase": phase, "dense": d, "fused": f, "allowed": a, "calls": d + f + a, "causes": c}
             for (layer, phase), (d, f, a, c) in sorted(items, key=lambda kv: (kv[0][0] == NO_LAYER, kv[0]))
         )
-        return Counts(sum(r["dense"] for r in rows), sum(r["fused"] for r in rows), sum(r["allowed"] for r in rows), rows)
+        return Counts(sum(r["dense"] for r in rows), sum(r["fused"] for r in rows), sum(r["allowed"] for r in rows), rows, off)
 
 
 def tap(tally: Tally, on: bool, instead_of: Optional[Tally] = None) -> None:
@@ -89,7 +94,7 @@ def tap(tally: Tally, on: bool, instead_of: Optional[Tally] = None) -> None:
 
 
 def verdict(label: str, counts: Counts, model: Any) -> Verdict:
-    rows = [r for r in counts.rows if r["layer"] != NO_LAYER and (r["dense"] or r["fused"])]
+    rows = [r for r in counts.rows if r["layer"] != NO_LAYER and (r["dense"] or r["fused"] or r["allowed"])]
     layers = sorted({r["layer"] for r in rows})
     impl = ti.attn_implementation(model) if model is not None else None
     impl_text = f" (config._attn_implementation={impl!r})" if impl else ""
@@ -102,16 +107,21 @@ def verdict(label: str, counts: Counts, model: Any) -> Verdict:
     parts = [f"fusionguard: {label}: {len(layers)} FlexAttention layer{'s' if len(layers) != 1 else ''}"]
     dense_rows = [r for r in rows if r["dense"]]
     for phase in ("forward", "backward"):
-        ran = {r["layer"] for r in rows if r["phase"] == phase}
+        ran = [r for r in rows if r["phase"] == phase]
         if ran:
-            clean = {r["layer"] for r in rows if r["phase"] == phase and not r["dense"]}
-            parts.append(f"{phase} fused {len(clean)}/{len(layers)}")
+            fused = {r["layer"] for r in ran if r["fused"] and not r["dense"]}
+            # (dense on purpose, ``allow_dense()``: ran, not fused, not a fault)
+            allowed = {r["layer"] for r in ran if r["allowed"] and not r["dense"] and not r["fused"]}
+            parts.append(f"{phase} fused {len(fused)}/{len(layers)}" + (f" ({len(allowed)} allowed dense)" if allowed else ""))
     text = ", ".join(parts)
+    outside = sum(r["dense"] for r in counts.rows if r["layer"] == NO_LAYER)
     ok = not dense_rows and counts.dense == 0
     if dense_rows:
         text += "; dense: " + "; ".join(_dense_text(r) for r in dense_rows[:4])
         if len(dense_rows) > 4:
             text += f"; +{len(dense_rows) - 4} more"
+    if outside:
+        text += f"; +{outside} dense outside any watched layer"
     never = _never_ran(layers, model)
     if never:
         ok = False

@@ -343,6 +343,19 @@ def check_mode(value: Optional[str]) -> Optional[str]:
     )
 
 
+def _file_hint(cmd: Sequence[str]) -> str:
+    """A file that exists but is no command (a script that is not executable, or not on PATH)."""
+    if not os.path.isfile(cmd[0]):
+        return ""
+    import shlex  # lazy: this module loads at every start-up under the launcher; this only on a failed exec
+
+    if cmd[0].endswith(".py"):
+        return f" (a Python script: fusionguard run python {shlex.join(cmd)})"
+    if os.sep not in cmd[0]:
+        return f" (a file here is not looked up on PATH: fusionguard run ./{shlex.join(cmd)})"
+    return " (the file is not executable: chmod +x it, or name its interpreter first)"
+
+
 def run(cmd: Sequence[str], mode: Optional[str] = None, log: Optional[str] = None) -> int:
     """Replace this process with ``cmd`` under the start-up hook (returns only on failure)."""
     if not cmd:
@@ -366,6 +379,6 @@ def run(cmd: Sequence[str], mode: Optional[str] = None, log: Optional[str] = Non
         sys.stderr.flush()
         os.execvpe(cmd[0], list(cmd), env)
     except OSError as exc:
-        sys.stderr.write(f"fusionguard run: cannot run {cmd[0]!r}: {exc.strerror or exc}\n")
+        sys.stderr.write(f"fusionguard run: cannot run {cmd[0]!r}: {exc.strerror or exc}{_file_hint(cmd)}\n")
         return 127 if isinstance(exc, FileNotFoundError) else 126
     return 0  # pragma: no cover - execvpe does not return

@@ -112,7 +112,7 @@ class Session:
         log_path: Any = UNSET,
         memory: bool = True,
         hooks: bool = True,
-        name: str = "fusionguard.track()",
+        name: str = "fusionguard.Session()",
         **options: Any,
     ) -> None:
         named = dict(options) if strict is UNSET else {**options, "strict": strict}
@@ -191,6 +191,9 @@ class Session:
     def follow(self, model: Any) -> None:
         """Watch ``model`` from now on (the framework swapped it: ``model_init``, a wrapper, a
         compiled or unwrapped model); the same module again does nothing."""
+        if model is None:
+            raise TypeError(f"{self.name}: follow(model) takes a torch.nn.Module, not None")
+        _check_arguments(self.name, model)
         with self._h.lock:
             self._model = model
             if self._h.started and self._h.off is None:
@@ -226,25 +229,35 @@ class Session:
         return STATE.config.log_path if self.active else None
 
     def counts(self) -> Counts:
-        """Every call counted since the session started."""
-        return self._h.total.counts()
+        """Every call counted since the session started (``off`` set when fusionguard is off:
+        its ``metrics()`` are then empty)."""
+        self._started("counts()")
+        return self._h.total.counts(self.off)
 
     def step(self) -> Counts:
         """The calls since the last ``step()`` (or the start), and a new step from here."""
+        self._started("step()")
+        off = self.off
         with self._h.lock:
             old, self._h.step = self._h.step, Tally()
             if self._h.started and self._h.off is None:
                 tap(self._h.step, True, instead_of=old)  # (one swap: no call falls between the two)
-        return old.counts()
+        return old.counts(off)
 
     def pending(self) -> Counts:
         """The calls since the last ``step()``, without starting a new one."""
-        return self._h.step.counts()
+        self._started("pending()")
+        return self._h.step.counts(self.off)
 
     def metrics(self, counts: Optional[Counts] = None) -> Dict[str, float]:
         """``counts`` (default: since the start) as metric keys, with ``fusionguard/peak_layer_bytes``
         where a watched layer's peak was measured (CUDA); empty when fusionguard is off (never a
         false 0)."""
+        self._started("metrics()")
+        if counts is not None and not isinstance(counts, Counts):
+            raise TypeError(
+                f"{self.name}: metrics(counts=...) takes the Counts of step(), counts() or pending(), not {type(counts).__name__}"
+            )
         if self.off is not None:
             return {}
         out = (counts or self.counts()).metrics()
@@ -258,6 +271,11 @@ class Session:
         """One line on ``counts`` (default: since the last ``step()``), e.g. ``fusionguard: step 1:
         2 FlexAttention layers, forward fused 2/2, backward fused 2/2``; what ran dense and why,
         what never ran flex; or why fusionguard is off."""
+        self._started("verdict()")
+        if counts is not None and not isinstance(counts, Counts):
+            raise TypeError(
+                f"{self.name}: verdict(label, counts=...) takes the Counts of step(), counts() or pending(), not {type(counts).__name__}"
+            )
         if self.off is not None:
             return Verdict(f"fusionguard: {label}: no verdict: {self.off}; FlexAttention calls are not checked", True)
         try:  # (not guarded(): the fallback names the label)
@@ -273,6 +291,8 @@ class Session:
     def summary_text(self, ended_by: Optional[BaseException] = None) -> str:
         """The summary table, or one line when there is nothing to show (fusionguard off, no call,
         a run that ended on ``ended_by`` before any call)."""
+        if self._h.order == 0:
+            return f"fusionguard: {self.name} was never started (call start(), or use it in a with block)"
         if self.off is not None:
             return f"fusionguard: {self.off}; FlexAttention calls were not checked"
         counts = self.counts()
@@ -365,6 +385,22 @@ class Session:
         return f"fusionguard: stop_on_dense: dense FlexAttention{on} at {at}: training stops"
 
     # -- inside ---------------------------------------------------------------------------------------
+    def _started(self, what: str) -> None:
+        """Counts of a session never started would be false zeros (and a false "never ran flex")."""
+        if self._h.order == 0:
+            raise RuntimeError(
+                f"{self.name}: {what} on a session that was never started: call start() first, or use it as `with {self.name} as fg:`"
+            )
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(f"a fusionguard session ({self.name}) cannot be copied or pickled; its model can (copy or save the model)")
+
+    def __copy__(self) -> Any:
+        raise TypeError(f"a fusionguard session ({self.name}) cannot be copied or pickled; its model can (copy or save the model)")
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        raise TypeError(f"a fusionguard session ({self.name}) cannot be copied or pickled; its model can (copy or save the model)")
+
     def _settings(self) -> Dict[str, Any]:
         return dict(self._named) if self._log_path is UNSET else {**self._named, "log_path": self._log_path}
 
@@ -633,7 +669,7 @@ def track(
     only what is named is applied (the rule in the module docstring). memory: per-layer CUDA
     memory (``watch()``'s). hooks=False: names only, no hooks (a model the framework compiles
     after the session starts). ``model`` may be None (counts only) and set later (``follow``)."""
-    return Session(model, strict=strict, log_path=log_path, memory=memory, hooks=hooks, **options)
+    return Session(model, strict=strict, log_path=log_path, memory=memory, hooks=hooks, name="fusionguard.track()", **options)
 
 
 def describe(event: Dict[str, Any]) -> str:

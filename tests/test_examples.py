@@ -14,8 +14,8 @@ pytestmark = pytest.mark.slow
 EXAMPLES = ROOT / "examples"
 
 
-def run(script, *args, cwd, expect_rc=0):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
+def run(script, *args, cwd, expect_rc=0, **extra_env):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="", **extra_env)
     env.pop("FUSIONGUARD_LOG", None)
     proc = forkserver.run([sys.executable, str(EXAMPLES / script), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == expect_rc, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -49,6 +49,19 @@ def test_plain_loop_logs_each_steps_counts_to_tensorboard(tmp_path):
     acc.Reload()
     assert [e.value for e in acc.Scalars("fusionguard/dense_calls")] == [0, 0, 2, 2, 0, 0]
     assert [e.value for e in acc.Scalars("fusionguard/fused_calls")] == [0, 0, 0, 0, 2, 2]
+
+
+def test_plain_loop_under_the_kill_switch_logs_no_false_zero(tmp_path):
+    """#33: ``fg.step().metrics()`` (the documented pattern) is empty while fusionguard is off."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = run("plain_loop.py", str(tmp_path / "tb"), cwd=tmp_path, FUSIONGUARD="off")
+    assert "step 2: not checked (FUSIONGUARD=off in the environment (the kill switch))" in out and "dense 0" not in out
+    assert "whole run: no verdict: FUSIONGUARD=off" in out
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert list((tmp_path / "tb").iterdir()) and acc.Tags()["scalars"] == []  # a real event file, no fusionguard/* point
 
 
 def test_early_warnings(tmp_path):

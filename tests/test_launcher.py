@@ -145,6 +145,12 @@ def test_bad_values_and_missing_commands_are_reported_never_a_crash(tmp_path):
     assert p.stderr.count("ignoring FUSIONGUARD='loud'") == 1
     p = _run([PY, "-m", "fusionguard", "run", "--", "no-such-command-fg"], tmp_path)
     assert p.returncode == 127 and "cannot run 'no-such-command-fg'" in p.stderr
+    (tmp_path / "t5.py").write_text("print('ran')\n")  # #33: a script that exists, named as a command
+    p = _run([PY, "-m", "fusionguard", "run", "t5.py", "--x"], tmp_path)
+    assert (
+        p.returncode == 127
+        and "cannot run 't5.py': No such file or directory (a Python script: fusionguard run python t5.py --x)" in p.stderr
+    )
     p = _run([PY, "-m", "fusionguard", "run"], tmp_path)
     assert p.returncode == 2 and "no command given" in p.stderr
 

@@ -1,0 +1,133 @@
+"""#33, a hostile tester's second round on the public session object (CPU, inference only):
+a session never started, counts taken while fusionguard is off, allowed-only layers and dense
+calls outside the model in a verdict, and the clear errors for wrong arguments, copies and
+pickling."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import warnings
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import flex_attention
+
+import fusionguard
+from fusionguard import _testing
+
+D = 8
+
+
+class Attn(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(D, D)
+
+    def forward(self, x):
+        return self.proj(flex_attention(x, x, x))
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([Attn(), Attn()])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def x():
+    return torch.randn(1, 2, 16, D, generator=torch.Generator().manual_seed(0))
+
+
+def run(fn):
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fn(x())
+
+
+@pytest.fixture
+def clean(monkeypatch):
+    monkeypatch.delenv("FUSIONGUARD", raising=False)
+    yield
+    fusionguard.disable()
+    _testing.reset_for_tests()
+
+
+def test_a_session_never_started_raises_instead_of_false_zeros(clean):
+    model = Net()
+    fg = fusionguard.track(model, log_path=False)  # (start() forgotten)
+    run(model)
+    for call in (fg.step, fg.counts, fg.pending, fg.metrics, lambda: fg.verdict("step 1")):
+        with pytest.raises(RuntimeError, match=r"never started: call start\(\) first, or use it as `with fusionguard.track\(\) as fg:`"):
+            call()
+    assert "was never started" in fg.summary_text()
+    with fg:  # started: the same calls answer
+        run(model)
+        assert fg.step().dense == 2
+    assert fg.counts().dense == 2 and fg.metrics()["fusionguard/dense_calls"] == 2.0  # (after stop(): its final counts)
+
+
+@pytest.mark.parametrize("how", ["kill switch", "disable()"])
+def test_step_counts_taken_while_off_give_no_metrics(clean, monkeypatch, how):
+    """The documented ``fg.step().metrics()`` pattern: no false 0 on a dashboard while off."""
+    model = Net()
+    if how == "kill switch":
+        monkeypatch.setenv("FUSIONGUARD", "off")
+    with fusionguard.track(model, log_path=False) as fg:
+        if how == "disable()":
+            run(model)
+            fusionguard.disable()
+        run(model)
+        step = fg.step()
+        assert step.off == fg.off and step.off is not None
+        assert step.metrics() == {} and fg.pending().metrics() == {} and fg.counts().metrics() == {}
+
+
+def test_allowed_only_layers_ran_and_dense_outside_the_model_is_said(clean):
+    model, other = Net(), Attn()
+    with fusionguard.track(model, log_path=False) as fg:
+        run(lambda t: model.layers[0](t))
+        with fusionguard.allow_dense():
+            run(lambda t: model.layers[1](t))
+        first = fg.verdict("step 1")
+        fg.step()
+        run(model)
+        run(other)  # a module the session does not watch
+        second = fg.verdict("step 2")
+    assert first == (
+        "fusionguard: step 1: 2 FlexAttention layers, forward fused 0/2 (1 allowed dense); dense: layers.0 forward x1 (eager_call)",
+        False,
+    )
+    assert "never ran flex" not in first.text
+    assert second.text.endswith("; +1 dense outside any watched layer") and not second.ok
+
+
+def test_follow_checks_its_argument(clean):
+    model = Net()
+    with fusionguard.track(model, log_path=False) as fg:
+        with pytest.raises(TypeError, match=r"fusionguard.track\(\): model must be a torch.nn.Module .*not str"):
+            fg.follow("nope")
+        with pytest.raises(TypeError, match="not None"):
+            fg.follow(None)
+        assert fg.model is model
+
+
+def test_clear_errors_for_wrong_counts_copies_and_the_constructors_name(clean):
+    model = Net()
+    with fusionguard.track(model, log_path=False) as fg:
+        with pytest.raises(TypeError, match=r"metrics\(counts=...\) takes the Counts of step\(\), counts\(\) or pending\(\), not str"):
+            fg.metrics(counts="x")
+        with pytest.raises(TypeError, match=r"verdict\(label, counts=...\) takes the Counts"):
+            fg.verdict("s", counts=3)
+        for copier in (copy.deepcopy, copy.copy, pickle.dumps):
+            with pytest.raises(TypeError, match="cannot be copied or pickled; its model can"):
+                copier(fg)
+        assert fg.active and copy.deepcopy(model) is not None
+    with pytest.raises(TypeError, match=r"^fusionguard.Session\(\) got unknown option\(s\) \['bogus'\]"):
+        fusionguard.Session(model, bogus=1)
+    with pytest.raises(TypeError, match=r"^fusionguard.track\(\) got unknown option\(s\) \['bogus'\]"):
+        fusionguard.track(model, bogus=1)
