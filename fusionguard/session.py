@@ -27,7 +27,7 @@ import itertools
 import os
 import threading
 import weakref
-from typing import Any, ContextManager, Dict, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 
 import fusionguard
 from fusionguard._summary import Summary
@@ -65,6 +65,7 @@ class _Life:
         self.watched: Any = None  # the model the watch is on
         self.took_from: Any = None  # weak reference to the _Life it took the model's hooks over from
         self.bound: List[Any] = []  # finalizers of the objects it is bound to
+        self.on_forward: Optional[Callable[[], bool]] = None  # step_on_forward()'s test
 
 
 _IDS = itertools.count(1)
@@ -244,6 +245,14 @@ class Session:
                 tap(self._h.step, True, instead_of=old)  # (one swap: no call falls between the two)
         return old.counts(off)
 
+    def step_on_forward(self, when: Optional[Callable[[], bool]]) -> None:
+        """From now on, a new step starts (as ``step()`` starts one) as each forward of its model
+        begins for which ``when()`` is true (None: no more): for a framework whose evaluation has
+        no callback at its begin (the Hugging Face Trainer's ``evaluate()``), so that the calls made
+        before it, elsewhere, are not its first batch's. Only on a model with hooks: none with
+        ``hooks=False`` or a model compiled whole in place."""
+        self._h.on_forward = when
+
     def pending(self) -> Counts:
         """The calls since the last ``step()``, without starting a new one."""
         self._started("pending()")
@@ -392,13 +401,7 @@ class Session:
                 f"{self.name}: {what} on a session that was never started: call start() first, or use it as `with {self.name} as fg:`"
             )
 
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        raise TypeError(f"a fusionguard session ({self.name}) cannot be copied or pickled; its model can (copy or save the model)")
-
-    def __copy__(self) -> Any:
-        raise TypeError(f"a fusionguard session ({self.name}) cannot be copied or pickled; its model can (copy or save the model)")
-
-    def __deepcopy__(self, memo: Any) -> Any:
+    def __reduce_ex__(self, protocol: Any) -> Any:  # (copy.copy and copy.deepcopy come here too)
         raise TypeError(f"a fusionguard session ({self.name}) cannot be copied or pickled; its model can (copy or save the model)")
 
     def _settings(self) -> Dict[str, Any]:
@@ -475,11 +478,28 @@ class Session:
                 elif not regain:
                     life.took_from = None
                 life.watch = Watch(inner, memory=self._memory, hooks=self.hooks).__enter__()
+                life.watch.on_forward = _forward_began
                 life.watched = inner
                 try:
                     _OWNERS[id(inner)] = (weakref.ref(inner), weakref.ref(life))
                 except TypeError:
                     pass
+
+
+def _forward_began(model: Any) -> None:
+    """A watched model's forward begins (its root pre-hook): the sessions of that model whose
+    ``step_on_forward()`` test says so start a new step (whichever session holds its hooks)."""
+    with _LOCK:
+        lives = [life for life in _LIVE.values() if life.on_forward is not None and life.started]
+    for life in lives:
+        session = life.session()
+        when = life.on_forward
+        if session is None or when is None or unwrap(session._model) is not model or not when():
+            continue
+        with life.lock:
+            old, life.step = life.step, Tally()
+            if life.started and life.off is None:
+                tap(life.step, True, instead_of=old)
 
 
 # -- a session's end, from its _Life (stop(), disable(), its finalizer) ------------------------------

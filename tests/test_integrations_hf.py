@@ -12,7 +12,9 @@ evaluate() only (FlexAttention has no backward on CPU; training is tests/gpu/tes
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import warnings
 
 import pytest
 import torch
@@ -370,20 +372,96 @@ def test_model_init_is_followed_and_stop_on_dense_says_the_verdict_once(tmp_path
 
 def test_a_callback_reused_in_a_new_trainer_follows_it_and_a_deleted_trainer_ends_its_session(tmp_path, cleanup):
     """A notebook: one callback object given to a new Trainer on a new model (it watches the new
-    one, and the old Trainer going away does not end it); ``del trainer`` inside a function ends
-    the session (the callback's stack lookup left no snapshot of the function's locals)."""
+    one too: one session per Trainer, and the old Trainer going away ends only its own);
+    ``del trainer`` inside a function ends the session (the callback's stack lookup left no
+    snapshot of the function's locals)."""
     import gc
 
     cb = FusionGuardCallback(log_path=False)
     first, second = tiny_llama(), tiny_llama()
     old = trainer_for(first, tmp_path, [cb])
     new = trainer_for(second, tmp_path, [cb])
-    assert hooks(first) == 0 and hooks(second) > 0
+    assert hooks(first) > 0 and hooks(second) > 0 and cb.session.model is second
     del old
     gc.collect()
-    assert cb.session.active and hooks(second) > 0
+    assert cb.session.active and hooks(second) > 0 and hooks(first) == 0
     del new
     gc.collect()
     assert hooks(second) == 0 and not fusionguard.is_enabled()
     with pytest.raises(TypeError, match=r"^FusionGuardCallback\(\): stop_on_dense must be True or False, not 'no'"):
         FusionGuardCallback(stop_on_dense="no")
+
+
+# -- #33, a hostile tester's second round: whose calls a verdict counts ------------------------------
+
+
+def test_a_train_that_raised_does_not_silence_a_later_evaluate(tmp_path, cleanup, fg_records):
+    """No backward through flex on CPU: train() raises NotImplementedError (on_train_end never runs)."""
+    trainer = trainer_for(tiny_llama(), tmp_path, [FusionGuardCallback(log_path=False)], max_steps=1, per_device_train_batch_size=1)
+    trainer.train_dataset = data()
+    with torch.compiler.set_stance("force_eager"), warnings_ignored():
+        with pytest.raises(NotImplementedError):
+            trainer.train()
+        trainer.evaluate()
+    assert verdicts(fg_records) == [
+        "fusionguard: evaluation batch 1: 2 FlexAttention layers, forward fused 0/2; dense: "
+        "model.layers.0.self_attn forward x1 (compiler_disabled); model.layers.1.self_attn forward x1 (compiler_disabled)"
+    ]
+
+
+def test_batch_1_counts_only_its_own_calls(tmp_path, cleanup, fg_records):
+    """Calls before evaluate() (the user's own forward, another Trainer's evaluate on the same model,
+    a strict error's blocked call) are not its first batch's."""
+    model = tiny_llama()
+    mine = trainer_for(model, tmp_path, [FusionGuardCallback(log_path=False)])
+    other = trainer_for(model, tmp_path, [FusionGuardCallback(log_path=False)])
+    with torch.compiler.set_stance("force_eager"), warnings_ignored():
+        with torch.no_grad():
+            model(torch.arange(16)[None])
+        other.evaluate()
+        fg_records.lines.clear()
+        mine.evaluate()
+    assert verdicts(fg_records) == [
+        "fusionguard: evaluation batch 1: 2 FlexAttention layers, forward fused 0/2; dense: "
+        "model.layers.0.self_attn forward x1 (compiler_disabled); model.layers.1.self_attn forward x1 (compiler_disabled)"
+    ]
+    strict = trainer_for(tiny_llama(), tmp_path, [FusionGuardCallback(strict=True, log_path=False)])
+    fg_records.lines.clear()
+    with torch.compiler.set_stance("force_eager"):
+        with pytest.raises(fusionguard.DenseFallbackError):
+            strict.evaluate()
+        with fusionguard.allow_dense():
+            strict.evaluate()
+    assert verdicts(fg_records) == ["fusionguard: evaluation batch 1: 2 FlexAttention layers, forward fused 0/2 (2 allowed dense)"]
+
+
+def test_one_callback_shared_by_two_trainers_watches_each_trainers_model(tmp_path, cleanup, fg_records):
+    cb = FusionGuardCallback(log_path=False)
+    first, second = tiny_llama(), tiny_llama()
+    a, b = trainer_for(first, tmp_path, [cb]), trainer_for(second, tmp_path, [cb])
+    with torch.compiler.set_stance("force_eager"), warnings_ignored():
+        a.evaluate()
+        assert cb.session.model is first and a.state.log_history[-1]["fusionguard/dense_calls"] == 2 * BATCHES
+        b.evaluate()
+        # (a session counts every call while it runs, process-wide: b's since b was made, a's evaluate too)
+        assert cb.session.model is second and b.state.log_history[-1]["fusionguard/dense_calls"] == 4 * BATCHES
+    assert len(verdicts(fg_records)) == 2 and all("forward fused 0/2; dense: model.layers.0" in v for v in verdicts(fg_records))
+
+
+def test_a_callback_added_after_the_trainer_was_made(tmp_path, cleanup, fg_records):
+    """``trainer.add_callback(cb)``: no on_init_end; evaluate() starts its session (no error, no
+    false verdict on a batch it did not count), the next evaluate() gets the verdict."""
+    trainer = trainer_for(tiny_llama(), tmp_path)
+    trainer.add_callback(FusionGuardCallback(log_path=False))
+    with torch.compiler.set_stance("force_eager"), warnings_ignored():
+        trainer.evaluate()
+        assert verdicts(fg_records) == [] and trainer.state.log_history[-1]["fusionguard/dense_calls"] == 2 * (BATCHES - 1)
+        trainer.evaluate()
+    assert len(verdicts(fg_records)) == 1 and "dense: model.layers.0.self_attn forward x1" in verdicts(fg_records)[0]
+
+
+@contextlib.contextmanager
+def warnings_ignored():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield

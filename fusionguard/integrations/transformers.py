@@ -4,8 +4,9 @@ A thin adapter over the public session object (``fusionguard.Session``, docs/int
 from the Trainer's creation (``on_init_end``) the session enables fusionguard or joins the one
 running (the session's rule) and watches the model the Trainer runs, found from the Trainer
 itself (``model_init`` replaces it at ``train()``: followed), so ``train()``, ``evaluate()`` and
-``predict()`` are all covered; the session ends when the Trainer is garbage-collected. After the
-first optimizer step (or the first evaluation / prediction batch) rank 0 prints one verdict
+``predict()`` are all covered; the session ends when the Trainer is garbage-collected (one
+callback given to several Trainers: one session each). After the first optimizer step (or the
+first evaluation / prediction batch, counted from its first forward) rank 0 prints one verdict
 line; every ``on_log`` adds cumulative ``fusionguard/dense_calls``, ``fusionguard/fused_calls``,
 ``fusionguard/allowed_calls`` (and, measured on CUDA, ``fusionguard/peak_layer_bytes``).
 ``FusionGuardCallback.attach(trainer)`` puts the callback first, so that the ``report_to``
@@ -71,13 +72,15 @@ class FusionGuardCallback(TrainerCallback):
         if not isinstance(stop_on_dense, bool):
             raise TypeError(f"{type(self).__name__}(): stop_on_dense must be True or False, not {stop_on_dense!r}")
         self.stop_on_dense = stop_on_dense
-        said_strict = {} if strict is None else {"strict": strict}
-        self.session = fusionguard.Session(None, name=f"{type(self).__name__}()", **said_strict, **options)
-        self._trainer: Any = None  # weak reference to the Trainer, once found
-        self._ends: Any = None  # the finalizer that ends the session with that Trainer
-        self._verdict_done = False
+        self._options = dict(options) if strict is None else {**options, "strict": strict}
+        #: the session of the Trainer that called last (one callback may serve several Trainers: one session each)
+        self.session = fusionguard.Session(None, name=f"{type(self).__name__}()", **self._options)
+        self._sessions: Any = weakref.WeakKeyDictionary()  # Trainer -> its session, ended with it
+        self._spare: Any = self.session  # made (and its arguments checked) with the callback, for the first Trainer
+        self._trainer: Any = None  # weak reference to the Trainer that called last
+        self._verdict_done = False  # train()'s first-step verdict
+        self._said_for: Any = None  # weak reference to the eval dataloader of the evaluation whose verdict was said
         self._stopped = False
-        self._training = False
 
     @classmethod
     def attach(cls, trainer: Any, *args: Any, **kwargs: Any) -> "FusionGuardCallback":
@@ -97,7 +100,8 @@ class FusionGuardCallback(TrainerCallback):
         for other in found:
             handler.callbacks.remove(other)
             if other is not cb:
-                other.session.stop()
+                for session in {id(s): s for s in [other.session, *other._sessions.values()]}.values():
+                    session.stop()
         handler.callbacks.insert(0, cb)
         cb._start(trainer)
         return cb
@@ -108,12 +112,7 @@ class FusionGuardCallback(TrainerCallback):
             if trainer is None:  # (the Trainer calling now first: one callback object may serve several)
                 trainer = _on_stack() or (self._trainer() if self._trainer is not None else None)
             if trainer is not None:
-                if self._trainer is None or self._trainer() is not trainer:
-                    self._trainer = weakref.ref(trainer)
-                    if self._ends is not None:  # (a callback moved to a new Trainer ends with that one only)
-                        self._ends.detach()
-                    self._ends = weakref.finalize(trainer, self.session.stop)  # the session ends with the Trainer
-                    self._ends.atexit = False
+                self._use(trainer)
                 args, model = trainer.args, trainer.model
             # The Trainer compiles the model itself later (accelerate's prepare): hooks put on it
             # now would be traced by Dynamo (a longer compile): names only, no hooks.
@@ -121,6 +120,42 @@ class FusionGuardCallback(TrainerCallback):
             if model is not None:
                 self.session.follow(model)
             self.session.start()
+            # evaluate() has no callback at its begin: its first batch counts from its first forward
+            self.session.step_on_forward(self._evaluation_begins)
+
+    def _use(self, trainer: Any) -> None:
+        """``self.session`` becomes ``trainer``'s, made (and bound to it) at first sight."""
+        session = self._sessions.get(trainer)
+        if session is None:
+            session, self._spare = self._spare, None
+            if session is None:
+                session = fusionguard.Session(None, name=self.session.name, **self._options)
+            session.bind(trainer)  # the session ends with its Trainer
+            self._sessions[trainer] = session
+        self.session = session
+        if self._trainer is None or self._trainer() is not trainer:
+            self._trainer = weakref.ref(trainer)
+
+    def _caller(self) -> bool:
+        """``self.session``: the calling Trainer's (started for a Trainer seen first now: the callback
+        was added after the Trainer was made). False when there is no started session to ask."""
+        trainer = _on_stack()
+        if trainer is not None and trainer not in self._sessions:
+            self._start(trainer)
+        elif trainer is not None:
+            self._use(trainer)
+        return self.session.active or self.session.off is not None
+
+    def _evaluation_begins(self) -> bool:
+        """``step_on_forward``'s test: the first batch's forward of an ``evaluate()`` or ``predict()``
+        of a Trainer this callback serves (its verdict then counts from here), outside ``train()``."""
+        trainer = _on_stack("evaluation_loop")
+        return trainer is not None and self in trainer.callback_handler.callbacks and not self._said(trainer) and _on_stack("train") is None
+
+    def _said(self, trainer: Any) -> bool:
+        """This evaluation's verdict was said (one evaluation: one eval dataloader, set by the Trainer at its begin)."""
+        loader = getattr(trainer.callback_handler, "eval_dataloader", None)
+        return self._said_for is not None and loader is not None and self._said_for() is loader
 
     def on_init_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         self._start(None, args, model)
@@ -130,8 +165,8 @@ class FusionGuardCallback(TrainerCallback):
         self._start(None, args, model)
         self._verdict_done = False
         self._stopped = False
-        self._training = True
-        self.session.step()  # what ran before train() is not its first step's
+        if self.session.active:
+            self.session.step()  # what ran before train() is not its first step's
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if not self._verdict_done:
@@ -139,6 +174,8 @@ class FusionGuardCallback(TrainerCallback):
             self._say_verdict(state, f"step {state.global_step + 1}")
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if not self.session.active:
+            return control
         step = self.session.step()  # this step's calls
         text = self.session.dense_stop(step, f"step {state.global_step}") if self.stop_on_dense and not self._stopped else None
         if text:  # (the same on every rank: every rank stops, or none)
@@ -151,8 +188,16 @@ class FusionGuardCallback(TrainerCallback):
     def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # inside train() (``eval_on_start=True`` evaluates before step 1) the first optimizer
         # step gives the verdict, with the backward in it
-        if not self._verdict_done and not self._training:
-            self._verdict_done = True
+        trainer = _on_stack()
+        if trainer is None or self._said(trainer) or _on_stack("train") is not None:
+            return
+        loader = getattr(trainer.callback_handler, "eval_dataloader", None)
+        try:
+            self._said_for = weakref.ref(loader)
+        except TypeError:  # (None, or no weak references: held until the next evaluation)
+            self._said_for = lambda: loader
+        seen = trainer in self._sessions  # (else started now, after this batch: no verdict on calls it did not count)
+        if self._caller() and seen:
             what = "prediction" if _on_stack("predict") is not None else "evaluation"
             self._say_verdict(state, f"{what} batch 1" if state.global_step == 0 else f"step {state.global_step}, {what} batch 1")
 
@@ -163,14 +208,16 @@ class FusionGuardCallback(TrainerCallback):
         self._next_run()
 
     def _next_run(self) -> None:
-        """Outside train(): the next evaluate() / predict() gets its own verdict, from its own counts."""
-        if not self._training:
-            self._verdict_done = False
-            self.session.step()
+        """Outside train(): the next evaluate() / predict() gets its own verdict, from its own counts
+        (a raised one never comes here: the next one's first forward starts its count anyway)."""
+        if _on_stack("train") is None:
+            self._said_for = None  # (the next one may reuse the dataloader: persistent workers)
+            if self._caller() and self.session.active:
+                self.session.step()
 
     def on_log(self, args: Any, state: Any, control: Any, logs: Optional[dict] = None, **kwargs: Any) -> None:
         with self.session.guarded("on_log"):
-            if logs is None:
+            if logs is None or not self._caller():
                 return
             values = self.session.metrics()  # (empty when fusionguard is off: never a false 0)
             history = state.log_history
@@ -184,12 +231,12 @@ class FusionGuardCallback(TrainerCallback):
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # the session stays: an evaluate() after train() is guarded; it ends with the Trainer
-        if state.is_world_process_zero:
+        if state.is_world_process_zero and (self.session.active or self.session.off is not None):
             with self.session.guarded("summary"):
                 ok = self.session.off is not None or self.session.counts().dense == 0
                 logger.log(logging.INFO if ok else logging.WARNING, "fusionguard summary:\n%s", self.session.summary_text())
-        self._training = False
-        self._next_run()
+        if self.session.active:
+            self.session.step()
 
     def _say_verdict(self, state: Any, label: str) -> None:
         text, ok = self.session.verdict(label)

@@ -89,6 +89,9 @@ class Watch:
         self._bw_handles: Dict[object, List[Any]] = {}  # backward spans still waiting to end
         self._depth = 0
         self._lock = threading.Lock()
+        #: called with the module at each forward begin of a watched model's root (eager, not a
+        #: checkpoint re-run): a session's step_on_forward()
+        self.on_forward: Optional[Callable[[torch.nn.Module], None]] = None
 
     # context manager / decorator
     def __enter__(self) -> "Watch":
@@ -219,6 +222,8 @@ class Watch:
         frame.flex_before = -1
         frame.root = None
         try:  # (here and below a plain try, not guarded(): the hooks run on every layer call, and a try is free)
+            if not name and self.on_forward is not None and not frame.recompute:
+                self.on_forward(mod)
             if self._roots and not frame.recompute:
                 root = self._roots.get(id(slot))
                 if root is not None and not told_no_flex(root):
