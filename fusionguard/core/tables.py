@@ -22,7 +22,8 @@ NO_LAYER = "(no layer)"
 @dataclass
 class LayerStats:
     calls: int = 0
-    dense: int = 0
+    dense: int = 0  # dense calls not allowed (warned or blocked)
+    allowed: int = 0  # dense calls inside allow_dense() (or the debug flag): on purpose, not dense
     fused: int = 0
     recompute: int = 0
     dense_recompute: int = 0
@@ -122,6 +123,9 @@ class Stats:
             row = self.row(NO_LAYER if layer is None else layer, phase)
             if recompute:  # checkpointing re-ran the dense forward: counted apart from calls
                 row.dense_recompute += 1
+            elif allowed:  # on purpose: not dense, and no cause (a session's and the report's rule)
+                row.allowed += 1
+                return
             else:
                 row.dense += 1
             if cause:
@@ -153,10 +157,10 @@ class Stats:
             ):  # (NO_LAYER last, as report has it)
                 d = {"layer": layer, "phase": phase, **r.__dict__}
                 d["causes"] = dict(r.causes)
-                # Calls of a FlexAttention layer that ran no dense kernel ran the fused one;
-                # compiled-graph runs count their fused calls (a compiled model has no hooks).
-                d["calls"] = max(r.calls, r.dense + r.fused)
-                d["fused"] = max(r.fused, d["calls"] - r.dense)
+                # Calls of a FlexAttention layer that ran no dense kernel (allowed or not) ran the
+                # fused one; compiled-graph runs count their fused calls (a compiled model has no hooks).
+                d["calls"] = max(r.calls, r.dense + r.allowed + r.fused)
+                d["fused"] = max(r.fused, d["calls"] - r.dense - r.allowed)
                 out.append(d)
             return out
 
