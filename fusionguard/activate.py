@@ -34,7 +34,12 @@ MODES = ("strict", "warn", "oom", "off")
 #: The directory the launcher puts first on PYTHONPATH (holds our ``sitecustomize.py``).
 HOOK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_startup")
 
-_told: set = set()
+#: The name our start-up hook loads this file under, by path (``_startup/sitecustomize.py``: the
+#: package costs ~0.1 s); the package imports it again as ``fusionguard.activate``.
+HOOK_COPY = "_fusionguard_activate"
+#: The notes said once per process: one set for both copies (the one loaded second takes the first's).
+_first: Optional[set] = getattr(sys.modules.get(HOOK_COPY), "_told", None)  # (None: this is the first copy)
+_told: set = set() if _first is None else _first
 
 
 def _say_once(key: str, text: str) -> None:
