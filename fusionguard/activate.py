@@ -38,8 +38,8 @@ HOOK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_startup")
 #: package costs ~0.1 s); the package imports it again as ``fusionguard.activate``.
 HOOK_COPY = "_fusionguard_activate"
 #: The notes said once per process: one set for both copies (the one loaded second takes the first's).
-_first: Optional[set] = getattr(sys.modules.get(HOOK_COPY), "_told", None)  # (None: this is the first copy)
-_told: set = set() if _first is None else _first
+_first = None if __name__ == HOOK_COPY else sys.modules.get(HOOK_COPY)  # (None: this is the first copy)
+_told: set = set() if _first is None else _first._told
 
 
 def _say_once(key: str, text: str) -> None:
