@@ -31,30 +31,7 @@ never ``watch``: importing a submodule sets it as an attribute of its package, a
 """
 
 from fusionguard.watching.memory import peak_memory_allocated
-from fusionguard.watching.naming import (
-    clean_name,
-    flex_layer,
-    in_backward,
-    is_watching,
-    layer_from_stack,
-    make_wrapper_init,
-    note_flex_call,
-    resolve_watched_name,
-    watched_name,
-)
+from fusionguard.watching.naming import clean_name  # noqa: F401  (the session's verdict imports it from here: #33)
 from fusionguard.watching.watcher import Watch, watch
 
-__all__ = [
-    "Watch",
-    "clean_name",
-    "flex_layer",
-    "in_backward",
-    "is_watching",
-    "layer_from_stack",
-    "make_wrapper_init",
-    "note_flex_call",
-    "peak_memory_allocated",
-    "resolve_watched_name",
-    "watch",
-    "watched_name",
-]
+__all__ = ["Watch", "peak_memory_allocated", "watch"]
