@@ -1,5 +1,10 @@
 """Per-layer summary: ``fusionguard.summary()`` and ``fusionguard.export(path)``, and the one
-shape of the log's ``summary`` event (``log_summary``), whoever writes it."""
+shape of the log's ``summary`` event (``log_summary``), whoever writes it.
+
+Underscored because the module is not the API: its public names are reached through the package
+(``fusionguard.summary``, ``fusionguard.export``, ``fusionguard.Summary``, loaded on first use);
+a module named ``summary``, once imported, would replace the function ``fusionguard.summary`` on
+the package (importing a submodule sets it as an attribute of its package; ``watching`` says the same)."""
 
 from __future__ import annotations
 

@@ -11,6 +11,11 @@ from fusionguard.core.state import STATE
 from fusionguard.watching import hooks
 
 
+def crash_hooks_installed() -> bool:
+    """Tests: the crash hooks (excepthooks, SIGTERM, faulthandler file) are in place."""
+    return STATE.crash.active
+
+
 def reset_for_tests() -> None:
     """Tests: forget everything (patches must already be removed)."""
     STATE.reset()

@@ -30,6 +30,9 @@ if TYPE_CHECKING:
     from typing import Any, Callable, List, Optional, Sequence
 
 ENV = "FUSIONGUARD"
+#: The words of ``FUSIONGUARD=``, ``fusionguard run``, ``enable(mode=...)`` (all but ``off``: ``core.config``)
+#: and the pytest option (``pytest_plugin.MODES``, checked equal: the plugin imports nothing of fusionguard
+#: until a session starts).
 MODES = ("strict", "warn", "oom", "off")
 #: The directory the launcher puts first on PYTHONPATH (holds our ``sitecustomize.py``).
 HOOK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_startup")

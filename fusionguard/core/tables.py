@@ -2,8 +2,9 @@
 and the caches of the dense path. Each is a field of the single ``State`` (``core/state.py``).
 
 Why a module of its own: ``core.state`` imports these classes, and nothing here imports ``core.state``
-(nor torch), so the state has no import cycle. Each class resets *in place* (``reset()``): the
-objects live as long as the process, so a module may hold one and never see a stale copy.
+(nor torch; of fusionguard's, only ``eventlog.kinds``' ``NO_LAYER``), so the state has no import
+cycle. Each class resets *in place* (``reset()``): the objects live as long as the process, so a
+module may hold one and never see a stale copy.
 """
 
 from __future__ import annotations
@@ -13,10 +14,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-#: The row of FlexAttention calls that no layer name reaches (a dense call outside any watched
-#: module, a graph compiled before ``enable()``, a compiled function called from no module):
-#: ``summary()``'s and ``fusionguard report``'s, the same words in both.
-NO_LAYER = "(no layer)"
+from fusionguard.eventlog.kinds import NO_LAYER  # (also read from here: summary()'s rows)
 
 
 @dataclass
