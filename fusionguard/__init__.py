@@ -11,20 +11,30 @@ calls are recorded at compile time (and on cache hits) as fused.
 
 from __future__ import annotations
 
-import contextlib
-import importlib
-import os
-import sys
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Union
+# What this file uses, under ``_`` names: ``dir(fusionguard)`` shows the public API (``__all__``) only.
+import contextlib as _contextlib
+import importlib as _importlib
+import sys as _sys
+from typing import TYPE_CHECKING  # (by this name: type checkers and tests/test_structure.py read the block it guards)
 
 from fusionguard import _lifecycle
 from fusionguard._version import __version__
-from fusionguard.activate import switched_off
-from fusionguard.core.config import UNSET, Config, check_log_path, check_options, merged, resolve_log_path
-from fusionguard.core.state import STATE, close_allowance, open_allowance
+from fusionguard.activate import switched_off as _switched_off
+from fusionguard.core.config import UNSET as _UNSET
+from fusionguard.core.config import Config as _Config
+from fusionguard.core.config import check_log_path as _check_log_path
+from fusionguard.core.config import check_options as _check_options
+from fusionguard.core.config import merged as _merged
+from fusionguard.core.config import resolve_log_path as _resolve_log_path
+from fusionguard.core.state import STATE as _STATE
+from fusionguard.core.state import close_allowance as _close_allowance
+from fusionguard.core.state import open_allowance as _open_allowance
 from fusionguard.errors import DenseFallbackError, DenseFallbackWarning
 
 if TYPE_CHECKING:  # imported lazily: `import fusionguard` must not import torch (pytest plugin)
+    import os
+    from typing import Any, Dict, Iterator, List, Optional, Union
+
     from fusionguard._summary import Summary, export, summary
     from fusionguard.session import Session, track
     from fusionguard.watching import peak_memory_allocated, watch
@@ -44,9 +54,14 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'fusionguard' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
+    value = getattr(_importlib.import_module(module, __name__), name)
     globals()[name] = value
     return value
+
+
+def __dir__() -> List[str]:
+    """The public API: ``__all__`` (lazy names included, before they load) and the dunders."""
+    return sorted(set(__all__) | {n for n in globals() if n.startswith("__") and n.endswith("__")})
 
 
 __all__ = [
@@ -72,8 +87,8 @@ _enabling = 0
 
 
 def enable(
-    strict: Optional[bool] = UNSET,
-    log_path: Union[str, os.PathLike, None, bool] = UNSET,
+    strict: Optional[bool] = _UNSET,
+    log_path: Union[str, os.PathLike, None, bool] = _UNSET,
     **options: Any,
 ) -> None:
     """Install the guard (idempotent: a second call reconfigures, never double-wraps).
@@ -120,31 +135,31 @@ def enable(
     """
     # Every argument is checked before anything is installed: a bad one raises, naming it, and
     # leaves the process as it was (also under the kill switch: the call is wrong either way).
-    check_options(options)
-    named = dict(options) if strict is UNSET else {**options, "strict": strict}
+    _check_options(options)
+    named = dict(options) if strict is _UNSET else {**options, "strict": strict}
     for key in ("strict", "mode"):  # (None names nothing: the same rule for both, #32)
         if key in named and named[key] is None:
             del named[key]
-    Config(**named)  # (checked alone: a bad argument is named, whatever is running)
-    if log_path is not UNSET:
-        check_log_path(log_path)
-    if switched_off():  # FUSIONGUARD=off: the kill switch wins over code
+    _Config(**named)  # (checked alone: a bad argument is named, whatever is running)
+    if log_path is not _UNSET:
+        _check_log_path(log_path)
+    if _switched_off():  # FUSIONGUARD=off: the kill switch wins over code
         return
     global _enabling
-    with STATE.lock:
+    with _STATE.lock:
         _enabling += 1  # (its first call imports torch: the start-up hook leaves this call's settings be)
         try:
-            config = merged(STATE.config, named) if STATE.enabled else Config(**named)
-            if log_path is UNSET and STATE.enabled:  # (not named: the same file stays open)
-                config.log_path, log_dir = STATE.config.log_path, STATE.log_dir
+            config = _merged(_STATE.config, named) if _STATE.enabled else _Config(**named)
+            if log_path is _UNSET and _STATE.enabled:  # (not named: the same file stays open)
+                config.log_path, log_dir = _STATE.config.log_path, _STATE.log_dir
             else:
-                config.log_path, log_dir = resolve_log_path(None if log_path is UNSET else log_path)
+                config.log_path, log_dir = _resolve_log_path(None if log_path is _UNSET else log_path)
             try:
                 _lifecycle.start(config, log_dir)
             except BaseException as exc:  # never half-enabled: patches in while is_enabled() is False
                 _lifecycle.undo_start(exc)
                 raise
-            STATE.enabled_by = _by
+            _STATE.enabled_by = _by
         finally:
             _enabling -= 1
 
@@ -153,7 +168,7 @@ def _enable_as(by: str, **kwargs: Any) -> None:
     """``enable()`` made by the launcher (``_startup/sitecustomize.py``) or a session (``session.py``), not by
     the program's own code: a session's explicit settings beat the former (docs/integrations.md)."""
     global _by
-    with STATE.lock:
+    with _STATE.lock:
         _by = by
         try:
             enable(**kwargs)
@@ -166,16 +181,16 @@ _by = "program"  # (who the enable() in progress is for: _enable_as)
 
 def disable() -> None:
     """Remove every patch (the original objects go back), write a shutdown event, close the log."""
-    with STATE.lock:
+    with _STATE.lock:
         _lifecycle.stop()
 
 
 def is_enabled() -> bool:
     """True between ``enable()`` and ``disable()``."""
-    return STATE.enabled
+    return _STATE.enabled
 
 
-@contextlib.contextmanager
+@_contextlib.contextmanager
 def allow_dense() -> Iterator[None]:
     """Inside this block strict mode does not raise; dense events say ``allowed: true``.
 
@@ -187,16 +202,16 @@ def allow_dense() -> Iterator[None]:
     generator's own code, never the consumer's between its yields; a generator driven as a
     context manager (``contextlib``, a pytest fixture) covers the code inside its ``with``.
     """
-    block = open_allowance(sys._getframe(1))
+    block = _open_allowance(_sys._getframe(1))
     try:
         yield
     finally:
-        close_allowance(block)  # closed in every context that holds it, this one or not
+        _close_allowance(block)  # closed in every context that holds it, this one or not
 
 
 def events(kind: Optional[str] = None) -> List[Dict[str, Any]]:
     """The most recent events (bounded, newest last); ``kind`` filters on the ``event`` field."""
-    items = list(STATE.log.memory)
+    items = list(_STATE.log.memory)
     if kind is not None:
         items = [e for e in items if e.get("event") == kind]
     return [dict(e) for e in items]

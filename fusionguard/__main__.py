@@ -1,4 +1,5 @@
-"""``python -m fusionguard report PATH...``"""
+"""``python -m fusionguard COMMAND ...``: the ``fusionguard`` command line (``cli.py``: ``report``,
+``run``, ``doctor``), for an environment without the console script on ``PATH``."""
 
 import sys
 

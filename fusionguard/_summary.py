@@ -1,5 +1,10 @@
 """Per-layer summary: ``fusionguard.summary()`` and ``fusionguard.export(path)``, and the one
-shape of the log's ``summary`` event (``log_summary``), whoever writes it."""
+shape of the log's ``summary`` event (``log_summary``), whoever writes it.
+
+Underscored because the module is not the API: its public names are reached through the package
+(``fusionguard.summary``, ``fusionguard.export``, ``fusionguard.Summary``, loaded on first use);
+a module named ``summary``, once imported, would replace the function ``fusionguard.summary`` on
+the package (importing a submodule sets it as an attribute of its package; ``watching`` says the same)."""
 
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ COLUMNS = (
     "phase",
     "calls",
     "dense",
+    "allowed",
     "fused",
     "recompute",
     "causes",
@@ -32,17 +38,20 @@ COLUMNS = (
 
 class Summary(list):
     """A list of per-(layer, phase) rows (dicts) that prints as a table: the same layout, units
-    and cause style as ``fusionguard report`` (``fusionguard.eventlog.formatting``)."""
+    and cause style as ``fusionguard report`` (``fusionguard.eventlog.formatting``); the
+    ``allowed`` column (dense on purpose, never counted as dense) only when a row has one, as there."""
 
     def __str__(self) -> str:
         if not self:
             return "fusionguard: no FlexAttention layer seen (is the model inside fusionguard.watch(model)?)"
+        allowed = any(r.get("allowed") for r in self)
         rows = [
             [
                 str(r["layer"]),
                 str(r["phase"]),
                 count_text(r.get("calls")),
                 count_text(r.get("dense")),
+                *([count_text(r.get("allowed"))] if allowed else []),
                 count_text(r.get("fused")),
                 causes_text(r.get("causes")),
                 mem_text(r.get("alloc_delta_last"), r.get("alloc_delta_max")),
@@ -50,13 +59,14 @@ class Summary(list):
             ]
             for r in self
         ]
-        heads = ["layer", "phase", "calls", "dense", "fused", "causes", "alloc Δ last / max", "peak Δ last / max"]
-        return "\n".join(table(heads, rows, right=(2, 3, 4)))
+        heads = ["layer", "phase", "calls", "dense", *(["allowed"] if allowed else []), "fused", "causes"]
+        heads += ["alloc Δ last / max", "peak Δ last / max"]
+        return "\n".join(table(heads, rows, right=(2, 3, 4, 5) if allowed else (2, 3, 4)))
 
 
 def summary(all_ranks: bool = False) -> Summary:
-    """Per layer and phase: calls, dense and fused calls, causes seen, allocated and peak deltas
-    (last, max) in bytes. Also written to the log. ``all_ranks=True`` gathers every rank's rows to
+    """Per layer and phase: calls, dense, allowed (``allow_dense()``: not dense) and fused calls,
+    causes seen, allocated and peak deltas (last, max) in bytes. Also written to the log. ``all_ranks=True`` gathers every rank's rows to
     rank 0 through torch.distributed (other ranks get their own rows)."""
     if not isinstance(all_ranks, bool):
         raise TypeError(f"fusionguard.summary(): all_ranks must be True or False, not {all_ranks!r}")

@@ -140,7 +140,7 @@ def _never_ran(layers: List[str], model: Any) -> List[str]:
     if model is None:
         return []
     try:  # (not guarded(): a fresh list per call)
-        from fusionguard.watching import clean_name  # lazy: it imports torch
+        from fusionguard.watching.naming import clean_name  # lazy: it imports torch
 
         named = {clean_name(n): m for n, m in model.named_modules()}
         classes = {type(named[name]) for name in layers if name in named}

@@ -12,6 +12,11 @@ from fusionguard.core.state import STATE
 from fusionguard.watching import hooks
 
 
+def crash_hooks_installed() -> bool:
+    """Tests: the crash hooks (excepthooks, SIGTERM, faulthandler file) are in place."""
+    return STATE.crash.active
+
+
 def reset_for_tests() -> None:
     """Tests: forget everything (patches must already be removed), the sessions' said-once lines too."""
     STATE.reset()

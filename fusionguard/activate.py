@@ -30,11 +30,19 @@ if TYPE_CHECKING:
     from typing import Any, Callable, List, Optional, Sequence
 
 ENV = "FUSIONGUARD"
+#: The words of ``FUSIONGUARD=``, ``fusionguard run``, ``enable(mode=...)`` (all but ``off``: ``core.config``)
+#: and the pytest option (``pytest_plugin.MODES``, checked equal: the plugin imports nothing of fusionguard
+#: until a session starts).
 MODES = ("strict", "warn", "oom", "off")
 #: The directory the launcher puts first on PYTHONPATH (holds our ``sitecustomize.py``).
 HOOK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_startup")
 
-_told: set = set()
+#: The name our start-up hook loads this file under, by path (``_startup/sitecustomize.py``: the
+#: package costs ~0.1 s); the package imports it again as ``fusionguard.activate``.
+HOOK_COPY = "_fusionguard_activate"
+#: The notes said once per process: one set for both copies (the one loaded second takes the first's).
+_first = None if __name__ == HOOK_COPY else sys.modules.get(HOOK_COPY)  # (None: this is the first copy)
+_told: set = set() if _first is None else _first._told
 
 
 def _say_once(key: str, text: str) -> None:

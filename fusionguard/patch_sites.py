@@ -25,7 +25,6 @@ from typing import Any, Callable, List, Tuple
 import torch
 
 from fusionguard import torch_internals as ti
-from fusionguard import watching
 from fusionguard._summary import log_summary
 from fusionguard.core.registry import PatchRegistry
 from fusionguard.core.state import STATE, emit, guarded, internal_error
@@ -33,6 +32,7 @@ from fusionguard.dense import guard, masks, pressure, rescue
 from fusionguard.dense.dynamo_signals import SIGNALS
 from fusionguard.eventlog.messages import LOGGER_NAME
 from fusionguard.fused import inductor
+from fusionguard.watching import naming
 
 
 def _dense(reg: PatchRegistry, op_name: str, phase: str) -> None:
@@ -105,7 +105,7 @@ def _pressure(reg: PatchRegistry) -> None:
 
 def _compile_wrappers(reg: PatchRegistry) -> None:
     cls = ti.optimized_module()
-    reg.apply("OptimizedModule.__init__", vars(cls), "__init__", watching.make_wrapper_init, owner=cls)
+    reg.apply("OptimizedModule.__init__", vars(cls), "__init__", naming.make_wrapper_init, owner=cls)
 
 
 def _rescue(reg: PatchRegistry) -> None:

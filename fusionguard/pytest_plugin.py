@@ -45,7 +45,7 @@ from typing import Any, Dict, Generator, Iterator, List, Optional
 
 import pytest
 
-MODES = ("strict", "warn", "oom", "off")
+MODES = ("strict", "warn", "oom", "off")  # (activate.MODES: not imported, this module loads in every pytest run; a test checks them equal)
 PROPERTY = "fusionguard"
 MARKER = "fusionguard_allow_dense"
 
@@ -110,9 +110,13 @@ def pytest_configure(config: Any) -> None:
     if mode in (None, "off"):
         return
     # FUSIONGUARD=off in the environment is the kill switch: it wins over the option, as over
-    # enable() in code; the plugin says so rather than reporting "no dense calls".
-    killed = os.environ.get("FUSIONGUARD", "").strip().lower() == "off"
-    config.pluginmanager.register(FusionGuardPlugin(config, mode, killed=killed), "fusionguard-session")
+    # enable() in code; the session says so rather than reporting "no dense calls".
+    config.pluginmanager.register(FusionGuardPlugin(config, mode, killed=_kill_switch()), "fusionguard-session")
+
+
+def _kill_switch() -> bool:
+    """``FUSIONGUARD=off``, read as ``activate.env_mode`` reads it (a test checks them alike)."""
+    return os.environ.get("FUSIONGUARD", "").strip().lower() == "off"
 
 
 def _is_xdist_controller(config: Any) -> bool:
@@ -134,9 +138,8 @@ def _compact(event: Dict[str, Any]) -> Dict[str, Any]:
 
 
 class FusionGuardPlugin:
-    """Registered (as ``fusionguard-session``) only when ``--fusionguard`` is strict, warn or oom.
-    "Session" in this file is pytest's test session; ``self.fg`` is the ``fusionguard.Session``
-    (``fusionguard.track()``) that runs for the whole of it."""
+    """The plugin's hooks for one test session (registered as ``fusionguard-session``), only when
+    ``--fusionguard`` is strict, warn or oom."""
 
     def __init__(self, config: Any, mode: str, killed: bool = False) -> None:
         self.config = config
@@ -144,13 +147,13 @@ class FusionGuardPlugin:
         self.strict = mode == "strict"
         self.killed = killed  # FUSIONGUARD=off: nothing is enabled, the plugin says so
         self.log_path: Optional[str] = None
-        self.fg: Any = None  # the fusionguard.Session running for the whole test session
-        self.active = not killed and not _is_xdist_controller(config)
+        self.fg_session: Any = None  # the fusionguard.Session of the test session
+        self.guarding = not killed and not _is_xdist_controller(config)  # this process runs guarded tests
         self.worker_logs: List[str] = []  # (xdist controller) each worker's log, sent back as it ends
         # filled from reports, so that it also works under xdist (reports come from workers)
         self.dense: Dict[str, List[dict]] = collections.OrderedDict()
         self.tests = 0
-        self.fused = 0
+        self.compile_records = 0  # flex_compile records (compiled graphs, not calls)
         self.internal_errors = 0
 
     # -- guard lifecycle ----------------------------------------------------------------
@@ -163,17 +166,17 @@ class FusionGuardPlugin:
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_sessionstart(self, session: Any) -> None:
-        if not self.active:
+        if not self.guarding:
             return
         path = self.config.getoption("fusionguard_log") or _ini(self.config, "fusionguard_log") or self._default_log()
         import fusionguard  # lazy: the plugin loads in every pytest run; fusionguard's runtime only when used
 
         # keep_all: every dense call of every test is reported, none folded into counters
-        self.fg = fusionguard.Session(None, mode=self.mode, log_path=path, keep_all=True, name=f"pytest --fusionguard={self.mode}")
-        self.fg.start()
-        self.fg.restore()  # (a conftest's own enable() before the test session: the plugin's settings)
-        self.log_path = self.fg.log_path  # resolved (a directory becomes rank/pid file)
-        self.fg.new_events()
+        self.fg_session = fusionguard.Session(None, mode=self.mode, log_path=path, keep_all=True, name=f"pytest --fusionguard={self.mode}")
+        self.fg_session.start()
+        self.fg_session.restore()  # (a conftest's own enable() before the session: the session's settings)
+        self.log_path = self.fg_session.log_path  # resolved (a directory becomes rank/pid file)
+        self.fg_session.new_events()
 
     def _killed_text(self) -> str:
         given = f"--fusionguard={self.mode}" if self.config.getoption("fusionguard", None) else f"ini fusionguard = {self.mode}"
@@ -192,7 +195,7 @@ class FusionGuardPlugin:
     def _where(self) -> str:
         """Where the test session's log is: this process's file; on an xdist controller, the files
         the workers wrote (or, before they end, what they were told)."""
-        if self.active:
+        if self.guarding:
             return self.log_path or "none (the log could not be opened: events in memory only)"
         logs = sorted(set(self.worker_logs))
         if len(logs) == 1:
@@ -210,12 +213,12 @@ class FusionGuardPlugin:
 
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self, session: Any) -> None:
-        if not self.active:
+        if not self.guarding:
             return
         import fusionguard  # lazy: the plugin loads in every pytest run; fusionguard's runtime only when used
 
         self._take_new()  # events after the last test: fused/internal totals only
-        self.fg.stop()
+        self.fg_session.stop()
         fusionguard.disable()  # (also what a test's own enable() left)
         output = getattr(self.config, "workeroutput", None)  # an xdist worker: tell the controller
         if isinstance(output, dict) and self.log_path:
@@ -231,20 +234,20 @@ class FusionGuardPlugin:
     # -- per test -----------------------------------------------------------------------
     def _take_new(self) -> List[dict]:
         """Events logged since the last call (in memory, oldest first)."""
-        fresh: List[dict] = self.fg.new_events()
+        fresh: List[dict] = self.fg_session.new_events()
         for event in fresh:
             if event.get("event") == "flex_compile":
-                self.fused += 1
+                self.compile_records += 1
             elif event.get("event") == "internal_error":
                 self.internal_errors += 1
         return fresh
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item: Any, nextitem: Any) -> Iterator[None]:
-        if not self.active:
+        if not self.guarding:
             yield
             return
-        self.fg.restore()  # a test that called enable() / disable() itself: the plugin's settings back
+        self.fg_session.restore()  # a test that called enable() / disable() itself: the session's settings back
         self._take_new()  # whatever ran between tests is not this test's
         allow: Any = contextlib.nullcontext()
         if item.get_closest_marker(MARKER) is not None:
@@ -257,7 +260,7 @@ class FusionGuardPlugin:
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_makereport(self, item: Any, call: Any) -> Generator[None, Any, None]:
         outcome = yield
-        if not self.active:
+        if not self.guarding:
             return
         report = outcome.get_result()
         dense = [e for e in self._take_new() if e.get("event") == "flex_call"]
@@ -339,8 +342,8 @@ class FusionGuardPlugin:
             by_cause = collections.Counter(c["cause"] for c in dense)
             tr.write_line("by cause: " + ", ".join(f"{cause} {n}" for cause, n in by_cause.most_common()))
         extra = []
-        if self.fused:
-            extra.append(f"{self.fused} fused FlexAttention compile record(s)")
+        if self.compile_records:
+            extra.append(f"{self.compile_records} fused FlexAttention compile record(s)")
         if self.internal_errors:
             extra.append(f"{self.internal_errors} fusionguard internal error(s), see the log")
         if extra:

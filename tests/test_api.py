@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import textwrap
 
@@ -47,6 +48,23 @@ def test_public_names():
         assert name in fusionguard.__all__
     assert issubclass(fusionguard.DenseFallbackError, RuntimeError)
     assert issubclass(fusionguard.DenseFallbackWarning, UserWarning)
+
+
+def test_the_top_level_shows_the_public_api_only():
+    """``dir(fusionguard)`` is ``__all__`` (lazy names included, before they load), never the
+    internals it imports (``STATE``, ``Config``, ``merged``, ``Any``...), which the top level does
+    not hand out either; ``fusionguard.watching`` exports its three documented names."""
+    code = "import sys, fusionguard; print(sorted(n for n in dir(fusionguard) if not n.startswith('__')));print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out == [str(sorted(set(fusionguard.__all__) - {"__version__"})), "False"]
+    for name in ("STATE", "Config", "UNSET", "merged", "check_options", "switched_off", "open_allowance", "Any", "Dict", "os"):
+        assert not hasattr(fusionguard, name), name
+    with pytest.raises(ImportError):
+        exec("from fusionguard import STATE", {})
+    from fusionguard import watching
+
+    assert watching.__all__ == ["Watch", "peak_memory_allocated", "watch"]
+    assert not [n for n in ("note_flex_call", "flex_layer", "in_backward", "make_wrapper_init", "watched_name") if hasattr(watching, n)]
 
 
 def test_enable_patches_everything_and_disable_restores_identical_objects(guard):

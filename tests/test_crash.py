@@ -19,6 +19,7 @@ import forkserver  # (a child that needs a process, not a fresh interpreter: tes
 import pytest
 from conftest import ROOT, child_env, read_jsonl, run_cli
 
+from fusionguard import _testing
 from fusionguard.eventlog import crash, diagnosis
 from fusionguard.report import crashfile
 
@@ -29,13 +30,13 @@ PRELUDE = """
 import sys, os, time, warnings
 import torch
 import fusionguard
-from fusionguard.eventlog import crash
+from fusionguard import _testing
 from fusionguard.core.state import STATE
 from torch.nn.attention.flex_attention import flex_attention
 warnings.simplefilter("ignore")
 LOG = sys.argv[1]
 fusionguard.enable(log_path=LOG)
-assert crash.is_installed()
+assert _testing.crash_hooks_installed()
 q = torch.randn(1, 2, 16, 8)
 """
 
@@ -283,7 +284,7 @@ def test_uninstall_restores_the_exact_previous_hooks(clean_hooks):
     crash.uninstall()
     assert sys.excepthook is my_hook and threading.excepthook is my_thread_hook
     assert signal.getsignal(signal.SIGTERM) is my_handler
-    assert not crash.is_installed()
+    assert not _testing.crash_hooks_installed()
 
 
 def test_ours_put_back_by_a_trainer_after_disable_never_breaks_the_next_disable(tmp_path):
@@ -291,7 +292,6 @@ def test_ours_put_back_by_a_trainer_after_disable_never_breaks_the_next_disable(
     the callback's disable() restored the previous one: the next enable() finds ours installed,
     and its disable() raised TypeError (signal.signal(SIGTERM, None)) before #33."""
     import fusionguard
-    from fusionguard import _testing
 
     before = signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
@@ -601,7 +601,6 @@ def test_a_host_owned_faulthandler_is_left_alone(tmp_path):
     import faulthandler
 
     import fusionguard
-    from fusionguard import _testing
 
     was = faulthandler.is_enabled()  # pytest enables it by default (then it stays pytest's)
     if not was:

@@ -1,57 +1,122 @@
-"""#33: the framework adapters (fusionguard/integrations/) and the pytest plugin use only the
-public API: what ``fusionguard.__all__`` exports and the documented public submodule
-``fusionguard.session``. They import nothing private and never read the state object."""
+"""#33: the framework adapters (fusionguard/integrations/) and the pytest plugin, the examples and
+the Python blocks of the docs use only the public API: what ``fusionguard.__all__`` exports and
+the documented public submodules (``fusionguard.session``, ``fusionguard.integrations.*``). They
+import nothing private, spell no ``_``-name of a public module (``fusionguard.session._LIVE``)
+and never read the state object."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
+from typing import Dict, List, Set
+
+import docs_blocks
 
 import fusionguard
 
 ROOT = Path(fusionguard.__file__).parent
 ADAPTERS = sorted((ROOT / "integrations").glob("*.py")) + [ROOT / "pytest_plugin.py"]
-PUBLIC_MODULES = {"fusionguard", "fusionguard.session"}
+EXAMPLES = sorted((ROOT.parent / "examples").glob("*.py"))
+PUBLIC_MODULES = {
+    "fusionguard",
+    "fusionguard.session",
+    "fusionguard.integrations",
+    "fusionguard.integrations.lightning",
+    "fusionguard.integrations.transformers",
+}
 
 
-def offences(path: Path):
-    tree = ast.parse(path.read_text())
-    found = []
-    aliases = set()
+def _private_name(module: str, name: str) -> bool:
+    """``name`` of the public ``module`` is not public: a ``_``-name, or one the package does not export."""
+    if name.startswith("_") and not (name.startswith("__") and name.endswith("__")):
+        return True
+    return module == "fusionguard" and name not in fusionguard.__all__ and f"fusionguard.{name}" not in PUBLIC_MODULES
+
+
+def offences(source: str, where: str) -> List[str]:
+    tree = ast.parse(source)
+    found: List[str] = []
+    bound: Dict[str, str] = {}  # local name -> the fusionguard module it is
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for a in node.names:
-                if a.name.startswith("fusionguard") and a.name not in PUBLIC_MODULES:
-                    found.append(f"{path.name}:{node.lineno} import {a.name}")
-                if a.name == "fusionguard":
-                    aliases.add(a.asname or "fusionguard")
+                if a.name.startswith("fusionguard"):
+                    if a.name not in PUBLIC_MODULES:
+                        found.append(f"{where}:{node.lineno} import {a.name}")
+                    bound[a.asname or "fusionguard"] = a.name if a.asname else "fusionguard"
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fusionguard"):
-            if node.module not in PUBLIC_MODULES:
-                found.append(f"{path.name}:{node.lineno} from {node.module} import ...")
-            elif node.module == "fusionguard":
-                found += [
-                    f"{path.name}:{node.lineno} from fusionguard import {a.name}"
-                    for a in node.names
-                    if a.name not in fusionguard.__all__ and a.name != "session"
-                ]
+            module = node.module or ""
+            if module not in PUBLIC_MODULES:
+                found.append(f"{where}:{node.lineno} from {module} import ...")
+                continue
+            for a in node.names:
+                if f"{module}.{a.name}" in PUBLIC_MODULES:
+                    bound[a.asname or a.name] = f"{module}.{a.name}"
+                elif _private_name(module, a.name):
+                    found.append(f"{where}:{node.lineno} from {module} import {a.name}")
         elif isinstance(node, ast.Name) and node.id == "STATE":
-            found.append(f"{path.name}:{node.lineno} STATE")
+            found.append(f"{where}:{node.lineno} STATE")
+    inner = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
-            if node.attr not in fusionguard.__all__ and node.attr != "session":
-                found.append(f"{path.name}:{node.lineno} fusionguard.{node.attr}")
+        if not isinstance(node, ast.Attribute) or id(node) in inner:
+            continue
+        parts: List[str] = []
+        base: ast.expr = node
+        while isinstance(base, ast.Attribute):
+            parts.insert(0, base.attr)
+            base = base.value
+        if not isinstance(base, ast.Name) or base.id not in bound:
+            continue
+        module = bound[base.id]
+        for part in parts:  # down the public modules, to the first name that is not one
+            if _private_name(module, part):
+                found.append(f"{where}:{node.lineno} {module}.{part}")
+                break
+            if f"{module}.{part}" not in PUBLIC_MODULES:
+                break
+            module = f"{module}.{part}"
     return found
 
 
 def test_the_adapters_use_only_the_public_api():
     assert len(ADAPTERS) >= 4
-    assert [o for p in ADAPTERS for o in offences(p)] == []
+    assert [o for p in ADAPTERS for o in offences(p.read_text(), p.name)] == []
+
+
+def test_the_examples_use_only_the_public_api():
+    assert len(EXAMPLES) >= 5
+    assert [o for p in EXAMPLES for o in offences(p.read_text(), p.name)] == []
+
+
+def test_the_python_blocks_of_the_docs_use_only_the_public_api():
+    blocks = [b for b in docs_blocks.blocks() if b.python]
+    assert len(blocks) >= 10
+    found: List[str] = []
+    unparsed: Set[str] = set()
+    for b in blocks:
+        try:
+            found += offences(b.text, b.id)
+        except SyntaxError:
+            unparsed.add(b.id)
+    assert found == []
+    assert len(unparsed) <= len(blocks) // 4, unparsed  # (fragments may elide; most blocks parse)
 
 
 def test_the_check_catches_what_main_did(tmp_path):
-    bad = tmp_path / "bad.py"
-    bad.write_text(
+    bad = (
         "import fusionguard\nfrom fusionguard.core.state import STATE\nfrom fusionguard import _summary\n"
         "fusionguard._enable_as('x')\nSTATE.counts\n"
     )
-    assert len(offences(bad)) == 4
+    assert len(offences(bad, "bad.py")) == 4
+    sneaky = (
+        "import fusionguard\nimport fusionguard.session as s\nfrom fusionguard import session\n"
+        "from fusionguard.session import _Tally, Session\nfusionguard.session._LIVE\ns._LIVE\nsession._tap\n"
+        "fusionguard.core.state.STATE\nfusionguard.track(None).counts()\nfusionguard.__version__\n"
+    )
+    assert offences(sneaky, "x.py") == [
+        "x.py:4 from fusionguard.session import _Tally",
+        "x.py:5 fusionguard.session._LIVE",
+        "x.py:6 fusionguard.session._LIVE",
+        "x.py:7 fusionguard.session._tap",
+        "x.py:8 fusionguard.core",
+    ]

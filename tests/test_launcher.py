@@ -155,6 +155,16 @@ def test_bad_values_and_missing_commands_are_reported_never_a_crash(tmp_path):
     assert p.returncode == 2 and "no command given" in p.stderr
 
 
+def test_a_bad_value_is_said_once_by_the_hook_and_the_programs_enable_alike(tmp_path):
+    """The start-up hook loads activate.py by path, the package imports it again: the two copies
+    share one set of notes said, so the bad value is said once per process, not once per copy."""
+    hook = activate.HOOK_DIR
+    code = "import fusionguard; fusionguard.enable(log_path=False); fusionguard.disable(); print('ran')"
+    p = _run([PY, "-c", code], tmp_path, FUSIONGUARD="bogus", PYTHONPATH=os.pathsep.join([hook, str(ROOT)]))
+    assert p.returncode == 0 and p.stdout.strip() == "ran", p.stderr
+    assert p.stderr.count("ignoring FUSIONGUARD='bogus'") == 1, p.stderr
+
+
 def test_launch_env_puts_the_hook_first_once():
     env = activate.launch_env(None, "~/fg/", {"PYTHONPATH": f"/a{os.pathsep}{activate.HOOK_DIR}", "HOME": "/h"})
     assert env["PYTHONPATH"].split(os.pathsep) == [activate.HOOK_DIR, "/a"]

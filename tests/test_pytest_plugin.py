@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 from conftest import read_jsonl, run_forked
 
 pytest_plugins = ["pytester"]
@@ -348,3 +349,20 @@ def test_the_documented_ini_block_copied_verbatim_writes_logs_fusionguard_jsonl(
         assert (pytester.path / "logs" / "fusionguard.jsonl").is_file(), result.stdout.lines
         assert [p.name for p in (pytester.path / "logs").iterdir()] == ["fusionguard.jsonl"]
         (pytester.path / "logs" / "fusionguard.jsonl").unlink()
+
+
+@pytest.mark.parametrize("value", [None, "", "off", " OFF ", "Off\n", "of", "warn", "strict", "bogus"])
+def test_the_plugin_reads_modes_and_the_kill_switch_as_activate_does(monkeypatch, value):
+    """One list of mode words (``activate.MODES``; the plugin keeps a copy it does not import: it
+    loads in every pytest run), and one reading of ``FUSIONGUARD=off``; ``enable(mode=...)``'s
+    words are the same but the kill switch."""
+    from fusionguard import activate, pytest_plugin
+    from fusionguard.core import config
+
+    assert pytest_plugin.MODES == activate.MODES and config.MODES == tuple(m for m in activate.MODES if m != "off")
+    if value is None:
+        monkeypatch.delenv("FUSIONGUARD", raising=False)
+    else:
+        monkeypatch.setenv("FUSIONGUARD", value)
+    monkeypatch.setattr(activate, "_told", set())  # (a bad value's note: said here, never again)
+    assert pytest_plugin._kill_switch() == (activate.env_mode() == "off")

@@ -378,6 +378,50 @@ def test_every_import_inside_a_function_says_why(tmp_path):
     assert [b for name, path in _modules().items() for b in _bare_late_imports(name, path)] == []
 
 
+def _named_modules(folder: str, doc: str, stems: Set[str]) -> Set[str]:
+    """The modules a folder's docstring names: ````x````, ````x.py```` or ````fusionguard.FOLDER.x````,
+    where ``x`` is the name of a module of the package (of any folder, or a top-level one)."""
+    import re  # (a reason, as the rule above asks of the package)
+
+    named = set()
+    for token in re.findall(r"``([\w.]+)``", doc):
+        token = token.removesuffix(".py").removeprefix(f"fusionguard.{folder}.")
+        if token in stems:
+            named.add(token)
+    return named
+
+
+def test_each_folder_docstring_names_exactly_its_modules():
+    """A folder's ``__init__`` docstring lists its modules: all of them, and none of another
+    folder's (a module that moved leaves a stale list otherwise)."""
+    folders: Dict[str, Set[str]] = {}
+    for name in _modules():
+        parts = name.split(".")
+        if len(parts) == 3 and os.path.exists(os.path.join(PKG, parts[1], "__init__.py")):  # (not _startup/: a hook, no package)
+            folders.setdefault(parts[1], set()).add(parts[2])
+    top = {n.split(".")[1].lstrip("_") for n, path in _modules().items() if n.count(".") == 1 and not path.endswith("__init__.py")}
+    stems = set().union(*folders.values()) | top
+    assert _named_modules("core", "``state``, ``formatting``, ``fusionguard.core.tables``", stems) == {"state", "formatting", "tables"}
+    wrong = {}
+    for folder, mods in sorted(folders.items()):
+        doc = ast.get_docstring(ast.parse(open(os.path.join(PKG, folder, "__init__.py")).read())) or ""
+        named = _named_modules(folder, doc, stems)
+        if named != mods:
+            wrong[folder] = {"missing": sorted(mods - named), "not its own": sorted(named - mods)}
+    assert wrong == {}
+
+
+def test_the_wiring_section_names_every_lazy_name_and_only_real_state_fields():
+    """docs/internals.md names each public name ``import fusionguard`` loads on first use, and no
+    ``STATE.x`` the state does not have (it named ``STATE.signals`` long after it was gone)."""
+    import re  # (a reason, as the rule above asks of the package)
+
+    wired = _section("Where things are wired")
+    assert sorted(n for n in fusionguard._LAZY if f"`{n}`" not in wired) == []
+    fields = set(re.findall(r"\bSTATE\.(\w+)", open(DOCS).read()))
+    assert "stats" in fields and sorted(f for f in fields if not hasattr(_state.STATE, f)) == []
+
+
 def test_where_things_go_names_paths_that_exist():
     import re  # (a reason, as the rule above asks of the package)
 

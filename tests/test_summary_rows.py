@@ -190,3 +190,33 @@ def test_report_reads_every_summary_shape_alike(tmp_path, capsys):
     assert (
         got["old_end_of_log"] == got["old_summary_call"] == got["one_shape"] == {("a", "forward"): (2, 0, {}), ("b", "forward"): (2, 0, {})}
     )
+
+
+def test_allowed_calls_are_a_column_of_their_own_not_dense(guard, capsys):
+    """A dense call inside ``allow_dense()`` is ``allowed`` in summary(), never ``dense`` (and
+    not ``fused``): the rule of a session's counts, ``fusionguard report`` and its HTML page."""
+    log = guard(keep_all=True)
+    model = Model()
+    q, k, v = qkv()
+    with torch.no_grad(), fusionguard.track(model) as fg:
+        with fusionguard.allow_dense():
+            model(q, k, v)
+        model(q, k, v)
+    rows = fusionguard.summary()
+    fusionguard.disable()
+    got = {(r["layer"], r["phase"]): (r["calls"], r["dense"], r["allowed"], r["fused"], r["causes"]) for r in rows}
+    assert got == {("attn", "forward"): (2, 1, 1, 0, {"eager_call": 1})}
+    assert [(r["dense"], r["allowed"], r["fused"]) for r in fg.counts().rows] == [(1, 1, 0)]  # a session's rule
+    assert str(rows).splitlines()[0].split()[:6] == ["layer", "phase", "calls", "dense", "allowed", "fused"]
+    assert str(rows).splitlines()[2].split()[:6] == ["attn", "forward", "2", "1", "1", "0"]
+    rc, out, err = run_cli(capsys, log, "--format", "json")
+    rep = json.loads(out)
+    (row,) = rep["rows"]
+    assert (row["dense"], row["allowed"], row["fused"], row["causes"]) == (1, 1, 0, {"eager_call": 1})
+    assert rep["warnings"] == []  # the summary event's rows (an ``allowed`` count each) read, not skipped as corrupt
+    page = log.with_suffix(".html")
+    assert run_cli(capsys, log, "--html", str(page))[0] == 0
+    html = page.read_text()
+    assert 'data-col="dense" data-value="1"' in html and 'data-col="allowed" data-value="1"' in html
+    summary_event = summary_events(log)[-1]["rows"]
+    assert [(r["dense"], r["allowed"]) for r in summary_event] == [(1, 1)]

@@ -453,7 +453,7 @@ def test_blocks_compiled_in_place_add_no_made_up_layer_rows(guard, dynamo_reset)
 
 def test_wrapper_prefixes_map_to_watched_names_and_nothing_else():
     from fusionguard.core.state import STATE
-    from fusionguard.watching import resolve_watched_name
+    from fusionguard.watching.naming import resolve_watched_name
 
     watched = STATE.watch.names
     saved = dict(watched)

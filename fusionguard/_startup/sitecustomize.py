@@ -48,6 +48,7 @@ def _fusionguard_startup() -> None:
             from importlib.machinery import SourceFileLoader  # lazy: only when FUSIONGUARD is set
 
             path = os.path.join(os.path.dirname(here), "activate.py")
+            # (the name is activate.HOOK_COPY: the package's copy shares its notes said once)
             activate = _fusionguard_exec(SourceFileLoader("_fusionguard_activate", path), path)
             activate.startup(_fusionguard_launch)
         except Exception as exc:  # fusionguard not importable here: never break the program

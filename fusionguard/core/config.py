@@ -7,11 +7,12 @@ import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Dict, Optional, Tuple, Union
 
+from fusionguard import activate
 from fusionguard.eventlog.header import rank_info
 from fusionguard.eventlog.sink import DEFAULT_LOG_MODE
 
-#: ``enable(mode=...)``: the same words as ``FUSIONGUARD=``, ``fusionguard run`` and the pytest option.
-MODES = ("warn", "strict", "oom")
+#: ``enable(mode=...)``: the words of ``FUSIONGUARD=`` (``activate.MODES``, the one list), but the kill switch.
+MODES = tuple(m for m in activate.MODES if m != "off")
 
 #: The log file when neither ``enable(log_path=...)`` nor ``FUSIONGUARD_LOG`` says (one process).
 DEFAULT_LOG_NAME = "fusionguard.jsonl"

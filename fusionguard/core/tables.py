@@ -2,8 +2,9 @@
 and the caches of the dense path. Each is a field of the single ``State`` (``core/state.py``).
 
 Why a module of its own: ``core.state`` imports these classes, and nothing here imports ``core.state``
-(nor torch), so the state has no import cycle. Each class resets *in place* (``reset()``): the
-objects live as long as the process, so a module may hold one and never see a stale copy.
+(nor torch; of fusionguard's, only ``eventlog.kinds``' ``NO_LAYER``), so the state has no import
+cycle. Each class resets *in place* (``reset()``): the objects live as long as the process, so a
+module may hold one and never see a stale copy.
 """
 
 from __future__ import annotations
@@ -13,16 +14,14 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-#: The row of FlexAttention calls that no layer name reaches (a dense call outside any watched
-#: module, a graph compiled before ``enable()``, a compiled function called from no module):
-#: ``summary()``'s and ``fusionguard report``'s, the same words in both.
-NO_LAYER = "(no layer)"
+from fusionguard.eventlog.kinds import NO_LAYER  # (also read from here: summary()'s rows)
 
 
 @dataclass
 class LayerStats:
     calls: int = 0
-    dense: int = 0
+    dense: int = 0  # dense calls not allowed (warned or blocked)
+    allowed: int = 0  # dense calls inside allow_dense() (or the debug flag): on purpose, not dense
     fused: int = 0
     recompute: int = 0
     dense_recompute: int = 0
@@ -122,6 +121,9 @@ class Stats:
             row = self.row(NO_LAYER if layer is None else layer, phase)
             if recompute:  # checkpointing re-ran the dense forward: counted apart from calls
                 row.dense_recompute += 1
+            elif allowed:  # on purpose: not dense, and no cause (a session's and the report's rule)
+                row.allowed += 1
+                return
             else:
                 row.dense += 1
             if cause:
@@ -153,10 +155,10 @@ class Stats:
             ):  # (NO_LAYER last, as report has it)
                 d = {"layer": layer, "phase": phase, **r.__dict__}
                 d["causes"] = dict(r.causes)
-                # Calls of a FlexAttention layer that ran no dense kernel ran the fused one;
-                # compiled-graph runs count their fused calls (a compiled model has no hooks).
-                d["calls"] = max(r.calls, r.dense + r.fused)
-                d["fused"] = max(r.fused, d["calls"] - r.dense)
+                # Calls of a FlexAttention layer that ran no dense kernel (allowed or not) ran the
+                # fused one; compiled-graph runs count their fused calls (a compiled model has no hooks).
+                d["calls"] = max(r.calls, r.dense + r.allowed + r.fused)
+                d["fused"] = max(r.fused, d["calls"] - r.dense - r.allowed)
                 out.append(d)
             return out
 

@@ -1,4 +1,4 @@
 """The event log: the structlog pipeline (``log``), its header and argv redaction (``header``,
 ``redact``), the file and its durability (``sink``), bounded volume (``sampler``), the event kinds
-(``kinds``), the human messages (``messages``), profiler ranges (``profiler``) and the crash hooks
-(``crash``, ``diagnosis``)."""
+(``kinds``), the human messages (``messages``), the words every output shares (``formatting``),
+rank helpers (``distributed``) and the crash hooks (``crash``, ``diagnosis``)."""

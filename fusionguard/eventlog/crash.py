@@ -182,10 +182,6 @@ def _restore_threading() -> None:
             CRASH.prev_threading = None
 
 
-def is_installed() -> bool:
-    return CRASH.active
-
-
 def sigterm_pending() -> bool:
     """SIGTERM arrived and its ``shutdown`` event is being written, or is written and the signal
     not yet handed over: the process is ending, and no event may follow that one (the guard

@@ -1,11 +1,17 @@
 """The event kinds a fusionguard log holds: one list, the subsets that other modules act on.
 
 Also the vocabulary of a dense event's ``cause``: what each means and its fix (the guard's
-messages, recompile pressure and ``report`` say the same words). Dependency-free."""
+messages, recompile pressure and ``report`` say the same words), and the ``layer`` of calls no
+layer name reaches (``NO_LAYER``). Dependency-free."""
 
 from __future__ import annotations
 
 from typing import Dict
+
+#: The row of FlexAttention calls that no layer name reaches (a dense call outside any watched
+#: module, a graph compiled before ``enable()``, a compiled function called from no module):
+#: ``summary()``'s, the log's ``summary`` rows and ``fusionguard report``'s, the same words in all.
+NO_LAYER = "(no layer)"
 
 #: Every kind of event fusionguard writes (``report`` counts anything else as unknown).
 KNOWN_EVENTS = frozenset(

@@ -1,7 +1,7 @@
 """``fusionguard report``: read fusionguard JSON-lines logs and say what ran dense, where, why, how
 much memory it took and how the run ended.
 
-One module per job, each importing only those before it (no cycle; nothing here imports torch):
+One module per job (no cycle; nothing here imports torch):
 
 - ``read``: find the log files and read them one line at a time, hostile lines counted, never fatal;
 - ``reservoir``: a fixed-size sample of memory figures (median) and their exact max;
@@ -12,7 +12,8 @@ One module per job, each importing only those before it (no cycle; nothing here 
 - ``plot``: the ``--plot`` chart (matplotlib, imported only then);
 - ``html_style``: that page's stylesheet (fixed text);
 - ``html``: the ``--html`` page (self-contained, no script; every log string escaped);
-- ``crashfile``: a faulthandler file (native crash) read into a ``crash`` record.
+- ``crashfile``: a faulthandler file (native crash) read into a crash record; files named by
+  logs opened safely (``read`` uses it too).
 
 This package file imports nothing: each caller imports the module it needs
 (``fusionguard.report.build.build``, ``fusionguard.report.render.render_text``, ...).
@@ -30,6 +31,6 @@ otherwise ignored; every header's ``schema`` is reported (newer than ``SUPPORTED
 warning, known fields are still read).
 
 Events are grouped by *process*: (hostname from the header, pid, rank). A process whose log
-contains a ``crash`` event crashed; one whose last event is not a ``shutdown`` stopped without
+contains a ``"crash"`` event crashed; one whose last event is not a ``"shutdown"`` stopped without
 one (SIGKILL, the OOM killer, a node failure, or still running).
 """

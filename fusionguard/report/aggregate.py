@@ -4,7 +4,7 @@ Everything here is bounded whatever the log's length: a fixed-size ``Reservoir``
 figures per (layer, phase), the last ``last`` events per process, at most ``MAX_KEYS`` distinct
 (layer, phase) keys. The same call is often seen from several sides (a flex_run, a layer's
 record, the process's own ``summary`` rows); the rules that count it once live here
-(``Counts.event_fused``, ``Aggregator._settle``).
+(``LayerTally.event_fused``, ``Aggregator._settle``).
 """
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ import collections
 import re
 from typing import Any, Deque, Dict, List, Optional, Set, Tuple
 
-from fusionguard.core.tables import NO_LAYER
-from fusionguard.eventlog.kinds import KNOWN_EVENTS
+from fusionguard.eventlog.kinds import KNOWN_EVENTS, NO_LAYER
 from fusionguard.report.read import FileStats, read_events
 from fusionguard.report.reservoir import Reservoir
 
@@ -42,8 +41,9 @@ def _short(x: Any, n: int = 200) -> Any:
     return x
 
 
-class Counts:
-    """One process's counts for one (layer, phase)."""
+class LayerTally:
+    """One process's counts for one (layer, phase), read from its log (a session's live counts are
+    ``fusionguard.session.Counts``; here ``fused`` is settled from several sources: ``event_fused``)."""
 
     __slots__ = (
         "dense",
@@ -148,7 +148,7 @@ class Stream:
         self.recent: Deque[dict] = collections.deque(maxlen=last)
         self.crashes: List[Dict[str, Any]] = []
         self.crash_count = 0
-        self.counts: Dict[Tuple[str, str], Counts] = {}
+        self.counts: Dict[Tuple[str, str], LayerTally] = {}
         self.summary_rows: Optional[List[dict]] = None
         self.header: Dict[str, Any] = {}
         self.files: List[str] = []
@@ -166,10 +166,10 @@ class Stream:
             return gaps
         return gaps - sum(sp.elsewhere for sp in self.spans.values())
 
-    def count(self, key: Tuple[str, str]) -> Counts:
+    def count(self, key: Tuple[str, str]) -> LayerTally:
         c = self.counts.get(key)
         if c is None:
-            c = self.counts[key] = Counts()
+            c = self.counts[key] = LayerTally()
         return c
 
 
@@ -612,7 +612,7 @@ class Aggregator:
         takes what its row counts beyond its own events, out of the unattributed calls. When the
         rows count more than the unattributed calls can cover (rows of an earlier log of the same
         process), nothing is split and a warning says so."""
-        phases: Dict[str, List[Tuple[Tuple[str, str], Counts]]] = {}
+        phases: Dict[str, List[Tuple[Tuple[str, str], LayerTally]]] = {}
         for key, c in s.counts.items():
             phases.setdefault(key[1], []).append((key, c))
         for phase, items in phases.items():

@@ -13,7 +13,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from fusionguard.eventlog.formatting import site_text
 from fusionguard.report import aggregate
-from fusionguard.report.aggregate import MAX_KEYS, NO_LAYER, OTHER_LAYERS, Aggregator, Counts, Stream, compact
+from fusionguard.report.aggregate import MAX_KEYS, NO_LAYER, OTHER_LAYERS, Aggregator, LayerTally, Stream, compact
 from fusionguard.report.crashfile import native_crash
 from fusionguard.report.read import SUPPORTED_SCHEMA, ReportError, find_logs
 
@@ -62,7 +62,7 @@ def build_report(agg: Aggregator) -> Dict[str, Any]:
     rows: List[Dict[str, Any]] = []
     per_rank: Dict[Any, Dict[Tuple[str, str], List[int]]] = {}
     for key in sorted(agg.keys, key=lambda k: (natural_key(k[0]), _PHASE_ORDER.get(k[1], 9), k[1])):
-        total = Counts()
+        total = LayerTally()
         dense_ranks, fused_ranks = set(), set()
         for s in streams:
             c = s.counts.get(key)

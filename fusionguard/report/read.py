@@ -278,7 +278,7 @@ _CHECKS: Dict[str, Callable[[Any], bool]] = {
     "ts": _is_ts,
     "schema": lambda v: _is_int(v) or _is_str(v),
     "recompute": lambda v: v.__class__ is bool or _is_int(v),
-    "allowed": lambda v: v.__class__ is bool,
+    "allowed": lambda v: v.__class__ is bool or _is_count(v),  # a dense event's flag; a summary row's count
     "layers": _list_of(_is_str),
     "frames": _list_of(_is_str),
     "devices": _list_of(_is_str),

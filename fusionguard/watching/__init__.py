@@ -4,7 +4,7 @@ Why this design:
 - The current layer lives in a ``ContextVar`` (a tuple of qualified names): threads and asyncio
   tasks each see their own, there is no global stack to corrupt. Forward pre-/post-hooks push and
   pop it; post-hooks use ``always_call=True`` so a layer that raises still pops.
-- A backward carries its forward's layer on the autograd ``ctx`` (see ``guard``), so interleaved
+- A backward carries its forward's layer on the autograd ``ctx`` (see ``dense.guard``), so interleaved
   and checkpointed backward get the right name; a forward that runs *inside* a backward (activation
   checkpointing recompute) is flagged ``recompute`` and not counted as a new forward call.
 - Memory comes from the CUDA caching allocator's own counters. A layer's *peak* can only be read
@@ -23,37 +23,14 @@ Why this design:
   compile is the one without watch(). Those it must trace (a module with hooks of its own) are
   the same function objects at every watch() entry, so re-entering does not recompile.
 
-Modules: ``naming`` (names, layer lookup, backward spans), ``memory`` (CUDA peaks, per-layer rows),
-``hooks`` (the hook pool), ``watcher`` (``Watch``, ``watch()``). Named ``watching`` and ``watcher``,
+Modules: ``naming`` (names, layer lookup, backward spans), ``paths`` (names without watch(): the
+model's own paths), ``memory`` (CUDA peaks, per-layer rows), ``hooks`` (the hook pool), ``watcher``
+(``Watch``, ``watch()``). Named ``watching`` and ``watcher``,
 never ``watch``: importing a submodule sets it as an attribute of its package, and both
 ``fusionguard.watch`` and ``fusionguard.watching.watch`` must stay the function.
 """
 
 from fusionguard.watching.memory import peak_memory_allocated
-from fusionguard.watching.naming import (
-    clean_name,
-    flex_layer,
-    in_backward,
-    is_watching,
-    layer_from_stack,
-    make_wrapper_init,
-    note_flex_call,
-    resolve_watched_name,
-    watched_name,
-)
 from fusionguard.watching.watcher import Watch, watch
 
-__all__ = [
-    "Watch",
-    "clean_name",
-    "flex_layer",
-    "in_backward",
-    "is_watching",
-    "layer_from_stack",
-    "make_wrapper_init",
-    "note_flex_call",
-    "peak_memory_allocated",
-    "resolve_watched_name",
-    "watch",
-    "watched_name",
-]
+__all__ = ["Watch", "peak_memory_allocated", "watch"]
