@@ -94,9 +94,10 @@ _LAUNCHERS = ("torchrun", "torch/distributed/run.py", "torch/distributed/launch.
 #: Inductor's compile-worker pool (``python .../compile_worker/__main__.py``; its workers are its
 #: forks), and the dlopen probe of Inductor's CPU vector-ISA check below.
 _HELPER_SCRIPTS = ("torch/_inductor/compile_worker/__main__.py",)
-#: The probe: ``python -c CODE``, CODE imports (torch on 2.7 everywhere, later releases off Linux:
-#: ``cpu_vec_isa.VecISA._avx_py_load``) and then ``cdll.LoadLibrary(<a kernel .so>)``, nothing else.
-_PROBE_LINES = ("import torch", "import sys", 'if sys.platform != "linux":', "from ctypes import cdll")
+#: The probe (``cpu_vec_isa.VecISA._avx_py_load``): ``python -c CODE``, CODE made of these lines and
+#: ``cdll.LoadLibrary(<a kernel .so>)``, nothing else (it imports torch on 2.7 everywhere; 2.13 off
+#: Linux; 2.15 off Linux, and on Linux where the plain load failed).
+_PROBE_LINES = ("import torch", "import sys", 'if sys.platform != "linux":', "from ctypes import cdll", "try:", "except OSError:", "raise")
 
 
 _LAUNCHER_MODULES = ("torch.distributed.run", "torch.distributed.launch")
@@ -123,7 +124,8 @@ def is_torch_helper(argv0: str, orig_argv: Sequence[str] = ()) -> bool:
         return False
     lines = [line.split("#")[0].strip() for line in args[args.index("-c") + 1].splitlines()]
     lines = [line for line in lines if line]
-    return bool(lines) and lines[-1].startswith("cdll.LoadLibrary(") and all(line in _PROBE_LINES for line in lines[:-1])
+    loads = [line for line in lines if line.startswith("cdll.LoadLibrary(")]
+    return bool(loads) and all(line in _PROBE_LINES for line in lines if line not in loads)
 
 
 def _enable(mode: str, launch: Callable[[str], None]) -> None:

@@ -188,17 +188,31 @@ def test_torchrun_s_agent_is_left_alone_its_workers_are_not():
 # later releases off Linux only. Under `fusionguard run` it imported torch and wrote a log of its
 # own (two per compiling rank: 6 files for 2 ranks in tests/test_distributed.py's fsdp2_unwatched).
 PROBE_27 = '\nimport torch\nfrom ctypes import cdll\ncdll.LoadLibrary("__lib_path__")\n'
+PROBE_215 = """
+import sys
+if sys.platform != "linux":
+    import torch  # noqa: F401
+from ctypes import cdll
+try:
+    cdll.LoadLibrary("__lib_path__")
+except OSError:
+    if sys.platform != "linux":
+        raise
+    import torch  # noqa: F401
+    cdll.LoadLibrary("__lib_path__")
+"""
 
 
 def test_torchs_own_helper_processes_are_left_alone():
     from torch._inductor.cpu_vec_isa import VecISA
 
-    for code in (PROBE_27, VecISA._avx_py_load):  # (2.7's, and this release's)
+    for code in (PROBE_27, PROBE_215, VecISA._avx_py_load):  # (2.7's, 2.15's, and this release's)
         assert activate.is_torch_helper("-c", ["python", "-c", code.replace("__lib_path__", "/c/x.so")]), code
     assert activate.is_torch_helper("/venv/lib/python3.11/site-packages/torch/_inductor/compile_worker/__main__.py")
     for code in (
         "import torch\nfrom ctypes import cdll\ncdll.LoadLibrary('x.so')\nrun_attention()",
         "import torch\nfrom ctypes import cdll\nlib = cdll.LoadLibrary('x.so')",
+        "import torch\nfrom ctypes import cdll\ntry:\n    cdll.LoadLibrary('x.so')\nexcept OSError:\n    train()",
         "import torch",
         "",
     ):
