@@ -95,10 +95,17 @@ def startup(launch: Callable[[str], None]) -> None:
         _say_once("startup", f"fusionguard: start-up hook failed ({type(exc).__name__}: {exc}); fusionguard is off in this process\n")
 
 
-#: Launcher processes that import torch but never run attention (torchrun's elastic agent;
-#: Inductor's compile-worker pool, which torch 2.7 starts in every compiling worker): their
+#: Launcher processes that import torch but never run attention (torchrun's elastic agent): their
 #: workers are enabled, they are not (no log of their own next to the ranks' logs).
-_LAUNCHERS = ("torchrun", "torch/distributed/run.py", "torch/distributed/launch.py", "torch/_inductor/compile_worker/__main__.py")
+_LAUNCHERS = ("torchrun", "torch/distributed/run.py", "torch/distributed/launch.py")
+#: Helper processes torch starts itself, which import torch but never run the user's attention:
+#: Inductor's compile-worker pool (``python .../compile_worker/__main__.py``; its workers are its
+#: forks), and the dlopen probe of Inductor's CPU vector-ISA check below.
+_HELPER_SCRIPTS = ("torch/_inductor/compile_worker/__main__.py",)
+#: The probe (``cpu_vec_isa.VecISA._avx_py_load``): ``python -c CODE``, CODE made of these lines and
+#: ``cdll.LoadLibrary(<a kernel .so>)``, nothing else (it imports torch on 2.7 everywhere; 2.13 off
+#: Linux; 2.15 off Linux, and on Linux where the plain load failed).
+_PROBE_LINES = ("import torch", "import sys", 'if sys.platform != "linux":', "from ctypes import cdll", "try:", "except OSError:", "raise")
 
 
 _LAUNCHER_MODULES = ("torch.distributed.run", "torch.distributed.launch")
@@ -114,8 +121,24 @@ def is_launcher(argv0: str, orig_argv: Sequence[str] = ()) -> bool:
     return any(name == x or name.endswith("/" + x) for x in _LAUNCHERS)
 
 
+def is_torch_helper(argv0: str, orig_argv: Sequence[str] = ()) -> bool:
+    """A Python process torch started for itself (``_HELPER_SCRIPTS``, the vector-ISA probe), not
+    the user's: ``argv0`` is ``sys.argv[0]``, ``orig_argv`` ``sys.orig_argv`` (``-c``'s code)."""
+    name = argv0.replace(os.sep, "/")
+    if any(name.endswith("/" + x) for x in _HELPER_SCRIPTS):
+        return True
+    args = list(orig_argv)
+    if argv0 != "-c" or "-c" not in args[:-1]:
+        return False
+    lines = [line.split("#")[0].strip() for line in args[args.index("-c") + 1].splitlines()]
+    lines = [line for line in lines if line]
+    loads = [line for line in lines if line.startswith("cdll.LoadLibrary(")]
+    return bool(loads) and all(line in _PROBE_LINES for line in lines if line not in loads)
+
+
 def _enable(mode: str, launch: Callable[[str], None]) -> None:
-    if sys.argv and is_launcher(sys.argv[0], getattr(sys, "orig_argv", ())):
+    argv = getattr(sys, "orig_argv", ())
+    if sys.argv and (is_launcher(sys.argv[0], argv) or is_torch_helper(sys.argv[0], argv)):
         return
     try:
         launch(mode)

@@ -144,7 +144,21 @@ def _lacks_pressure():
     return None
 
 
-FEATURES = {"rescue": _lacks_rescue, "debug_flag": _lacks_debug_flag, "graph_text": _lacks_graph_text, "pressure": _lacks_pressure}
+def _lacks_context_parallel():
+    try:
+        torch_internals.context_parallel_flex()
+    except torch_internals.Unavailable as exc:  # (a LookupError for a partial find: the test fails, as it should)
+        return str(exc)
+    return None
+
+
+FEATURES = {
+    "rescue": _lacks_rescue,
+    "debug_flag": _lacks_debug_flag,
+    "graph_text": _lacks_graph_text,
+    "pressure": _lacks_pressure,
+    "context_parallel": _lacks_context_parallel,
+}
 
 
 def lacks(feature):

@@ -202,6 +202,11 @@ def cleaned():
 
     logger = logging.getLogger("fusionguard")
     saved = (logger.level, list(logger.handlers), logger.propagate)
+    # torch._logging's names: a block's set_logs(modules={"fusionguard": ...}) made *before* enable()
+    # registers "fusionguard" itself (any importable module name), and for good: enable() then finds
+    # it torch's and disable() rightly leaves it. The next test in this process would inherit it.
+    registry = torch._logging._internal.log_registry
+    names = (dict(registry.log_alias_to_log_qnames), set(registry.child_log_qnames))
     try:
         yield
     finally:
@@ -212,6 +217,10 @@ def cleaned():
         logger.setLevel(saved[0])
         logger.handlers[:] = saved[1]
         logger.propagate = saved[2]
+        registry.log_alias_to_log_qnames.clear()
+        registry.log_alias_to_log_qnames.update(names[0])
+        registry.child_log_qnames.clear()
+        registry.child_log_qnames.update(names[1])
 
 
 def run_python(source: str, name: str, ns: dict[str, Any], cwd: Path) -> str:

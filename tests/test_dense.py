@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import fusionguard
+from fusionguard import _testing
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -163,7 +164,7 @@ def test_results_are_bit_identical_with_the_guard(b, hkv, group, q_len, kv_len, 
         q = q.transpose(1, 2).contiguous().transpose(1, 2)
     kw = dict(enable_gqa=group > 1)
     plain = flex_attention(q, k, v, **kw)
-    fusionguard.enable(log_path=False)
+    fusionguard.enable(log_path=False)  # (not the guard fixture: hypothesis runs every example in one test)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -171,8 +172,10 @@ def test_results_are_bit_identical_with_the_guard(b, hkv, group, q_len, kv_len, 
         events = flex_events()
     finally:
         fusionguard.disable()
+        _testing.reset_for_tests()  # as the guard fixture does: events() spans enable() cycles, a process's history
     assert torch.equal(plain, guarded)
-    assert events and events[-1]["q_shape"] == list(q.shape)
+    assert [e["q_shape"] for e in events] == [list(q.shape)]  # this example's call only
+    assert fusionguard.events() == [], "left for the next test on this worker (3 flex_call events for 2 once)"
 
 
 def test_gradients_are_bit_identical_with_the_guard(guard):

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Sequence
 
 import pytest
-from conftest import read_jsonl
+from conftest import needs, read_jsonl
 
 from fusionguard.eventlog.distributed import gather_to_rank0, process_group_ready
 
@@ -274,6 +274,7 @@ def test_fsdp2_strict_one_rank_dense_every_rank_stops(tmp_path):
     assert record["rank0"].startswith(("process group error", "torchrun SIGTERM")), record
 
 
+@needs("context_parallel")
 def test_context_parallel_flex_is_found_on_this_torch():
     """torch's private context parallelism for flex (registered in torch_internals: 2.11 and 2.13
     keep it in ``_context_parallel/_attention.py``; the older ``_attention.py`` re-exports the style only)."""
@@ -286,6 +287,7 @@ def test_context_parallel_flex_is_found_on_this_torch():
 
 @torchrun
 @pytest.mark.slow
+@needs("context_parallel")
 def test_context_parallel_flex_on_gloo_compiled_fused_eager_dense_with_local_shapes(tmp_path):
     """Context parallelism for FlexAttention (``_ContextParallel(2, FLEX)``, S = 256 on 2 ranks,
     inference: no flex backward on CPU). Compiled: fused on every rank, no dense call. The same

@@ -111,6 +111,21 @@ def test_run_block(block, tmp_path, producers):
         check(nxt, out, [tmp_path, db.ROOT])
 
 
+def test_a_block_leaves_torch_logging_as_it_found_it(tmp_path):
+    """docs/logging.md's ``set_logs(modules={"fusionguard": ...})`` runs before ``enable()``: torch then
+    registers the name itself (any importable module), and ``disable()`` rightly leaves torch's own
+    registration. ``cleaned()`` must take it back, or every later test in this process starts with
+    fusionguard registered (test_undo_registry.py failed so, behind this block on one xdist worker)."""
+    from fusionguard import torch_internals as ti
+
+    (block,) = [b for b in RUN if b.python and 'set_logs(modules={"fusionguard"' in b.text]
+    assert not ti.torch_log_registered("fusionguard"), "registered before the block: an earlier test left it"
+    with db.cleaned():
+        db.run_block(block, tmp_path)
+        assert ti.torch_log_registered("fusionguard")
+    assert not ti.torch_log_registered("fusionguard")
+
+
 @pytest.mark.parametrize("block", OUTPUT_OF, ids=[b.id for b in OUTPUT_OF])
 def test_output_block(block, producers):
     real, dirs = producers.get(block.args["of"])

@@ -199,6 +199,66 @@ def test_torchrun_s_agent_is_left_alone_its_workers_are_not():
     assert not activate.is_launcher("-m", ["python", "-m"])
 
 
+# Inductor's CPU vector-ISA check loads a test kernel in a Python child of the compiling process,
+# with that process's environment: torch 2.7 on every platform (cpu_vec_isa.VecISA._avx_py_load),
+# later releases off Linux only. Under `fusionguard run` it imported torch and wrote a log of its
+# own (two per compiling rank: 6 files for 2 ranks in tests/test_distributed.py's fsdp2_unwatched).
+PROBE_27 = '\nimport torch\nfrom ctypes import cdll\ncdll.LoadLibrary("__lib_path__")\n'
+PROBE_215 = """
+import sys
+if sys.platform != "linux":
+    import torch  # noqa: F401
+from ctypes import cdll
+try:
+    cdll.LoadLibrary("__lib_path__")
+except OSError:
+    if sys.platform != "linux":
+        raise
+    import torch  # noqa: F401
+    cdll.LoadLibrary("__lib_path__")
+"""
+
+
+def test_torchs_own_helper_processes_are_left_alone():
+    from torch._inductor.cpu_vec_isa import VecISA
+
+    for code in (PROBE_27, PROBE_215, VecISA._avx_py_load):  # (2.7's, 2.15's, and this release's)
+        assert activate.is_torch_helper("-c", ["python", "-c", code.replace("__lib_path__", "/c/x.so")]), code
+    assert activate.is_torch_helper("/venv/lib/python3.11/site-packages/torch/_inductor/compile_worker/__main__.py")
+    for code in (
+        "import torch\nfrom ctypes import cdll\ncdll.LoadLibrary('x.so')\nrun_attention()",
+        "import torch\nfrom ctypes import cdll\nlib = cdll.LoadLibrary('x.so')",
+        "import torch\nfrom ctypes import cdll\ntry:\n    cdll.LoadLibrary('x.so')\nexcept OSError:\n    train()",
+        "import torch",
+        "",
+    ):
+        assert not activate.is_torch_helper("-c", ["python", "-c", code]), code
+    assert not activate.is_torch_helper("-c", ["python", "-c"])
+    assert not activate.is_torch_helper("train.py", ["python", "train.py", "-c", PROBE_27])
+
+
+PROBING = """
+import ctypes.util, os, subprocess, sys
+import torch
+import fusionguard
+probe = sys.argv[1].replace("__lib_path__", ctypes.util.find_library("c") or "libc.so.6")
+# as torch 2.7's cpu_vec_isa runs it: the parent's environment, its sys.path as PYTHONPATH
+subprocess.check_call([sys.executable, "-c", probe], env={**os.environ, "PYTHONPATH": ":".join(sys.path)})
+print(os.getpid(), fusionguard.is_enabled())
+"""
+
+
+def test_fusionguard_run_writes_no_log_for_torchs_vector_isa_probe(tmp_path):
+    """The probe child of a compiling process stands down: one log, the program's."""
+    (tmp_path / "prog.py").write_text(PROBING)
+    logs = tmp_path / "logs"
+    p = _run([PY, "-m", "fusionguard", "run", "--log", f"{logs}/", "--", PY, "prog.py", PROBE_27], tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    pid, enabled = p.stdout.split()
+    assert enabled == "True"
+    assert sorted(f.name for f in logs.iterdir() if f.suffix == ".jsonl") == [f"fusionguard.rank0.pid{pid}.jsonl"], p.stderr[-3000:]
+
+
 WORKER = """
 import os, warnings
 import torch

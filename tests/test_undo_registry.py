@@ -55,6 +55,7 @@ def _same(a: object, b: object) -> bool:
 
 def test_every_registry_entry_is_undone_by_disable(guard, dynamo_reset):
     before = _host_slots()
+    assert not before["TORCH_LOGS=fusionguard"], "torch._logging knows fusionguard before enable(): an earlier test left it"
     guard()
     q, k, v = qkv()
     torch.compile(PUBLIC.flex_attention)(q, k, v)  # a compiled graph whose callable gets counted

@@ -212,8 +212,12 @@ def context_parallel_flex() -> types.SimpleNamespace:
     """PyTorch's private context parallelism for FlexAttention: ``ContextParallel`` (the
     ``ParallelStyle``; ``ContextParallel(seq_dim, ContextParallel.AttentionType.FLEX)``),
     ``create_cp_block_mask`` and ``shard`` (``_context_parallel_shard``), from the first of
-    ``CP_MODULES`` that has all three (tests/gpu/dist_cuda_worker.py, docs/distributed.md)."""
-    errors = []
+    ``CP_MODULES`` that has all three (tests/gpu/dist_cuda_worker.py, docs/distributed.md).
+
+    Raises ``Unavailable`` where this release has none of the three in any of them (torch 2.7: its
+    context parallelism knows SDPA only), ``LookupError`` where some are there but not all (a
+    changed API: a failure to look into, never a release that simply lacks it)."""
+    errors, seen = [], []
     for name in CP_MODULES:
         try:
             mod = module(name)
@@ -224,5 +228,11 @@ def context_parallel_flex() -> types.SimpleNamespace:
         if all(callable(f) for f in found) and hasattr(found[0], "AttentionType"):
             build: Callable[..., Any] = found[1]  # type: ignore[assignment]  # (callable: checked above)
             return types.SimpleNamespace(ContextParallel=found[0], create_cp_block_mask=_cp_block_mask(build), shard=found[2])
+        seen += [f"{name}.{n}" for n, f in zip((CONTEXT_PARALLEL, CP_BLOCK_MASK, CP_SHARD), found) if f is not None]
         errors.append(f"{name}: no {CONTEXT_PARALLEL} with AttentionType, {CP_BLOCK_MASK} and {CP_SHARD}")
-    raise LookupError("context parallelism for FlexAttention not found: " + "; ".join(errors))
+    if not seen:
+        raise Unavailable(
+            f"torch {torch_version()} has no context parallelism for FlexAttention "
+            f"(none of {CONTEXT_PARALLEL}, {CP_BLOCK_MASK}, {CP_SHARD} in {', '.join(CP_MODULES)})"
+        )
+    raise LookupError(f"context parallelism for FlexAttention not found (found only {', '.join(seen)}): " + "; ".join(errors))

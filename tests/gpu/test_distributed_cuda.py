@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import needs
 from test_distributed import check_strict_stop, flex_calls, fusionguard_run, launch, output, rank_logs
 
 pytestmark = [
@@ -121,6 +122,7 @@ def test_fsdp2_strict_one_rank_forced_dense_every_rank_stops_no_nccl_hang(tmp_pa
     check_strict_stop(tmp_path, proc, time.time(), "layers.0.attn")
 
 
+@needs("context_parallel")
 def test_context_parallel_flex_16k_fused_dense_and_oom_per_rank(tmp_path):
     """Context parallelism for FlexAttention (torch's private _ContextParallel(2, FLEX) and
     _create_cp_block_mask), S = 16384 on 2 ranks, bf16, 8 heads of 64, causal, mode="oom".
