@@ -11,36 +11,10 @@ import warnings
 
 import pytest
 import torch
-from torch.nn.attention.flex_attention import flex_attention
+from test_session import Attn, Net, x  # one copy of the tiny two-layer model
 
 import fusionguard
 from fusionguard import _testing
-
-D = 8
-
-
-class Attn(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.proj = torch.nn.Linear(D, D)
-
-    def forward(self, x):
-        return self.proj(flex_attention(x, x, x))
-
-
-class Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = torch.nn.ModuleList([Attn(), Attn()])
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
-def x():
-    return torch.randn(1, 2, 16, D, generator=torch.Generator().manual_seed(0))
 
 
 def run(fn):
