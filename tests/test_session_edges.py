@@ -166,7 +166,8 @@ def test_step_on_forward_takes_a_function_and_a_test_that_raises_is_the_users(cl
     assert a.pending().dense == 6
     told = [m for m in fg_records.lines if "step_on_forward" in m]
     assert told == [
-        "fusionguard: fusionguard.track(): its step_on_forward() test raised ZeroDivisionError: division by zero (no new step on it; said once)"
+        "fusionguard: fusionguard.track(): its step_on_forward() test raised ZeroDivisionError: division by zero "
+        "(no new step on it; said once)"
     ]
     assert not [m for m in fg_records.lines if "internal error" in m]
     a.step_on_forward(None)  # None: no more
