@@ -233,11 +233,10 @@ class Session:
         return old.counts(off)
 
     def step_on_forward(self, when: Optional[Callable[[], bool]]) -> None:
-        """From now on, a new step starts (as ``step()`` starts one) as each forward of its model
-        begins for which ``when()`` is true (None: no more): for a framework whose evaluation has
-        no callback at its begin (the Hugging Face Trainer's ``evaluate()``), so that the calls made
-        before it, elsewhere, are not its first batch's. Only on a model with hooks: none with
-        ``hooks=False`` or a model compiled whole in place."""
+        """From now on, a new step starts (as ``step()`` starts one) as each forward of its model begins for which
+        ``when()`` is true (None: no more): for a framework whose evaluation has no callback at its begin (the Hugging
+        Face Trainer's ``evaluate()``), so that the calls made before it, elsewhere, are not its first batch's.
+        Only on a model with hooks: none with ``hooks=False`` or a model compiled whole in place."""
         if when is not None and not callable(when):
             raise TypeError(f"{self.name}: step_on_forward() takes a function of no argument (or None), not {type(when).__name__}")
         self._on_forward, self._h.on_forward = when, when is not None
@@ -275,7 +274,8 @@ class Session:
                 f"{self.name}: verdict(label, counts=...) takes the Counts of step(), counts() or pending(), not {type(counts).__name__}"
             )
         if self.off is not None:
-            return Verdict(f"fusionguard: {label}: no verdict: {self.off}; FlexAttention calls are not checked", True)
+            then = "this session ended then (start() it again)" if self.off == DISABLED and fusionguard.is_enabled() else ""
+            return Verdict(f"fusionguard: {label}: no verdict: {self.off}; {then or 'FlexAttention calls are not checked'}", True)
         try:  # (not guarded(): the fallback names the label)
             return verdict(label, counts or self.pending(), self.model)
         except Exception as exc:

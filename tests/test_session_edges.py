@@ -173,3 +173,12 @@ def test_step_on_forward_takes_a_function_and_a_test_that_raises_is_the_users(cl
     a.step_on_forward(None)  # None: no more
     run(model)
     assert a.pending().dense == 8 and len([m for m in fg_records.lines if "step_on_forward" in m]) == 1
+
+
+def test_a_session_ended_by_disable_says_so_after_a_new_enable(clean):
+    model = Net()
+    fg = fusionguard.track(model, log_path=False).start()
+    fusionguard.disable()
+    fusionguard.enable(strict=True, log_path=False)  # (calls are checked again, not by this session)
+    text = fg.verdict("step 1").text
+    assert text == "fusionguard: step 1: no verdict: fusionguard.disable() was called; this session ended then (start() it again)"
