@@ -65,7 +65,7 @@ class _Life:
         self.watched: Any = None  # the model the watch is on
         self.took_from: Any = None  # weak reference to the _Life it took the model's hooks over from
         self.bound: List[Any] = []  # finalizers of the objects it is bound to
-        self.on_forward: Optional[Callable[[], bool]] = None  # step_on_forward()'s test
+        self.on_forward = False  # a step_on_forward() test is set (on the session: it may hold the session)
 
 
 _IDS = itertools.count(1)
@@ -76,24 +76,10 @@ _TOLD: set = set()  # conflicts said (once per process)
 _LOCK = threading.RLock()
 
 
-def unwrap(model: Any) -> Any:
-    """The model under DataParallel / DistributedDataParallel / FSDP1 wrappers (their ``module``);
-    a ``torch.compile`` wrapper is kept: ``watch()`` names through it and hooks nothing inside."""
-    import torch  # lazy: torch loads with the first watched model, never when this module is imported
+def _unwrap(model: Any) -> Any:
+    from fusionguard.watching.watcher import unwrap  # lazy: it imports torch (loaded: a model was given)
 
-    wrappers: Tuple[type, ...] = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel  # lazy: an optional part of torch
-
-        wrappers += (FullyShardedDataParallel,)
-    except Exception:
-        pass
-    for _ in range(8):
-        inner = getattr(model, "module", None)
-        if not (isinstance(model, wrappers) and isinstance(inner, torch.nn.Module)):
-            break
-        model = inner
-    return model
+    return unwrap(model)
 
 
 @guarded("session watch exit")
@@ -135,6 +121,7 @@ class Session:
         self._h = _Life(self, name, self._wanted())  # (its end, apart from it)
         self._seen: Tuple[Any, int] = (None, 0)  # (log, seq) for new_events()
         self._entered = 0  # nested ``with`` blocks of this session
+        self._on_forward: Optional[Callable[[], bool]] = None  # step_on_forward()'s test
         weakref.finalize(self, _end_soon, self._h, True).atexit = False  # (the process's exit has its own end: at_exit)
 
     # -- life ---------------------------------------------------------------------------------------
@@ -246,12 +233,13 @@ class Session:
         return old.counts(off)
 
     def step_on_forward(self, when: Optional[Callable[[], bool]]) -> None:
-        """From now on, a new step starts (as ``step()`` starts one) as each forward of its model
-        begins for which ``when()`` is true (None: no more): for a framework whose evaluation has
-        no callback at its begin (the Hugging Face Trainer's ``evaluate()``), so that the calls made
-        before it, elsewhere, are not its first batch's. Only on a model with hooks: none with
-        ``hooks=False`` or a model compiled whole in place."""
-        self._h.on_forward = when
+        """From now on, a new step starts (as ``step()`` starts one) as each forward of its model begins for which
+        ``when()`` is true (None: no more): for a framework whose evaluation has no callback at its begin (the Hugging
+        Face Trainer's ``evaluate()``), so that the calls made before it, elsewhere, are not its first batch's.
+        Only on a model with hooks: none with ``hooks=False`` or a model compiled whole in place."""
+        if when is not None and not callable(when):
+            raise TypeError(f"{self.name}: step_on_forward() takes a function of no argument (or None), not {type(when).__name__}")
+        self._on_forward, self._h.on_forward = when, when is not None
 
     def pending(self) -> Counts:
         """The calls since the last ``step()``, without starting a new one."""
@@ -286,7 +274,8 @@ class Session:
                 f"{self.name}: verdict(label, counts=...) takes the Counts of step(), counts() or pending(), not {type(counts).__name__}"
             )
         if self.off is not None:
-            return Verdict(f"fusionguard: {label}: no verdict: {self.off}; FlexAttention calls are not checked", True)
+            then = "this session ended then (start() it again)" if self.off == DISABLED and fusionguard.is_enabled() else ""
+            return Verdict(f"fusionguard: {label}: no verdict: {self.off}; {then or 'FlexAttention calls are not checked'}", True)
         try:  # (not guarded(): the fallback names the label)
             return verdict(label, counts or self.pending(), self.model)
         except Exception as exc:
@@ -313,6 +302,7 @@ class Session:
     def new_events(self) -> List[Dict[str, Any]]:
         """The events logged since the last call (or the start), oldest first (from the
         in-memory ring: ``enable(max_events=...)`` bounds how many can be seen at once)."""
+        self._started("new_events()")
         log = STATE.log
         last_log, last_seq = self._seen
         if log is not last_log:  # (fusionguard's state was reset: a new log, seq from 0)
@@ -462,7 +452,7 @@ class Session:
         with guarded("session watch"):
             import torch  # lazy: torch loads with the first watched model, never when this module is imported
 
-            inner = unwrap(model)
+            inner = _unwrap(model)
             life = self._h
             if not isinstance(inner, torch.nn.Module) or inner is life.watched:
                 return
@@ -490,16 +480,27 @@ def _forward_began(model: Any) -> None:
     """A watched model's forward begins (its root pre-hook): the sessions of that model whose
     ``step_on_forward()`` test says so start a new step (whichever session holds its hooks)."""
     with _LOCK:
-        lives = [life for life in _LIVE.values() if life.on_forward is not None and life.started]
+        lives = [life for life in _LIVE.values() if life.on_forward and life.started]
     for life in lives:
         session = life.session()
-        when = life.on_forward
-        if session is None or when is None or unwrap(session._model) is not model or not when():
+        when = session._on_forward if session is not None else None
+        if session is None or when is None or _unwrap(session._model) is not model or not _asks(life, when):
             continue
         with life.lock:
             old, life.step = life.step, Tally()
             if life.started and life.off is None:
                 tap(life.step, True, instead_of=old)
+
+
+def _asks(life: _Life, when: Callable[[], bool]) -> bool:
+    """The user's ``step_on_forward()`` test; one that raises is said once (not fusionguard's error) and means no."""
+    try:
+        return bool(when())
+    except Exception as exc:
+        if ("on_forward", life.key) not in _TOLD:
+            _TOLD.add(("on_forward", life.key))
+            say(f"fusionguard: {life.name}: its step_on_forward() test raised {type(exc).__name__}: {exc} (no new step on it; said once)\n")
+        return False
 
 
 # -- a session's end, from its _Life (stop(), disable(), its finalizer) ------------------------------
@@ -575,7 +576,7 @@ def _unwatch(life: _Life, give_back: bool = True) -> None:
             break
         earlier = earlier.took_from() if earlier.took_from is not None else None
     session = earlier.session() if earlier is not None and earlier.watched is None else None
-    if session is not None and unwrap(session._model) is inner:
+    if session is not None and _unwrap(session._model) is inner:
         session._follow(session._model, regain=True)
 
 

@@ -465,3 +465,26 @@ def warnings_ignored():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         yield
+
+
+def test_a_shared_callback_attached_to_one_trainer_and_its_direct_log(tmp_path, cleanup):
+    """One callback shared by two Trainers: ``attach(a, ...)`` ends a's session only (b's counts go
+    on); a ``trainer.log()`` the program calls itself gets that Trainer's counts, not the last caller's."""
+    import gc
+
+    cb = FusionGuardCallback(log_path=False)
+    a = trainer_for(tiny_llama(), tmp_path, [cb])
+    with torch.compiler.set_stance("force_eager"), warnings_ignored():
+        a.evaluate()  # (a's session counts these, b's was not started yet)
+        b = trainer_for(tiny_llama(), tmp_path, [cb])
+        b.evaluate()
+        a.log({"x": 1.0})
+        assert a.state.log_history[-1]["fusionguard/dense_calls"] == 4 * BATCHES  # a's own counts, not b's (2 * BATCHES)
+        del b
+        gc.collect()
+        a.log({"x": 2.0})
+        assert a.state.log_history[-1]["fusionguard/dense_calls"] == 4 * BATCHES
+        c = trainer_for(tiny_llama(), tmp_path, [cb])
+        FusionGuardCallback.attach(a, log_path=False)  # a gets a new callback; c keeps the shared one, and its session
+        c.evaluate()
+    assert c.state.log_history[-1]["fusionguard/dense_calls"] == 2 * BATCHES

@@ -6,8 +6,11 @@ pickling."""
 from __future__ import annotations
 
 import copy
+import gc
 import pickle
+import threading
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -35,7 +38,7 @@ def test_a_session_never_started_raises_instead_of_false_zeros(clean):
     model = Net()
     fg = fusionguard.track(model, log_path=False)  # (start() forgotten)
     run(model)
-    for call in (fg.step, fg.counts, fg.pending, fg.metrics, lambda: fg.verdict("step 1")):
+    for call in (fg.step, fg.counts, fg.pending, fg.metrics, fg.new_events, lambda: fg.verdict("step 1")):
         with pytest.raises(RuntimeError, match=r"never started: call start\(\) first, or use it as `with fusionguard.track\(\) as fg:`"):
             call()
     assert "was never started" in fg.summary_text()
@@ -105,3 +108,51 @@ def test_clear_errors_for_wrong_counts_copies_and_the_constructors_name(clean):
         fusionguard.Session(model, bogus=1)
     with pytest.raises(TypeError, match=r"^fusionguard.track\(\) got unknown option\(s\) \['bogus'\]"):
         fusionguard.track(model, bogus=1)
+
+
+def test_a_step_on_forward_test_that_holds_its_session_lets_it_be_collected(clean):
+    """The test is kept on the session, not in the registry of running sessions: a test naming its
+    own session (a lambda, a bound method of an object holding it) no longer keeps it alive."""
+    model = Net()
+    fg = fusionguard.track(model, log_path=False).start()
+    fg.step_on_forward(lambda s=fg: s.pending().dense > 100)
+    run(model)
+    gone = weakref.ref(fg)
+    del fg
+    gc.collect()
+    assert gone() is None
+    for t in [t for t in threading.enumerate() if t.name == "fusionguard-session-end"]:
+        t.join(10)  # (a session collected by the cyclic collector ends on a short-lived thread)
+    assert not fusionguard.is_enabled()  # it ended, and with it the enable() it made
+
+
+def test_step_on_forward_takes_a_function_and_a_test_that_raises_is_the_users(clean, fg_records):
+    model = Net()
+    a = fusionguard.track(model, log_path=False).start()
+    with pytest.raises(TypeError, match=r"step_on_forward\(\) takes a function of no argument \(or None\), not int"):
+        a.step_on_forward(42)
+    b = fusionguard.track(model, log_path=False).start()  # (b holds the model's hooks; a's test runs first)
+    a.step_on_forward(lambda: 1 / 0)
+    b.step_on_forward(lambda: True)
+    for _ in range(3):
+        run(model)
+    assert b.pending().dense == 2  # b's test ran on every forward, after a's raised: each forward a new step
+    assert a.pending().dense == 6
+    told = [m for m in fg_records.lines if "step_on_forward" in m]
+    assert told == [
+        "fusionguard: fusionguard.track(): its step_on_forward() test raised ZeroDivisionError: division by zero "
+        "(no new step on it; said once)"
+    ]
+    assert not [m for m in fg_records.lines if "internal error" in m]
+    a.step_on_forward(None)  # None: no more
+    run(model)
+    assert a.pending().dense == 8 and len([m for m in fg_records.lines if "step_on_forward" in m]) == 1
+
+
+def test_a_session_ended_by_disable_says_so_after_a_new_enable(clean):
+    model = Net()
+    fg = fusionguard.track(model, log_path=False).start()
+    fusionguard.disable()
+    fusionguard.enable(strict=True, log_path=False)  # (calls are checked again, not by this session)
+    text = fg.verdict("step 1").text
+    assert text == "fusionguard: step 1: no verdict: fusionguard.disable() was called; this session ended then (start() it again)"

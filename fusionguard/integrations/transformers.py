@@ -36,7 +36,7 @@ said = logging.getLogger("fusionguard")  # the verdict lines: fusionguard's own 
 
 
 #: The Trainer methods that call the callbacks this adapter looks the Trainer up from.
-_CALLERS = ("__init__", "train", "evaluate", "predict")
+_CALLERS = ("__init__", "train", "evaluate", "predict", "log")
 
 
 def _on_stack(method: Optional[str] = None) -> Any:
@@ -79,7 +79,7 @@ class FusionGuardCallback(TrainerCallback):
         self._spare: Any = self.session  # made (and its arguments checked) with the callback, for the first Trainer
         self._trainer: Any = None  # weak reference to the Trainer that called last
         self._verdict_done = False  # train()'s first-step verdict
-        self._said_for: Any = None  # weak reference to the eval dataloader of the evaluation whose verdict was said
+        self._said_for: Any = weakref.WeakKeyDictionary()  # Trainer -> its evaluation's dataloader (weak) whose verdict was said
         self._stopped = False
 
     @classmethod
@@ -99,9 +99,9 @@ class FusionGuardCallback(TrainerCallback):
         cb = found[0] if found and not (args or kwargs) else cls(*args, **kwargs)
         for other in found:
             handler.callbacks.remove(other)
-            if other is not cb:
-                for session in {id(s): s for s in [other.session, *other._sessions.values()]}.values():
-                    session.stop()
+            session = other._sessions.get(trainer)
+            if other is not cb and session is not None:  # (only this Trainer's: other Trainers may share the callback)
+                session.stop()
         handler.callbacks.insert(0, cb)
         cb._start(trainer)
         return cb
@@ -155,7 +155,8 @@ class FusionGuardCallback(TrainerCallback):
     def _said(self, trainer: Any) -> bool:
         """This evaluation's verdict was said (one evaluation: one eval dataloader, set by the Trainer at its begin)."""
         loader = getattr(trainer.callback_handler, "eval_dataloader", None)
-        return self._said_for is not None and loader is not None and self._said_for() is loader
+        said = self._said_for.get(trainer)
+        return said is not None and loader is not None and said() is loader
 
     def on_init_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         self._start(None, args, model)
@@ -193,9 +194,9 @@ class FusionGuardCallback(TrainerCallback):
             return
         loader = getattr(trainer.callback_handler, "eval_dataloader", None)
         try:
-            self._said_for = weakref.ref(loader)
+            self._said_for[trainer] = weakref.ref(loader)
         except TypeError:  # (None, or no weak references: held until the next evaluation)
-            self._said_for = lambda: loader
+            self._said_for[trainer] = lambda: loader
         seen = trainer in self._sessions  # (else started now, after this batch: no verdict on calls it did not count)
         if self._caller() and seen:
             what = "prediction" if _on_stack("predict") is not None else "evaluation"
@@ -211,7 +212,9 @@ class FusionGuardCallback(TrainerCallback):
         """Outside train(): the next evaluate() / predict() gets its own verdict, from its own counts
         (a raised one never comes here: the next one's first forward starts its count anyway)."""
         if _on_stack("train") is None:
-            self._said_for = None  # (the next one may reuse the dataloader: persistent workers)
+            trainer = _on_stack()
+            if trainer is not None:
+                self._said_for.pop(trainer, None)  # (the next one may reuse the dataloader: persistent workers)
             if self._caller() and self.session.active:
                 self.session.step()
 

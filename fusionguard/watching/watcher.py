@@ -6,7 +6,7 @@ import functools
 import sys
 import threading
 import weakref
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -352,3 +352,21 @@ def no_flex_calls(model: torch.nn.Module) -> None:
         warn_at_user_line(message, None, RuntimeWarning)
     except Warning:  # the user's filters made it an error: the forward already ran; the event is logged
         pass
+
+
+def unwrap(model: Any) -> Any:
+    """The model under DataParallel / DistributedDataParallel / FSDP1 wrappers (their ``module``);
+    a ``torch.compile`` wrapper is kept: ``watch()`` names through it and hooks nothing inside."""
+    wrappers: Tuple[type, ...] = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel  # lazy: an optional part of torch
+
+        wrappers += (FullyShardedDataParallel,)
+    except Exception:
+        pass
+    for _ in range(8):
+        inner = getattr(model, "module", None)
+        if not (isinstance(model, wrappers) and isinstance(inner, torch.nn.Module)):
+            break
+        model = inner
+    return model
