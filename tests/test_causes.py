@@ -142,6 +142,33 @@ def test_suppressed_compile_error(guard, dynamo_reset, dynamo_config):
     assert any(x["event"] == "compile_error" for x in fusionguard.events())
 
 
+def test_dense_traced_below_a_failed_compile_is_the_compile_error(guard, dynamo_reset, dynamo_config):
+    """After a suppressed compile error Dynamo still traces the frames the eager fallback calls;
+    whether it then traces flex's dense implementation (the inlined path) depends on what the
+    process ran before (on the H200, after a Lightning validate it did; alone it did not). The
+    label follows the evidence: a dense trace below a frame whose compile failed is that frame's
+    compile_error, never a graph break. Here the trace-time note is made where Dynamo makes it:
+    in a frame below the failed one (``attend``), after its real failed compile."""
+    from fusionguard.dense import guard as dense_guard
+
+    dynamo_config(suppress_errors=True)
+    guard()
+
+    def broken_backend(gm, example_inputs):
+        raise RuntimeError("backend exploded")
+
+    def attend(q, k, v, note=False):
+        if note:  # (what Dynamo's trace of flex's dense path calls, below this frame)
+            return dense_guard._NOTE["forward"]()
+        return flex_attention(q, k, v)
+
+    torch.compile(attend, backend=broken_backend)(*qkv())
+    token = attend(*qkv(), note=True)
+    note = dict(fusionguard.events("flex_inlined")[-1])
+    assert token and note["cause"] == "compile_error" and "backend exploded" in note["error"]
+    assert "graph_breaks" not in note
+
+
 @needs("debug_flag")
 def test_debug_flag(guard, monkeypatch):
     monkeypatch.setattr(PUBLIC, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", True)

@@ -460,14 +460,17 @@ class Signals:
             while len(self.breaks) > 4096:
                 self.breaks.pop(next(iter(self.breaks)))
 
-    def this_frame(self, frame: Any) -> Tuple[Optional[list], list]:
+    def this_frame(self, frame: Any) -> Tuple[Optional[list], list, Optional[dict]]:
         """The evidence about the frame that made a FlexAttention call, ``frame`` being one below
         that call: the graph-break reasons (one line each) Dynamo recorded while it traced the
         FlexAttention calls of that frame's latest compile, the frame being the nearest one up
         the stack that is neither PyTorch's nor fusionguard's (where it has none: those of
         PyTorch's frames between it and the call, e.g. ``torch.compile(flex_attention)``).
         None when none is known: never another frame's. And that frame's record when Dynamo
-        gave up on it. Asked at trace time, by the dense path Dynamo inlines."""
+        gave up on it, and that frame's compile error when compiling it failed (Dynamo then traces
+        the nested frames, flex's dense implementation among them, depending on what the process
+        ran before: the label must follow the evidence, not that history). Asked at trace time, by
+        the dense path Dynamo inlines."""
         chain: list = []
         user: Optional[Key] = None
         depth = 256
@@ -491,7 +494,8 @@ class Signals:
             if line and line not in reasons:
                 reasons.append(line)
         frames = [f"{failed['function']} ({failed['file']}:{failed['line']}): {failed.get('reason')}"] if failed else []
-        return reasons or None, frames
+        cause, info = self.lookup(*user) if user is not None else (None, None)
+        return reasons or None, frames, info if cause == "compile_error" else None
 
     def lookup(self, filename: str, firstlineno: int) -> Tuple[Optional[str], Optional[dict]]:
         key = (filename, firstlineno)

@@ -85,8 +85,12 @@ def _note_inlined(phase: str) -> int:
         # Dynamo's graph-break reasons recorded since this frame's compile began (the first is
         # usually the root cause, e.g. a print in score_mod), never another frame's; and the
         # frames it gave up on meanwhile (none of PyTorch's or fusionguard's own).
-        reasons, failed = SIGNALS.this_frame(sys._getframe(1))
-        info["graph_breaks"] = reasons[:3] if reasons else "not known"
+        reasons, failed, error = SIGNALS.this_frame(sys._getframe(1))
+        if error is not None:  # the caller's compile failed: its error is the cause, not a graph break
+            info["cause"] = "compile_error"
+            info["error"] = error.get("error") or error.get("reason")
+        else:
+            info["graph_breaks"] = reasons[:3] if reasons else "not known"
         if failed:
             info["frames"] = failed[-3:]
     except Exception:
@@ -96,7 +100,7 @@ def _note_inlined(phase: str) -> int:
     notes[token] = info
     while len(notes) > 1024:  # bounded: drop the oldest notes
         notes.pop(next(iter(notes)))
-    STATE.log.emit("warning", "flex_inlined", path="dense", traced=True, cause="graph_break", **info)
+    STATE.log.emit("warning", "flex_inlined", path="dense", traced=True, **{"cause": "graph_break", **info})
     return token
 
 
@@ -321,14 +325,13 @@ def _check_dense(rt: Runtime, phase: str, args: tuple, kwargs: dict, frame: Any)
     origin = _BACKWARD_ORIGIN.get() if phase == "backward" else None
     inlined = _INLINED.get()
     if inlined is not None:
-        diagnosis = causes.Diagnosis(
-            False,
-            "graph_break",
-            {
-                "how": "Dynamo could not capture flex_attention as one operator and traced its dense implementation",
-                **{k: v for k, v in inlined.items() if k != "phase"},
-            },
+        cause = inlined.get("cause", "graph_break")
+        how = (
+            "compiling the calling function failed; Dynamo then traced flex_attention's dense implementation"
+            if cause == "compile_error"
+            else "Dynamo could not capture flex_attention as one operator and traced its dense implementation"
         )
+        diagnosis = causes.Diagnosis(False, cause, {"how": how, **{k: v for k, v in inlined.items() if k not in ("phase", "cause")}})
         call_site = frames.user_call_site(frame)
     elif phase == "forward":
         diagnosis = causes.diagnose_forward(frame)
