@@ -308,6 +308,8 @@ def watch(*models: torch.nn.Module, memory: bool = True, layers: Iterable[Union[
     ``expect_flex`` (default True): the first forward of a watched model that completes without
     any FlexAttention call writes one ``no_flex_calls`` event and one warning (its attention ran
     another way, e.g. SDPA), once per model; False for models that may skip attention.
+    A copy of the model made inside (``copy.deepcopy``, ``torch.save``) carries a stdlib no-op
+    in place of each hook (``contextlib.nullcontext.__exit__``): it loads without fusionguard.
     """
     return Watch(*models, memory=memory, layers=layers, expect_flex=expect_flex)
 
