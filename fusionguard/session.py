@@ -30,6 +30,7 @@ import weakref
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 
 import fusionguard
+from fusionguard import _lifecycle
 from fusionguard._summary import Summary
 from fusionguard._tally import PEAK, Counts, Tally, Verdict, tap, verdict
 from fusionguard.activate import switched_off
@@ -327,7 +328,7 @@ class Session:
             if not fusionguard.is_enabled() or self._differs():
                 self._h.started = False
                 self._h.off = None
-                fusionguard._enable_as("session", **self._settings())
+                _lifecycle.enable_as("session", **self._settings())
                 self._h.mine = STATE.config
             self.start()
 
@@ -424,7 +425,7 @@ class Session:
             self._h.off = KILL_SWITCH
             return
         if not fusionguard.is_enabled():
-            fusionguard._enable_as("session", **self._settings())
+            _lifecycle.enable_as("session", **self._settings())
             self._h.mine = STATE.config if fusionguard.is_enabled() else None
             return
         differ = self._differs()
@@ -434,7 +435,7 @@ class Session:
             before, by = STATE.config, STATE.enabled_by
             if by == "session":
                 _tell_overridden(self._h, differ)
-            fusionguard._enable_as("session", **self._settings())
+            _lifecycle.enable_as("session", **self._settings())
             self._h.over = (before, by, STATE.config)  # (put back at stop: the earlier session's or the launcher's)
             _renamed(before, STATE.config)
             return
@@ -650,7 +651,7 @@ def _hand_over(life: _Life, others: List[_Life]) -> None:
             back = {k: getattr(before, k) for k in life.wanted if k != "log_path"}
             if "log_path" in life.wanted:
                 back["log_path"] = before.log_path if before.log_path is not None else False
-            fusionguard._enable_as(by, **back)
+            _lifecycle.enable_as(by, **back)
             _renamed(put, STATE.config)
 
 

@@ -21,7 +21,7 @@ import torch
 from conftest import Lines, fresh_hf_wrapper, read_jsonl
 
 import fusionguard
-from fusionguard import _testing
+from fusionguard import _lifecycle, _testing
 from fusionguard.core import state as _state
 
 transformers = pytest.importorskip("transformers")
@@ -267,7 +267,7 @@ def hooks(model):
 
 
 def test_strict_beats_the_launchers_default(tmp_path, cleanup):
-    fusionguard._enable_as("launcher", mode="warn", log_path=False)  # what `fusionguard run` does at torch import
+    _lifecycle.enable_as("launcher", mode="warn", log_path=False)  # what `fusionguard run` does at torch import
     trainer = trainer_for(tiny_llama(), tmp_path, [FusionGuardCallback(strict=True)])
     with torch.compiler.set_stance("force_eager"), pytest.raises(fusionguard.DenseFallbackError):
         trainer.evaluate()

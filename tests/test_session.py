@@ -27,7 +27,7 @@ from conftest import Lines
 from torch.nn.attention.flex_attention import flex_attention
 
 import fusionguard
-from fusionguard import _testing
+from fusionguard import _lifecycle, _testing
 from fusionguard.core import state as _state
 
 D = 8
@@ -134,7 +134,7 @@ def test_the_verdict_and_the_summary(clean):
 
 
 def test_strict_on_the_session_beats_the_launchers_default_and_stop_puts_it_back(clean):
-    fusionguard._enable_as("launcher", mode="warn", log_path=False)  # what FUSIONGUARD=warn does at torch import
+    _lifecycle.enable_as("launcher", mode="warn", log_path=False)  # what FUSIONGUARD=warn does at torch import
     model = Net()
     with fusionguard.track(model, strict=True) as fg:
         assert fg.mode == "strict"

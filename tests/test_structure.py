@@ -318,6 +318,16 @@ def test_no_module_is_longer_than_700_lines():
     assert too_long == {}, "split the module: move one coherent part into a new module of the same folder (docs/internals.md)"
 
 
+def test_the_package_init_is_the_public_surface_only():
+    """``__init__.py`` defines the public names and the lazy loading, nothing else: the work of
+    ``enable()`` and who made it (the program, the launcher, a session) live in ``_lifecycle.py``."""
+    tree = ast.parse(open(os.path.join(PKG, "__init__.py")).read())
+    defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    assigned = {t.id for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign)) for t in ast.walk(n) if isinstance(t, ast.Name)}
+    assert defined - set(fusionguard.__all__) == {"__getattr__", "__dir__"}
+    assert assigned - {"__all__", "_LAZY"} == set(), "module state of __init__.py: it belongs to a lower layer"
+
+
 def _dynamic_lookups(path: str) -> List[int]:
     """Lines where ``importlib.import_module`` or ``sys.modules`` reach a fusionguard module by name."""
     found = []
