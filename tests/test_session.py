@@ -349,6 +349,19 @@ def test_a_model_pickles_and_copies_during_and_after_watch_and_a_session(clean, 
     assert hooks(model) == 0
 
 
+def test_a_session_unwraps_a_model_by_the_one_rule_of_the_names(clean):
+    """One rule for unwrapping (``wrapper_chain``): what the layer names see through (activation
+    checkpointing's wrapper too), the session's model sees through; a torch.compile wrapper is kept."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    inner = Net()
+    with fusionguard.track(torch.nn.DataParallel(checkpoint_wrapper(inner)), log_path=False) as fg:
+        assert fg.model is inner
+        compiled = torch.compile(inner)
+        fg.follow(torch.nn.DataParallel(compiled))
+        assert fg.model is compiled
+
+
 def test_follow_watches_the_swapped_model(clean):
     first, second = Net(), Net()
     with fusionguard.track(first, log_path=False) as fg:
