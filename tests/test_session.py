@@ -265,9 +265,8 @@ def test_a_session_dropped_without_stop_ends_as_stop_would_said_once(clean, said
     """A notebook cell ``fg = fusionguard.track(model); fg.start()`` run again, then the name
     dropped: each dropped session ends as stop() ends it (its hooks, its undo entry, its counters,
     and the enable() it made), said once."""
-    from fusionguard import session as _session
 
-    _session._TOLD.clear()
+    _state.STATE.sessions.told.clear()
     model = Net()
     fg = fusionguard.track(model, log_path=False)
     fg.start()
@@ -303,9 +302,8 @@ def test_a_session_in_a_reference_cycle_is_ended_by_the_collector(clean):
 
 
 def test_disable_removes_every_sessions_hooks_and_a_later_drop_says_nothing(clean, said):
-    from fusionguard import session as _session
 
-    _session._TOLD.clear()
+    _state.STATE.sessions.told.clear()
     model, other = Net(), Net()
     a = fusionguard.track(model, log_path=False).start()
     b = fusionguard.track(other, log_path=False).start()
@@ -317,6 +315,19 @@ def test_disable_removes_every_sessions_hooks_and_a_later_drop_says_nothing(clea
     gc.collect()
     assert not [line for line in said.lines if "garbage-collected" in line]
     assert not fusionguard.is_enabled()
+
+
+def test_the_sessions_bookkeeping_is_part_of_the_one_state(clean, said):
+    """The running sessions, the models' owners and the lines said once live in ``STATE.sessions``:
+    ``disable()`` ends every session there, ``STATE.reset()`` forgets what was said (in place)."""
+    sessions = _state.STATE.sessions
+    fusionguard.enable(strict=False, log_path=False)  # the program's own: a conflict to say
+    fg = fusionguard.track(Net(), strict=True).start()
+    assert list(sessions.live.values()) == [fg._h] and len(sessions.owners) == 1 and len(sessions.told) == 1
+    fusionguard.disable()
+    assert (sessions.live, sessions.owners, fg.active) == ({}, {}, False)
+    _state.STATE.reset()
+    assert _state.STATE.sessions is sessions and sessions.told == set()
 
 
 def test_reset_for_tests_forgets_what_the_sessions_said_once(clean, said):

@@ -18,7 +18,6 @@ from test_session import Net, hooks, run
 
 import fusionguard
 from fusionguard import _lifecycle, _testing
-from fusionguard import session as _session
 from fusionguard.core import state as _state
 
 
@@ -36,12 +35,12 @@ def clean(monkeypatch):
 
 @pytest.fixture
 def told():
-    _session._TOLD.clear()
+    _state.STATE.sessions.told.clear()
     handler = Lines()
     logging.getLogger("fusionguard").addHandler(handler)
     yield handler
     logging.getLogger("fusionguard").removeHandler(handler)
-    _session._TOLD.clear()
+    _state.STATE.sessions.told.clear()
 
 
 def test_a_replaced_sessions_settings_come_back_and_it_is_said_once(clean, told):

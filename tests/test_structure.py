@@ -175,6 +175,7 @@ def _tables(state: _state.State) -> Dict[str, int]:
     tables.update(rows=state.stats.rows, flex_classes=state.stats.flex_classes, peak=state.stats.peak, counts=state.counts)
     tables.update(pressure=state.stats.pressure, no_flex_told=state.stats.no_flex_told)
     tables.update(reported=state.reported, durable_keys=state.durable_keys, events=state.log.memory)
+    tables.update({f"sessions.{k}": t for k, t in state.sessions.tables().items()})
     return {k: len(t) for k, t in tables.items()}
 
 
