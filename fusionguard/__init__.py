@@ -19,13 +19,7 @@ from typing import TYPE_CHECKING  # (by this name: type checkers and tests/test_
 
 from fusionguard import _lifecycle
 from fusionguard._version import __version__
-from fusionguard.activate import switched_off as _switched_off
 from fusionguard.core.config import UNSET as _UNSET
-from fusionguard.core.config import Config as _Config
-from fusionguard.core.config import check_log_path as _check_log_path
-from fusionguard.core.config import check_options as _check_options
-from fusionguard.core.config import merged as _merged
-from fusionguard.core.config import resolve_log_path as _resolve_log_path
 from fusionguard.core.state import STATE as _STATE
 from fusionguard.core.state import close_allowance as _close_allowance
 from fusionguard.core.state import open_allowance as _open_allowance
@@ -82,9 +76,6 @@ __all__ = [
     "watch",
 ]
 
-#: ``enable()`` calls in progress (read by the start-up hook, ``_startup/sitecustomize.py``).
-_enabling = 0
-
 
 def enable(
     strict: Optional[bool] = _UNSET,
@@ -96,7 +87,7 @@ def enable(
     A second call while enabled changes only what it names and keeps the rest (the log file
     too); ``strict`` and ``mode`` are one setting (naming either replaces both). After
     ``disable()``, ``enable()`` starts from the defaults. docs/integrations.md says how this
-    fits ``FUSIONGUARD=`` and ``fusionguard.track()``.
+    fits ``FUSIONGUARD=`` and ``fusionguard.track()`` (who wins: ``_lifecycle.enable``).
 
     strict:   raise ``DenseFallbackError`` before a dense FlexAttention kernel allocates;
               otherwise warn (``DenseFallbackWarning``) and log. Not named (or None): not strict,
@@ -133,50 +124,7 @@ def enable(
     Every argument is checked first (``TypeError`` / ``ValueError`` naming it, nothing installed);
     a failure part-way undoes everything installed before the error reaches the caller.
     """
-    # Every argument is checked before anything is installed: a bad one raises, naming it, and
-    # leaves the process as it was (also under the kill switch: the call is wrong either way).
-    _check_options(options)
-    named = dict(options) if strict is _UNSET else {**options, "strict": strict}
-    for key in ("strict", "mode"):  # (None names nothing: the same rule for both, #32)
-        if key in named and named[key] is None:
-            del named[key]
-    _Config(**named)  # (checked alone: a bad argument is named, whatever is running)
-    if log_path is not _UNSET:
-        _check_log_path(log_path)
-    if _switched_off():  # FUSIONGUARD=off: the kill switch wins over code
-        return
-    global _enabling
-    with _STATE.lock:
-        _enabling += 1  # (its first call imports torch: the start-up hook leaves this call's settings be)
-        try:
-            config = _merged(_STATE.config, named) if _STATE.enabled else _Config(**named)
-            if log_path is _UNSET and _STATE.enabled:  # (not named: the same file stays open)
-                config.log_path, log_dir = _STATE.config.log_path, _STATE.log_dir
-            else:
-                config.log_path, log_dir = _resolve_log_path(None if log_path is _UNSET else log_path)
-            try:
-                _lifecycle.start(config, log_dir)
-            except BaseException as exc:  # never half-enabled: patches in while is_enabled() is False
-                _lifecycle.undo_start(exc)
-                raise
-            _STATE.enabled_by = _by
-        finally:
-            _enabling -= 1
-
-
-def _enable_as(by: str, **kwargs: Any) -> None:
-    """``enable()`` made by the launcher (``_startup/sitecustomize.py``) or a session (``session.py``), not by
-    the program's own code: a session's explicit settings beat the former (docs/integrations.md)."""
-    global _by
-    with _STATE.lock:
-        _by = by
-        try:
-            enable(**kwargs)
-        finally:
-            _by = "program"
-
-
-_by = "program"  # (who the enable() in progress is for: _enable_as)
+    _lifecycle.enable("program", strict, log_path, options)
 
 
 def disable() -> None:

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import atexit
 import logging
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
-from fusionguard.core.config import Config, Runtime
+from fusionguard.activate import switched_off
+from fusionguard.core.config import UNSET, Config, Runtime, check_log_path, check_options, merged, resolve_log_path
 from fusionguard.core.state import STATE, emit, guarded, on_worker_exit, write_stderr
 from fusionguard.eventlog import crash, diagnosis
 from fusionguard.eventlog.header import header_fields
@@ -107,6 +108,52 @@ def _counts() -> dict:
 
 def _write_lock() -> Any:
     return STATE.log.write_lock  # (a forked child's log has a lock of its own)
+
+
+#: ``enable()`` calls in progress (read by the start-up hook, ``_startup/sitecustomize.py``).
+enabling = 0
+
+
+def enable(by: str, strict: Any, log_path: Any, options: Dict[str, Any]) -> None:
+    """``fusionguard.enable()`` (its docstring), made for ``by``: ``"program"`` (the program's own
+    call), ``"launcher"`` (``FUSIONGUARD=`` / ``fusionguard run``: the start-up hook) or ``"session"``
+    (``fusionguard.track()``). Who wins: a session's explicit settings replace the launcher's or an
+    earlier session's, never the program's (``session.py`` reads ``STATE.enabled_by`` for that)."""
+    # Every argument is checked before anything is installed: a bad one raises, naming it, and
+    # leaves the process as it was (also under the kill switch: the call is wrong either way).
+    check_options(options)
+    named = dict(options) if strict is UNSET else {**options, "strict": strict}
+    for key in ("strict", "mode"):  # (None names nothing: the same rule for both, #32)
+        if key in named and named[key] is None:
+            del named[key]
+    Config(**named)  # (checked alone: a bad argument is named, whatever is running)
+    if log_path is not UNSET:
+        check_log_path(log_path)
+    if switched_off():  # FUSIONGUARD=off: the kill switch wins over code
+        return
+    global enabling
+    with STATE.lock:
+        enabling += 1  # (its first call imports torch: the start-up hook leaves this call's settings be)
+        try:
+            config = merged(STATE.config, named) if STATE.enabled else Config(**named)
+            if log_path is UNSET and STATE.enabled:  # (not named: the same file stays open)
+                config.log_path, log_dir = STATE.config.log_path, STATE.log_dir
+            else:
+                config.log_path, log_dir = resolve_log_path(None if log_path is UNSET else log_path)
+            try:
+                start(config, log_dir)
+            except BaseException as exc:  # never half-enabled: patches in while is_enabled() is False
+                undo_start(exc)
+                raise
+            STATE.enabled_by = by
+        finally:
+            enabling -= 1
+
+
+def enable_as(by: str, strict: Any = UNSET, log_path: Any = UNSET, **options: Any) -> None:
+    """``enable()`` made by the launcher (``_startup/sitecustomize.py``) or a session (``session.py``), not by
+    the program's own code: a session's explicit settings beat the former (docs/integrations.md)."""
+    enable(by, strict, log_path, options)
 
 
 def start(config: Config, log_dir: Optional[str]) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from fusionguard import session
 from fusionguard import torch_internals as ti
 from fusionguard.core.state import STATE
 from fusionguard.watching import hooks
@@ -20,7 +19,6 @@ def crash_hooks_installed() -> bool:
 def reset_for_tests() -> None:
     """Tests: forget everything (patches must already be removed), the sessions' said-once lines too."""
     STATE.reset()
-    session._TOLD.clear()
 
 
 def set_guarding(on: bool) -> None:

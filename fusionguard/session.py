@@ -23,13 +23,13 @@ when fusionguard is off (``FUSIONGUARD=off``, ``disable()``) and says so instead
 from __future__ import annotations
 
 import gc
-import itertools
 import os
 import threading
 import weakref
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 
 import fusionguard
+from fusionguard import _lifecycle
 from fusionguard._summary import Summary
 from fusionguard._tally import PEAK, Counts, Tally, Verdict, tap, verdict
 from fusionguard.activate import switched_off
@@ -50,7 +50,7 @@ class _Life:
 
     def __init__(self, session: "Session", name: str, wanted: Dict[str, Any]) -> None:
         self.session = weakref.ref(session)  # (to give the model's hooks back to it)
-        self.key = f"session {next(_IDS)} ({name})"
+        self.key = f"session {next(STATE.sessions.ids)} ({name})"
         self.name = name
         self.wanted = wanted  # what the session names, as the running Config spells it
         self.lock = threading.RLock()
@@ -66,14 +66,6 @@ class _Life:
         self.took_from: Any = None  # weak reference to the _Life it took the model's hooks over from
         self.bound: List[Any] = []  # finalizers of the objects it is bound to
         self.on_forward = False  # a step_on_forward() test is set (on the session: it may hold the session)
-
-
-_IDS = itertools.count(1)
-_STARTS = itertools.count(1)
-_LIVE: Dict[str, _Life] = {}  # started, not ended, oldest first
-_OWNERS: Dict[int, Tuple[Any, Any]] = {}  # id(model) -> (weak model, weak _Life watching it)
-_TOLD: set = set()  # conflicts said (once per process)
-_LOCK = threading.RLock()
 
 
 def _unwrap(model: Any) -> Any:
@@ -134,7 +126,7 @@ class Session:
                 return self
             life.started = True
             life.off = None
-            life.order = next(_STARTS)
+            life.order = next(STATE.sessions.starts)
             self._join()
             if life.off is not None:
                 return self
@@ -144,8 +136,8 @@ class Session:
             tap(life.total, True)
             tap(life.step, True)
             self._seen = (STATE.log, STATE.log.seq)
-            with _LOCK:
-                _LIVE[life.key] = life
+            with STATE.sessions.lock:
+                STATE.sessions.live[life.key] = life
             STATE.patches.add_hook(life.key, lambda: _ended_by_disable(life), lambda: life.watch is None)
             if self._model is not None:
                 self._follow(self._model)
@@ -327,7 +319,7 @@ class Session:
             if not fusionguard.is_enabled() or self._differs():
                 self._h.started = False
                 self._h.off = None
-                fusionguard._enable_as("session", **self._settings())
+                _lifecycle.enable_as("session", **self._settings())
                 self._h.mine = STATE.config
             self.start()
 
@@ -424,7 +416,7 @@ class Session:
             self._h.off = KILL_SWITCH
             return
         if not fusionguard.is_enabled():
-            fusionguard._enable_as("session", **self._settings())
+            _lifecycle.enable_as("session", **self._settings())
             self._h.mine = STATE.config if fusionguard.is_enabled() else None
             return
         differ = self._differs()
@@ -434,15 +426,15 @@ class Session:
             before, by = STATE.config, STATE.enabled_by
             if by == "session":
                 _tell_overridden(self._h, differ)
-            fusionguard._enable_as("session", **self._settings())
+            _lifecycle.enable_as("session", **self._settings())
             self._h.over = (before, by, STATE.config)  # (put back at stop: the earlier session's or the launcher's)
             _renamed(before, STATE.config)
             return
         running = ", ".join(f"{k}={have!r}" for k, (have, _) in sorted(differ.items()))
         wanted = ", ".join(f"{k}={want!r}" for k, (_, want) in sorted(differ.items()))
         key = (self.name, wanted, running)
-        if key not in _TOLD:
-            _TOLD.add(key)
+        if key not in STATE.sessions.told:
+            STATE.sessions.told.add(key)
             say(
                 f"fusionguard: {self.name} asked for {wanted}, but the program's own fusionguard.enable() set "
                 f"{running}: the program's settings stand (pass them to that enable(), or leave them out of {self.name})\n"
@@ -459,8 +451,8 @@ class Session:
             from fusionguard.watching.watcher import Watch  # lazy: it imports torch
 
             _unwatch(life)
-            with _LOCK:  # one session per model: the newest takes the hooks over (and gives them back at its end)
-                ref, owner = _OWNERS.get(id(inner), (None, None))
+            with STATE.sessions.lock:  # one session per model: the newest takes the hooks over (and gives them back at its end)
+                ref, owner = STATE.sessions.owners.get(id(inner), (None, None))
                 other = owner() if owner is not None and ref is not None and ref() is inner else None
                 if other is not None and other is not life:
                     _unwatch(other, give_back=False)
@@ -471,7 +463,7 @@ class Session:
                 life.watch.on_forward = _forward_began
                 life.watched = inner
                 try:
-                    _OWNERS[id(inner)] = (weakref.ref(inner), weakref.ref(life))
+                    STATE.sessions.owners[id(inner)] = (weakref.ref(inner), weakref.ref(life))
                 except TypeError:
                     pass
 
@@ -479,8 +471,8 @@ class Session:
 def _forward_began(model: Any) -> None:
     """A watched model's forward begins (its root pre-hook): the sessions of that model whose
     ``step_on_forward()`` test says so start a new step (whichever session holds its hooks)."""
-    with _LOCK:
-        lives = [life for life in _LIVE.values() if life.on_forward and life.started]
+    with STATE.sessions.lock:
+        lives = [life for life in STATE.sessions.live.values() if life.on_forward and life.started]
     for life in lives:
         session = life.session()
         when = session._on_forward if session is not None else None
@@ -497,8 +489,8 @@ def _asks(life: _Life, when: Callable[[], bool]) -> bool:
     try:
         return bool(when())
     except Exception as exc:
-        if ("on_forward", life.key) not in _TOLD:
-            _TOLD.add(("on_forward", life.key))
+        if ("on_forward", life.key) not in STATE.sessions.told:
+            STATE.sessions.told.add(("on_forward", life.key))
             say(f"fusionguard: {life.name}: its step_on_forward() test raised {type(exc).__name__}: {exc} (no new step on it; said once)\n")
         return False
 
@@ -514,9 +506,9 @@ def _stop(life: _Life) -> None:
         life.started = False
         STATE.patches.remove(life.key)  # (its undo, _ended_by_disable, is then a no-op)
         _end(life, None)
-        with _LOCK:
-            _LIVE.pop(life.key, None)
-            others = [o for o in _LIVE.values() if o.started]
+        with STATE.sessions.lock:
+            STATE.sessions.live.pop(life.key, None)
+            others = [o for o in STATE.sessions.live.values() if o.started]
         _hand_over(life, others)
 
 
@@ -526,7 +518,7 @@ def _end_soon(life: _Life, dropped: bool) -> None:
     which may run while this thread holds one of fusionguard's locks, on a short-lived thread."""
     if not life.started:
         return
-    if _COLLECTING:
+    if STATE.sessions.collecting:
         try:
             threading.Thread(target=_end_dropped, args=(life, dropped), name="fusionguard-session-end", daemon=True).start()
             return
@@ -537,20 +529,17 @@ def _end_soon(life: _Life, dropped: bool) -> None:
 
 @guarded("session finalizer")
 def _end_dropped(life: _Life, dropped: bool) -> None:
-    if dropped and life.started and life.off is None and ("dropped", life.name) not in _TOLD:
-        _TOLD.add(("dropped", life.name))
+    if dropped and life.started and life.off is None and ("dropped", life.name) not in STATE.sessions.told:
+        STATE.sessions.told.add(("dropped", life.name))
         say(f"fusionguard: a session of {life.name} was garbage-collected without stop(): it ended as stop() ends it\n")
     _stop(life)
 
 
-_COLLECTING: List[bool] = []  # non-empty while a cyclic garbage collection runs (gc.callbacks)
-
-
 def _gc_phase(phase: str, info: Any) -> None:
     if phase == "start":
-        _COLLECTING.append(True)
+        STATE.sessions.collecting.append(True)
     else:
-        _COLLECTING.clear()
+        STATE.sessions.collecting.clear()
 
 
 gc.callbacks.append(_gc_phase)
@@ -560,13 +549,13 @@ def _unwatch(life: _Life, give_back: bool = True) -> None:
     """Hooks off; ``give_back``: the running session this one took the model over from
     (a nested session on the same model; through any that ended meanwhile) watches it again."""
     owned = False
-    with _LOCK:
+    with STATE.sessions.lock:
         w, life.watch = life.watch, None
         inner, life.watched = life.watched, None
         if inner is not None:
-            ref, owner = _OWNERS.get(id(inner), (None, None))
+            ref, owner = STATE.sessions.owners.get(id(inner), (None, None))
             if owner is not None and owner() is life:
-                del _OWNERS[id(inner)]
+                del STATE.sessions.owners[id(inner)]
                 owned = True
     if w is not None:
         _end_watch(w)
@@ -598,14 +587,14 @@ def _ended_by_disable(life: _Life) -> None:
         return
     life.started = False
     _end(life, DISABLED)
-    with _LOCK:
-        _LIVE.pop(life.key, None)
+    with STATE.sessions.lock:
+        STATE.sessions.live.pop(life.key, None)
 
 
 def _tell_overridden(life: _Life, differ: Dict[str, Tuple[Any, Any]]) -> None:
     """A running session named a setting this one replaces: said once (it comes back at this one's stop)."""
-    with _LOCK:
-        others = [o for o in _LIVE.values() if o is not life and o.started and o.off is None]
+    with STATE.sessions.lock:
+        others = [o for o in STATE.sessions.live.values() if o is not life and o.started and o.off is None]
     for other in others:
         keys = sorted(k for k in differ if k in other.wanted)
         if not keys:
@@ -613,8 +602,8 @@ def _tell_overridden(life: _Life, differ: Dict[str, Tuple[Any, Any]]) -> None:
         was = ", ".join(f"{k}={differ[k][0]!r}" for k in keys)
         now = ", ".join(f"{k}={differ[k][1]!r}" for k in keys)
         key = (life.name, other.name, now, was)
-        if key not in _TOLD:
-            _TOLD.add(key)
+        if key not in STATE.sessions.told:
+            STATE.sessions.told.add(key)
             say(
                 f"fusionguard: {life.name} sets {now} while {other.name} (still running) asked for {was}: "
                 f"the newest session's settings apply until it stops, then {other.name}'s come back\n"
@@ -650,15 +639,15 @@ def _hand_over(life: _Life, others: List[_Life]) -> None:
             back = {k: getattr(before, k) for k in life.wanted if k != "log_path"}
             if "log_path" in life.wanted:
                 back["log_path"] = before.log_path if before.log_path is not None else False
-            fusionguard._enable_as(by, **back)
+            _lifecycle.enable_as(by, **back)
             _renamed(put, STATE.config)
 
 
 def _renamed(old: Any, new: Any) -> None:
     """The running Config ``old`` was replaced by ``new``: the sessions that hold it (the one
     they enabled, the one they put in place of another) hold ``new``."""
-    with _LOCK:
-        live = list(_LIVE.values())
+    with STATE.sessions.lock:
+        live = list(STATE.sessions.live.values())
     for o in live:
         if o.mine is old:
             o.mine = new
@@ -689,7 +678,9 @@ def track(
     strict, log_path, options: ``enable()``'s (``mode="oom"``, ``rescue=True``...), checked now;
     only what is named is applied (the rule in the module docstring). memory: per-layer CUDA
     memory (``watch()``'s). hooks=False: names only, no hooks (a model the framework compiles
-    after the session starts). ``model`` may be None (counts only) and set later (``follow``)."""
+    after the session starts). ``model`` may be None (counts only) and set later (``follow``).
+    A copy of the model made meanwhile (``copy.deepcopy``, ``torch.save``) carries a stdlib no-op
+    per hook (``contextlib.nullcontext.__exit__``): it loads without fusionguard."""
     return Session(model, strict=strict, log_path=log_path, memory=memory, hooks=hooks, name="fusionguard.track()", **options)
 
 

@@ -21,7 +21,7 @@ import torch
 from conftest import Lines, fresh_hf_wrapper, read_jsonl
 
 import fusionguard
-from fusionguard import _testing
+from fusionguard import _lifecycle, _testing
 from fusionguard.core import state as _state
 
 transformers = pytest.importorskip("transformers")
@@ -267,7 +267,7 @@ def hooks(model):
 
 
 def test_strict_beats_the_launchers_default(tmp_path, cleanup):
-    fusionguard._enable_as("launcher", mode="warn", log_path=False)  # what `fusionguard run` does at torch import
+    _lifecycle.enable_as("launcher", mode="warn", log_path=False)  # what `fusionguard run` does at torch import
     trainer = trainer_for(tiny_llama(), tmp_path, [FusionGuardCallback(strict=True)])
     with torch.compiler.set_stance("force_eager"), pytest.raises(fusionguard.DenseFallbackError):
         trainer.evaluate()
@@ -488,3 +488,34 @@ def test_a_shared_callback_attached_to_one_trainer_and_its_direct_log(tmp_path, 
         FusionGuardCallback.attach(a, log_path=False)  # a gets a new callback; c keeps the shared one, and its session
         c.evaluate()
     assert c.state.log_history[-1]["fusionguard/dense_calls"] == 2 * BATCHES
+
+
+def test_an_evaluate_that_raised_part_way_does_not_silence_the_next_one(tmp_path, cleanup, fg_records):
+    """F3: a persistent eval dataloader (the same one for every evaluate()); the model raises at the
+    2nd batch and the program catches it; the next evaluate() gets its own verdict, from its own calls."""
+    trainer = trainer_for(
+        tiny_llama(),
+        tmp_path,
+        [FusionGuardCallback(log_path=False)],
+        dataloader_num_workers=1,
+        dataloader_persistent_workers=True,
+    )
+    forwards = []
+
+    def second_batch_raises(module, args):
+        forwards.append(None)
+        if len(forwards) == 2:
+            raise RuntimeError("bad batch")
+
+    trainer.model.register_forward_pre_hook(second_batch_raises)
+    with torch.compiler.set_stance("force_eager"), warnings_ignored():
+        with pytest.raises(RuntimeError, match="bad batch"):
+            trainer.evaluate()
+        trainer.evaluate()
+        trainer.evaluate()
+    line = (
+        "fusionguard: evaluation batch 1: 2 FlexAttention layers, forward fused 0/2; dense: "
+        "model.layers.0.self_attn forward x1 (compiler_disabled); model.layers.1.self_attn forward x1 (compiler_disabled)"
+    )
+    assert verdicts(fg_records) == [line] * 3
+    assert trainer.state.log_history[-1]["fusionguard/dense_calls"] == 2 * (1 + 2 * BATCHES)

@@ -27,7 +27,7 @@ from conftest import Lines
 from torch.nn.attention.flex_attention import flex_attention
 
 import fusionguard
-from fusionguard import _testing
+from fusionguard import _lifecycle, _testing
 from fusionguard.core import state as _state
 
 D = 8
@@ -134,7 +134,7 @@ def test_the_verdict_and_the_summary(clean):
 
 
 def test_strict_on_the_session_beats_the_launchers_default_and_stop_puts_it_back(clean):
-    fusionguard._enable_as("launcher", mode="warn", log_path=False)  # what FUSIONGUARD=warn does at torch import
+    _lifecycle.enable_as("launcher", mode="warn", log_path=False)  # what FUSIONGUARD=warn does at torch import
     model = Net()
     with fusionguard.track(model, strict=True) as fg:
         assert fg.mode == "strict"
@@ -265,9 +265,8 @@ def test_a_session_dropped_without_stop_ends_as_stop_would_said_once(clean, said
     """A notebook cell ``fg = fusionguard.track(model); fg.start()`` run again, then the name
     dropped: each dropped session ends as stop() ends it (its hooks, its undo entry, its counters,
     and the enable() it made), said once."""
-    from fusionguard import session as _session
 
-    _session._TOLD.clear()
+    _state.STATE.sessions.told.clear()
     model = Net()
     fg = fusionguard.track(model, log_path=False)
     fg.start()
@@ -303,9 +302,8 @@ def test_a_session_in_a_reference_cycle_is_ended_by_the_collector(clean):
 
 
 def test_disable_removes_every_sessions_hooks_and_a_later_drop_says_nothing(clean, said):
-    from fusionguard import session as _session
 
-    _session._TOLD.clear()
+    _state.STATE.sessions.told.clear()
     model, other = Net(), Net()
     a = fusionguard.track(model, log_path=False).start()
     b = fusionguard.track(other, log_path=False).start()
@@ -317,6 +315,19 @@ def test_disable_removes_every_sessions_hooks_and_a_later_drop_says_nothing(clea
     gc.collect()
     assert not [line for line in said.lines if "garbage-collected" in line]
     assert not fusionguard.is_enabled()
+
+
+def test_the_sessions_bookkeeping_is_part_of_the_one_state(clean, said):
+    """The running sessions, the models' owners and the lines said once live in ``STATE.sessions``:
+    ``disable()`` ends every session there, ``STATE.reset()`` forgets what was said (in place)."""
+    sessions = _state.STATE.sessions
+    fusionguard.enable(strict=False, log_path=False)  # the program's own: a conflict to say
+    fg = fusionguard.track(Net(), strict=True).start()
+    assert list(sessions.live.values()) == [fg._h] and len(sessions.owners) == 1 and len(sessions.told) == 1
+    fusionguard.disable()
+    assert (sessions.live, sessions.owners, fg.active) == ({}, {}, False)
+    _state.STATE.reset()
+    assert _state.STATE.sessions is sessions and sessions.told == set()
 
 
 def test_reset_for_tests_forgets_what_the_sessions_said_once(clean, said):
@@ -347,6 +358,19 @@ def test_a_model_pickles_and_copies_during_and_after_watch_and_a_session(clean, 
         buf.seek(0)
         run(torch.load(buf, weights_only=False))
     assert hooks(model) == 0
+
+
+def test_a_session_unwraps_a_model_by_the_one_rule_of_the_names(clean):
+    """One rule for unwrapping (``wrapper_chain``): what the layer names see through (activation
+    checkpointing's wrapper too), the session's model sees through; a torch.compile wrapper is kept."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    inner = Net()
+    with fusionguard.track(torch.nn.DataParallel(checkpoint_wrapper(inner)), log_path=False) as fg:
+        assert fg.model is inner
+        compiled = torch.compile(inner)
+        fg.follow(torch.nn.DataParallel(compiled))
+        assert fg.model is compiled
 
 
 def test_follow_watches_the_swapped_model(clean):

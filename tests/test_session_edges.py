@@ -156,3 +156,72 @@ def test_a_session_ended_by_disable_says_so_after_a_new_enable(clean):
     fusionguard.enable(strict=True, log_path=False)  # (calls are checked again, not by this session)
     text = fg.verdict("step 1").text
     assert text == "fusionguard: step 1: no verdict: fusionguard.disable() was called; this session ended then (start() it again)"
+
+
+_MODELS = '''
+import torch
+from torch.nn.attention.flex_attention import flex_attention
+
+
+class Attn(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.proj(flex_attention(x, x, x))
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([Attn(), Attn()])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+'''
+
+_LOAD_WITHOUT_FUSIONGUARD = '''
+import sys, warnings
+for name in [n for n in sys.modules if n == "fusionguard" or n.startswith("fusionguard.")]:
+    del sys.modules[name]
+sys.modules["fusionguard"] = None  # (import fusionguard, or any of its modules, now fails)
+sys.path.insert(0, sys.argv[1])
+import torch
+warnings.simplefilter("ignore")
+for path in sys.argv[2:]:
+    model = torch.load(path, weights_only=False)
+    with torch.no_grad():
+        out = model(torch.randn(1, 2, 16, 8))
+    hooks = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+    print(path.rsplit("/", 1)[-1], tuple(out.shape), hooks)
+assert not [n for n in sys.modules if n.startswith("fusionguard")] or sys.modules["fusionguard"] is None
+'''
+
+
+def test_a_model_saved_during_a_session_loads_where_fusionguard_is_not_importable(clean, tmp_path, monkeypatch):
+    """F9: ``torch.save(model)`` (the whole module) inside a session carries its hooks; another
+    process without fusionguard (an inference server) loads it and runs it."""
+    (tmp_path / "tinymodels.py").write_text(_MODELS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import tinymodels  # (a module of the test's: the loading process imports the class by name)
+
+    model = tinymodels.Net()
+    with fusionguard.track(model, log_path=False):
+        assert sum(len(m._forward_pre_hooks) for m in model.modules()) == 3  # (the model and its two layers)
+        torch.save(model, tmp_path / "during.pt")
+        torch.save(copy.deepcopy(model), tmp_path / "copy.pt")
+        run(copy.deepcopy(model))  # (a copy runs here too: inert hooks)
+    torch.save(model, tmp_path / "after.pt")
+    import subprocess
+    import sys
+
+    paths = [str(tmp_path / f) for f in ("during.pt", "copy.pt", "after.pt")]
+    done = subprocess.run(
+        [sys.executable, "-c", _LOAD_WITHOUT_FUSIONGUARD, str(tmp_path), *paths], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    # during / copy: an inert hook pair on each hooked module; after: none
+    assert done.stdout.split("\n")[:3] == ["during.pt (1, 2, 16, 8) 6", "copy.pt (1, 2, 16, 8) 6", "after.pt (1, 2, 16, 8) 0"]

@@ -17,8 +17,7 @@ from conftest import Lines
 from test_session import Net, hooks, run
 
 import fusionguard
-from fusionguard import _testing
-from fusionguard import session as _session
+from fusionguard import _lifecycle, _testing
 from fusionguard.core import state as _state
 
 
@@ -36,12 +35,12 @@ def clean(monkeypatch):
 
 @pytest.fixture
 def told():
-    _session._TOLD.clear()
+    _state.STATE.sessions.told.clear()
     handler = Lines()
     logging.getLogger("fusionguard").addHandler(handler)
     yield handler
     logging.getLogger("fusionguard").removeHandler(handler)
-    _session._TOLD.clear()
+    _state.STATE.sessions.told.clear()
 
 
 def test_a_replaced_sessions_settings_come_back_and_it_is_said_once(clean, told):
@@ -61,7 +60,7 @@ def test_a_replaced_sessions_settings_come_back_and_it_is_said_once(clean, told)
 
 
 def test_out_of_order_stops_unwind_to_the_launcher(clean):
-    fusionguard._enable_as("launcher", mode="warn", log_path=False)
+    _lifecycle.enable_as("launcher", mode="warn", log_path=False)
     a, b, c = (fusionguard.track(Net(), strict=s) for s in (True, False, True))
     a.start(), b.start(), c.start()
     assert mode() == ("strict", "session")

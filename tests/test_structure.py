@@ -175,6 +175,7 @@ def _tables(state: _state.State) -> Dict[str, int]:
     tables.update(rows=state.stats.rows, flex_classes=state.stats.flex_classes, peak=state.stats.peak, counts=state.counts)
     tables.update(pressure=state.stats.pressure, no_flex_told=state.stats.no_flex_told)
     tables.update(reported=state.reported, durable_keys=state.durable_keys, events=state.log.memory)
+    tables.update({f"sessions.{k}": t for k, t in state.sessions.tables().items()})
     return {k: len(t) for k, t in tables.items()}
 
 
@@ -316,6 +317,16 @@ def test_no_module_is_longer_than_700_lines():
     assert lengths["report/aggregate.py"] > 100, "the walk counts lines"
     too_long = {f: n for f, n in lengths.items() if n > MAX_MODULE_LINES}
     assert too_long == {}, "split the module: move one coherent part into a new module of the same folder (docs/internals.md)"
+
+
+def test_the_package_init_is_the_public_surface_only():
+    """``__init__.py`` defines the public names and the lazy loading, nothing else: the work of
+    ``enable()`` and who made it (the program, the launcher, a session) live in ``_lifecycle.py``."""
+    tree = ast.parse(open(os.path.join(PKG, "__init__.py")).read())
+    defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    assigned = {t.id for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign)) for t in ast.walk(n) if isinstance(t, ast.Name)}
+    assert defined - set(fusionguard.__all__) == {"__getattr__", "__dir__"}
+    assert assigned - {"__all__", "_LAZY"} == set(), "module state of __init__.py: it belongs to a lower layer"
 
 
 def _dynamic_lookups(path: str) -> List[int]:

@@ -35,11 +35,12 @@ def _fusionguard_startup() -> None:
     def _fusionguard_launch(mode):
         """The launcher's ``enable()``, run by ``activate.py`` once torch is imported."""
         import fusionguard  # lazy: only once torch is imported (the package costs ~0.1 s)
+        from fusionguard import _lifecycle  # lazy: as above
 
         # the program enabled it itself, or is doing so right now (its enable() imported torch):
         # its settings stand
-        if not fusionguard.is_enabled() and not fusionguard._enabling:
-            fusionguard._enable_as("launcher", mode=mode)
+        if not fusionguard.is_enabled() and not _lifecycle.enabling:
+            _lifecycle.enable_as("launcher", mode=mode)
 
     here = os.path.dirname(os.path.abspath(__file__))
     mode = os.environ.get("FUSIONGUARD", "").strip().lower()

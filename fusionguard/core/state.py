@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Type, TypeVa
 
 from fusionguard.core.config import Config, Runtime, RuntimeRef, process_log_name
 from fusionguard.core.registry import PatchRegistry
-from fusionguard.core.tables import Caches, Stats, WatchRegistry
+from fusionguard.core.tables import Caches, SessionRegistry, Stats, WatchRegistry
 from fusionguard.eventlog import crash
 from fusionguard.eventlog.header import header_fields
 from fusionguard.eventlog.log import EventLog
@@ -92,9 +92,10 @@ class State:
 
     Rebuilt by ``reset()``: config, log, patch registry, counts and the bookkeeping of enable().
     Long-lived, reset in place (modules may hold them): ``stats`` (per-layer rows),
-    ``watch`` (watch()'s registry), ``caches`` (the dense path's), ``runtime`` (the holder the
-    installed wrappers close over: ``runtime.now`` is the ``Runtime`` settings object of the
-    current ``enable()``, swapped whole, the defaults after ``disable()`` and ``reset()``). Referenced, never reset here:
+    ``watch`` (watch()'s registry), ``sessions`` (the running sessions of ``track()``),
+    ``caches`` (the dense path's), ``runtime`` (the holder the installed wrappers close over:
+    ``runtime.now`` is the ``Runtime`` settings object of the current ``enable()``, swapped whole,
+    the defaults after ``disable()`` and ``reset()``). Referenced, never reset here:
     ``crash`` (the excepthooks, SIGTERM handler and faulthandler file: let go of by their
     entries in the patch registry, or ``crash.uninstall()`` / ``release_native()``).
 
@@ -115,6 +116,7 @@ class State:
     def __init__(self) -> None:
         self.watch = WatchRegistry()
         self.stats = Stats(self.watch.names)
+        self.sessions = SessionRegistry()
         self.caches = Caches()
         self.runtime = RuntimeRef()
         self.crash = crash.CRASH
@@ -164,6 +166,7 @@ class State:
         self._fresh()
         self.stats.reset()
         self.watch.reset()
+        self.sessions.reset()
         self.caches.reset()
         self.runtime.now = Runtime()
 
@@ -377,6 +380,7 @@ def _locks_after_fork() -> None:
     STATE.patches.after_fork_in_child()
     STATE.crash.after_fork_in_child()
     STATE.watch.lock = _reinit(STATE.watch.lock)
+    STATE.sessions.lock = _reinit(STATE.sessions.lock)
     STATE.stats.lock = _reinit(STATE.stats.lock)
     for reinit in _CHILD_LOCKS:
         reinit(_reinit)

@@ -1,5 +1,5 @@
 """The tables fusionguard fills while a program runs: per-layer statistics, the watch registry,
-and the caches of the dense path. Each is a field of the single ``State`` (``core/state.py``).
+the running sessions, and the caches of the dense path. Each is a field of the single ``State`` (``core/state.py``).
 
 Why a module of its own: ``core.state`` imports these classes, and nothing here imports ``core.state``
 (nor torch; of fusionguard's, only ``eventlog.kinds``' ``NO_LAYER``), so the state has no import
@@ -9,10 +9,11 @@ module may hold one and never see a stale copy.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 from fusionguard.eventlog.kinds import NO_LAYER  # (also read from here: summary()'s rows)
 
@@ -61,6 +62,33 @@ class WatchRegistry:
 
     def tables(self) -> Dict[str, Any]:
         return {k: v for k, v in vars(self).items() if k != "lock"}
+
+    def reset(self) -> None:
+        with self.lock:
+            for table in self.tables().values():
+                table.clear()
+
+
+class SessionRegistry:
+    """The sessions of ``fusionguard.track()`` (``session.py``). ``live``: key -> the end-state
+    (``_Life``) of each session started and not ended, oldest first. ``owners``: id(model) ->
+    (weak reference to the model, weak reference to the ``_Life`` holding its hooks): one session
+    per model. ``told``: the lines said once (conflicts, a dropped session, a raising test).
+    ``collecting``: non-empty while a cyclic garbage collection runs (``gc.callbacks``). ``ids`` /
+    ``starts`` hand out session numbers and start order (never reset: only unique numbers).
+    ``lock`` guards live and owners."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.ids = itertools.count(1)
+        self.starts = itertools.count(1)
+        self.live: Dict[str, Any] = {}
+        self.owners: Dict[int, Tuple[Any, Any]] = {}
+        self.told: Set[Any] = set()
+        self.collecting: List[bool] = []
+
+    def tables(self) -> Dict[str, Any]:
+        return {"live": self.live, "owners": self.owners, "told": self.told}
 
     def reset(self) -> None:
         with self.lock:

@@ -40,7 +40,13 @@ _CALLERS = ("__init__", "train", "evaluate", "predict", "log")
 
 
 def _on_stack(method: Optional[str] = None) -> Any:
-    """The Trainer whose method called this callback (``method``: only that method's frame).
+    """The Trainer whose method called this callback (``method``: only that method's frame)."""
+    found = _frame(method)
+    return found[0] if found is not None else None
+
+
+def _frame(method: Optional[str] = None) -> Any:
+    """(the Trainer, the locals of its method's frame) for the innermost such frame, or None.
     Only those methods' frames are read: on Python <= 3.12, reading ``f_locals`` of a frame
     keeps a snapshot of its locals on it, and the caller's (``trainer = Trainer(...)``
     in a function) would keep a deleted Trainer, its session and its hooks alive."""
@@ -48,11 +54,25 @@ def _on_stack(method: Optional[str] = None) -> Any:
     while frame is not None:
         code = frame.f_code
         if code.co_name in ((method,) if method else _CALLERS) and code.co_varnames[:1] == ("self",):
-            owner = frame.f_locals.get("self")
-            if isinstance(owner, Trainer):
-                return owner
+            local = frame.f_locals
+            if isinstance(local.get("self"), Trainer):
+                return local["self"], local
         frame = frame.f_back
     return None
+
+
+def _first_batch(trainer: Any, said: Any) -> bool:
+    """This evaluation (or prediction) of ``trainer`` is at its first batch. evaluate() has no
+    callback at its begin, and one that raised part-way never reaches ``on_evaluate``: read from
+    ``evaluation_loop``'s batch index (its loop variable ``step``: 0 at the first batch of every
+    evaluation, after a raised one too). A transformers that names it otherwise: ``said(trainer)``
+    (this evaluation's dataloader had its verdict; a persistent one after a raised evaluation
+    then stays silent)."""
+    found = _frame("evaluation_loop")
+    step = found[1].get("step") if found is not None and found[0] is trainer else None
+    if isinstance(step, int) and not isinstance(step, bool):
+        return step == 0
+    return not said(trainer)
 
 
 class FusionGuardCallback(TrainerCallback):
@@ -150,7 +170,12 @@ class FusionGuardCallback(TrainerCallback):
         """``step_on_forward``'s test: the first batch's forward of an ``evaluate()`` or ``predict()``
         of a Trainer this callback serves (its verdict then counts from here), outside ``train()``."""
         trainer = _on_stack("evaluation_loop")
-        return trainer is not None and self in trainer.callback_handler.callbacks and not self._said(trainer) and _on_stack("train") is None
+        return (
+            trainer is not None
+            and self in trainer.callback_handler.callbacks
+            and _first_batch(trainer, self._said)
+            and _on_stack("train") is None
+        )
 
     def _said(self, trainer: Any) -> bool:
         """This evaluation's verdict was said (one evaluation: one eval dataloader, set by the Trainer at its begin)."""
@@ -190,7 +215,7 @@ class FusionGuardCallback(TrainerCallback):
         # inside train() (``eval_on_start=True`` evaluates before step 1) the first optimizer
         # step gives the verdict, with the backward in it
         trainer = _on_stack()
-        if trainer is None or self._said(trainer) or _on_stack("train") is not None:
+        if trainer is None or not _first_batch(trainer, self._said) or _on_stack("train") is not None:
             return
         loader = getattr(trainer.callback_handler, "eval_dataloader", None)
         try:

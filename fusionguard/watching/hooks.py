@@ -4,6 +4,7 @@ sight while it compiles; the trace-time note."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
@@ -55,6 +56,18 @@ def _nothing() -> Any:
     return None
 
 
+class _Hook(functools.partial):
+    """A hook of watch()'s: ``pre_hook`` / ``post_hook`` bound to its slot. Pickled or copied
+    (``torch.save(model)``, ``copy.deepcopy(model)`` while it is on), it becomes a stdlib no-op
+    that takes any arguments and returns None (``contextlib.nullcontext.__exit__``: traced by
+    Dynamo without a graph break), so the copy loads and runs where fusionguard is not installed."""
+
+    __slots__ = ()
+
+    def __reduce__(self) -> Tuple[Any, Tuple[Any, ...]]:
+        return (getattr, (contextlib.nullcontext, "__exit__"))
+
+
 def pre_hook(slot: "Hooks", mod: torch.nn.Module, args: Any, kwargs: Any) -> None:
     """watch()'s forward pre-hook (with kwargs), bound to its slot by a ``functools.partial``."""
     if _is_dynamo_compiling():
@@ -62,8 +75,8 @@ def pre_hook(slot: "Hooks", mod: torch.nn.Module, args: Any, kwargs: Any) -> Non
         return
     slot.calls.append(None)
     owner = slot.owner
-    # (a deepcopy of the model made during watch() carries these hooks in dicts of its own, with
-    # a slot of its own: not the watched module, never counted as it)
+    # (only on the watched module: a module holding these hooks in a dict of its own, say
+    # a model saved with an older fusionguard, is never counted as it)
     if owner is not None and mod.__dict__.get(_PRE_HOOKS) is slot.home():
         owner._pre(slot, mod, args, kwargs)
 
@@ -86,7 +99,7 @@ class Hooks:
     """watch()'s pre/post hook pair on one module: two function objects made once per module
     (and per nesting level), registered when a watch() of the module starts and removed when it
     ends; they forward to ``owner``, the Watch now entered. The hooks are ``functools.partial``
-    objects of ``pre_hook`` / ``post_hook`` over the slot, so a model that holds them pickles.
+    objects of ``pre_hook`` / ``post_hook`` over the slot (``_Hook``), so a model that holds them pickles.
 
     Why the same objects every time: Dynamo guards on the hooks of a module it compiles (when
     fusionguard cannot know the module runs inside a graph). New hook functions at every entry
@@ -94,8 +107,8 @@ class Hooks:
     FlexAttention; the same functions re-registered pass the guards: at most one graph with
     the hooks and one without. Nothing stays on the module after watch() exits (pickling and
     ``torch.jit.script`` after it are unaffected). A copy made *during* watch() (``copy.deepcopy``,
-    ``torch.save`` then ``torch.load``) carries a pair of its own that no watch() owns: inert
-    hooks, which never count it as the watched module (unpickling it imports fusionguard).
+    ``torch.save`` then ``torch.load``) carries, in place of each hook, ``contextlib.nullcontext.__exit__``:
+    a stdlib no-op that stays on the copy, never counts it as the watched module and needs no fusionguard.
 
     Dynamo never sees them where it can be helped: ``out_of_sight`` takes them out of their
     module's hook dicts while Dynamo compiles a frame. The guards and the reuse above matter
@@ -115,11 +128,11 @@ class Hooks:
         self.calls: List[None] = []
         # The hooks hold the slot, never the module (the module holds the hooks). Partials of
         # module-level functions, not closures: a model holding them pickles (torch.save,
-        # copy.deepcopy); the slot pickles as a fresh one that no watch() owns (__reduce__).
+        # copy.deepcopy), each hook as an inert stdlib no-op (_Hook.__reduce__).
         slot = self  # (a function, not a partial: Dynamo runs a marked function, it inlines a partial)
         self.traced: Callable[[], int] = ti.at_trace_time(lambda: _hooks_traced(slot))
-        self.pre: Callable[..., Any] = functools.partial(pre_hook, self)
-        self.post: Callable[..., Any] = functools.partial(post_hook, self)
+        self.pre: Callable[..., Any] = _Hook(pre_hook, self)
+        self.post: Callable[..., Any] = _Hook(post_hook, self)
         if not _SIGHT.codes_skipped:
             # The hooks of a module Dynamo does not trace run as frames of their own under its
             # frame callback (the compiled module's own, the module of a graph break): each
@@ -129,7 +142,7 @@ class Hooks:
             _SIGHT.codes_skipped = ti.skip_frames(_SIGHT.codes, _SIGHT.on)
 
     def __reduce__(self) -> Tuple[Any, Tuple[()]]:
-        """A copied or unpickled model gets a pair that no watch() owns: its hooks do nothing."""
+        """A slot copied or pickled alone is a fresh one that no watch() owns (a hook pickles without it: ``_Hook``)."""
         return (Hooks, ())
 
     @classmethod

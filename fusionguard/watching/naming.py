@@ -119,6 +119,22 @@ def graph_layer(frame: Any) -> Optional[str]:
 _WRAPPER_ATTRS = ti.WRAPPER_ATTRS
 
 
+def wrapper_chain(top: torch.nn.Module) -> List[torch.nn.Module]:
+    """``top`` and the modules its wrappers wrap, outermost first: the one rule for unwrapping a
+    model (``watcher.unwrap`` for a session's model, the names without ``watch()``): a module whose
+    only child sits under a wrapper's attribute (``_WRAPPER_ATTRS``: DataParallel / DDP / FSDP1's
+    ``module``, torch.compile's ``_orig_mod``, activation checkpointing's) wraps it; the last is the
+    model the user wrote, whose ``named_modules()`` the names follow."""
+    chain = [top]
+    for _ in range(8):
+        children = list(top.__dict__.get(ti.MODULES, {}).items())
+        if len(children) != 1 or children[0][0] not in _WRAPPER_ATTRS or children[0][1] is None:
+            break
+        top = children[0][1]
+        chain.append(top)
+    return chain
+
+
 def flex_layer(frame: Any = None) -> Optional[str]:
     """The layer a FlexAttention call made now belongs to: the innermost watched module whose
     forward is running, or in a backward (no forward hooks run there) the innermost open

@@ -31,7 +31,7 @@ from fusionguard import torch_internals as ti
 from fusionguard.core.frames import is_torch_file
 from fusionguard.core.state import STATE, guarded
 from fusionguard.eventlog.messages import logger
-from fusionguard.watching.naming import _WRAPPER_ATTRS, clean_name
+from fusionguard.watching.naming import clean_name, wrapper_chain
 
 # (a scan keeps at most this many modules' parents; a process past it gets partial names)
 MAX_MODULES = 1_000_000
@@ -91,27 +91,13 @@ def _parent(module: torch.nn.Module) -> Optional[Tuple[torch.nn.Module, str]]:
     return (parent, entry[2]) if parent is not None else None
 
 
-def _unwrap(top: torch.nn.Module) -> List[torch.nn.Module]:
-    """``top`` and the modules its wrappers wrap (``torch.compile``'s ``_orig_mod``, DDP's
-    ``module``), the last being the model the user wrote, whose ``named_modules()`` the names
-    follow (as under ``watch()``; the wrappers are named as that model)."""
-    chain = [top]
-    for _ in range(8):
-        children = list(top.__dict__.get(ti.MODULES, {}).items())
-        if len(children) != 1 or children[0][0] not in _WRAPPER_ATTRS or children[0][1] is None:
-            break
-        top = children[0][1]
-        chain.append(top)
-    return chain
-
-
 def _same_class_tops(top: torch.nn.Module) -> int:
     """How many outermost modules (unwrapped) of ``top``'s class the last scan found alive."""
     n = 0
     cls = type(top)
     for ref in _paths().tops.values():
         m = ref()
-        if m is not None and type(_unwrap(m)[-1]) is cls:
+        if m is not None and type(wrapper_chain(m)[-1]) is cls:
             n += 1
     return n
 
@@ -202,7 +188,7 @@ def _find(module: torch.nn.Module) -> Optional[str]:
             break
         top = up[0]
         seen.add(id(top))
-    _name_tree(_unwrap(top))
+    _name_tree(wrapper_chain(top))
     entry = paths.names.get(id(module))
     return entry[1] if _alive(entry, module) else None  # (None: only in a wrapper's own path)
 

@@ -6,7 +6,7 @@ import functools
 import sys
 import threading
 import weakref
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
 
@@ -26,6 +26,7 @@ from fusionguard.watching.naming import (
     name_module,
     under,
     unname_modules,
+    wrapper_chain,
 )
 
 
@@ -308,6 +309,8 @@ def watch(*models: torch.nn.Module, memory: bool = True, layers: Iterable[Union[
     ``expect_flex`` (default True): the first forward of a watched model that completes without
     any FlexAttention call writes one ``no_flex_calls`` event and one warning (its attention ran
     another way, e.g. SDPA), once per model; False for models that may skip attention.
+    A copy of the model made inside (``copy.deepcopy``, ``torch.save``) carries a stdlib no-op
+    in place of each hook (``contextlib.nullcontext.__exit__``): it loads without fusionguard.
     """
     return Watch(*models, memory=memory, layers=layers, expect_flex=expect_flex)
 
@@ -355,18 +358,10 @@ def no_flex_calls(model: torch.nn.Module) -> None:
 
 
 def unwrap(model: Any) -> Any:
-    """The model under DataParallel / DistributedDataParallel / FSDP1 wrappers (their ``module``);
-    a ``torch.compile`` wrapper is kept: ``watch()`` names through it and hooks nothing inside."""
-    wrappers: Tuple[type, ...] = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel  # lazy: an optional part of torch
-
-        wrappers += (FullyShardedDataParallel,)
-    except Exception:
-        pass
-    for _ in range(8):
-        inner = getattr(model, "module", None)
-        if not (isinstance(model, wrappers) and isinstance(inner, torch.nn.Module)):
-            break
-        model = inner
-    return model
+    """The model a session watches: ``model`` under its wrappers (``wrapper_chain``: DataParallel,
+    DDP, FSDP1, ...), up to a ``torch.compile`` wrapper, which is kept: ``watch()`` names through
+    it and hooks nothing inside."""
+    if not isinstance(model, torch.nn.Module):
+        return model
+    chain = wrapper_chain(model)
+    return next((m for m in chain if ti.is_compile_wrapper(m)), chain[-1])
