@@ -16,6 +16,7 @@ import torch
 from conftest import ROOT, causal
 
 import fusionguard
+from fusionguard import _testing
 from fusionguard.dense import memory as dense_memory
 
 pytestmark = [
@@ -28,6 +29,14 @@ _spec = importlib.util.spec_from_file_location("dense_memory_cuda", ROOT / "benc
 bench = importlib.util.module_from_spec(_spec)
 sys.modules["dense_memory_cuda"] = bench  # importable by name: Dynamo looks up a score_mod's globals
 _spec.loader.exec_module(bench)  # type: ignore[union-attr]
+
+
+@pytest.fixture(autouse=True)
+def _clean_after():
+    """No event of these tests is left for a later test of the same process to read."""
+    yield
+    fusionguard.disable()
+    _testing.reset_for_tests()
 
 
 @pytest.mark.parametrize("backend", bench.BACKENDS)
