@@ -1,6 +1,11 @@
 """One torchrun worker for tests/test_distributed.py (CPU, gloo).
 
-    torchrun --nproc_per_node=2 --standalone tests/dist_worker.py SCENARIO OUT_DIR
+    torchrun --nproc_per_node=2 --standalone tests/dist_worker.py SCENARIO[,SCENARIO...] OUT_DIR
+
+Several scenarios (comma-separated, none of them strict or run under ``fusionguard run``): one
+after the other in one launch, each in OUT_DIR/SCENARIO with its own enable(), log and disable();
+the launch's start (torchrun's agent, two workers importing torch and joining the group, about
+12 CPU s) is paid once.
 
 SCENARIO:
   both   warn mode, every rank runs one eager (dense) flex_attention, Q = 16 + 8 * rank
@@ -45,6 +50,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.attention.flex_attention import flex_attention
 
 import fusionguard
+from fusionguard import _testing
 from fusionguard.eventlog.distributed import gather_to_rank0
 
 
@@ -61,13 +67,28 @@ def attention(q_len: int) -> torch.Tensor:
 
 @record  # torchrun's failure summary then carries the exception (DenseFallbackError and its verdict)
 def main() -> None:
-    scenario, out = sys.argv[1], Path(sys.argv[2])
+    scenarios, root = sys.argv[1].split(","), Path(sys.argv[2])
     rank = int(os.environ["RANK"])
     warnings.filterwarnings("ignore")  # torch's "flex_attention called without torch.compile", ours
 
     # before any process group exists: no communication, just [obj]
     alone = gather_to_rank0({"rank": rank})
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    for scenario in scenarios:
+        out = root / scenario if len(scenarios) > 1 else root
+        out.mkdir(exist_ok=True)
+        if not run(scenario, out, rank, alone):
+            return  # (a strict scenario: the group is stopped, no teardown)
+        if scenario != scenarios[-1]:  # the next scenario starts as a fresh enable() would
+            mark(out, rank, "done")
+            fusionguard.disable()
+            _testing.reset_for_tests()
+            dist.barrier()
+    finish(out, rank)
+
+
+def run(scenario: str, out: Path, rank: int, alone: list) -> bool:
+    """One scenario in OUT; False where it leaves the group stopped (strict)."""
     if not fusionguard.is_enabled():  # (under ``fusionguard run`` the start-up hook enabled it)
         fusionguard.enable(strict=scenario in ("strict", "fsdp2_strict"), log_path=str(out / "logs") + os.sep)
     mark(out, rank, "enabled")
@@ -86,15 +107,13 @@ def main() -> None:
             attention(16)
     elif scenario in ("fsdp2", "fsdp2_unwatched"):
         fsdp2_per_block(out, rank, watch=scenario == "fsdp2")
-        finish(out, rank)
-        return
+        return True
     elif scenario == "fsdp2_strict":
         fsdp2_strict(out, rank, torch.device("cpu"))
-        return
+        return False
     elif scenario == "cp":
         context_parallel_flex(out, rank, torch.device("cpu"), seq=256, heads=2, dim=8, dtype=torch.float32, steps=("compiled", "dense"))
-        finish(out, rank)
-        return
+        return True
     elif scenario == "strict":
         if rank == 0:
             with fusionguard.allow_dense():
@@ -105,7 +124,7 @@ def main() -> None:
         mark(out, rank, "barrier")
         dist.barrier()  # never completes: rank 1 is gone
         mark(out, rank, "after_barrier")
-        return
+        return False
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
 
@@ -122,7 +141,7 @@ def main() -> None:
         (out / "all_ranks.json").write_text(json.dumps(list(rows), default=str))
     else:
         assert gathered is None, gathered
-    finish(out, rank)
+    return True
 
 
 def fsdp2_per_block(out: Path, rank: int, watch: bool = True) -> None:

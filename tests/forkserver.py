@@ -1,14 +1,15 @@
 """A fork server for the tests' child Pythons (#34): one process per pytest worker imports torch,
-Dynamo and Inductor once (about 3.5 CPU s, nothing compiled, no fusionguard), then forks a fresh
-grandchild per request that runs a script or a ``python -c`` body with the request's argv, env and
-cwd, its stdio on the caller's pipes. ``run()`` and ``popen()`` read like ``subprocess.run`` and
-``subprocess.Popen``.
+Dynamo and Inductor once and runs Inductor's CPU vector-ISA check (about 5 CPU s, no kernel
+compiled, no fusionguard), then forks a fresh grandchild per request that runs a script, a
+``python -c`` body or a ``python -m`` module with the request's argv, env and cwd, its stdio on
+the caller's pipes. ``run()`` and ``popen()`` read like ``subprocess.run`` and ``subprocess.Popen``.
 
 Use it where the child only needs to be a separate process (fusionguard's process-wide state, a
 crash, a SIGKILL, several writers at once), never where the interpreter's start is the point: the
-start-up hook, ``fusionguard run``, ``python -m``, import-time behaviour, spawn children, torchrun.
+start-up hook, ``fusionguard run``, import-time behaviour, spawn children, torchrun.
 A request it cannot serve exactly runs as a real subprocess instead: an argv that is not
-``[sys.executable, "-c", code, ...]`` or ``[sys.executable, script, ...]``, or an environment that
+``[sys.executable, "-c", code, ...]``, ``[sys.executable, "-m", module, ...]`` or
+``[sys.executable, script, ...]``, or an environment that
 differs from the server's in a variable that Python or torch read while the server started
 (``TORCH_LOGS``, ``OMP_NUM_THREADS``, ``PYTHON*`` but PYTHONPATH, ...). Inductor's cache directory
 and ``CUDA_VISIBLE_DEVICES`` are read later, in the grandchild.
@@ -37,8 +38,20 @@ _LATE = {"PYTHONPATH", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "CUDA_VISI
 
 
 def _cpu_self() -> float:
+    """This process's CPU seconds and its waited-for children's (the vector-ISA check's)."""
     t = os.times()
-    return t.user + t.system
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def _vec_isa() -> None:
+    """Inductor's CPU vector-ISA check, once, before any fork: each process runs it at its first
+    C++ compile (a probe library per ISA, built in the cache directory, then a ``python -c`` child
+    per ISA that loads it; cached for the process). 1.4 CPU s in a grandchild, 11 in a grandchild
+    with a cold private cache directory; now inherited. No kernel, graph or cache entry of a test
+    is made (the probe libraries go to the session's cache directory)."""
+    from torch._inductor import cpu_vec_isa
+
+    cpu_vec_isa.valid_vec_isa_list()
 
 
 def _serve(sock_path: str) -> None:
@@ -47,6 +60,7 @@ def _serve(sock_path: str) -> None:
 
     for name in PRELOAD:
         importlib.import_module(name)
+    _vec_isa()
     threads = len(os.listdir("/proc/self/task"))
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(sock_path)
@@ -128,6 +142,8 @@ def _child(req: dict, fds: list, base_path: list) -> None:
         argv = req["argv"]
         if argv[0] == "-c":
             source, filename, sys.argv, path0 = argv[1], "<string>", ["-c", *argv[2:]], ""
+        elif argv[0] == "-m":  # (as ``python -m``: the working directory first, runpy finds and runs the module)
+            source, filename, sys.argv, path0 = "import runpy\nrunpy._run_module_as_main(MODULE)", "<-m>", ["-m", *argv[2:]], os.getcwd()
         else:
             filename = argv[0]
             source, sys.argv, path0 = Path(filename).read_text(), list(argv), os.path.dirname(os.path.realpath(filename))
@@ -135,7 +151,11 @@ def _child(req: dict, fds: list, base_path: list) -> None:
         sys.path[:] = [path0, *extra, *base_path]
         main = types.ModuleType("__main__")
         main.__dict__["__builtins__"] = __builtins__
-        if argv[0] != "-c":
+        if argv[0] == "-m":
+            main.__dict__["MODULE"] = argv[
+                1
+            ]  # (runpy runs the module in this namespace, as __main__, and sets its __file__ and sys.argv[0])
+        elif argv[0] != "-c":
             main.__dict__.update(__file__=filename, __cached__=None)
         sys.modules["__main__"] = main
         try:
@@ -151,9 +171,11 @@ def _child(req: dict, fds: list, base_path: list) -> None:
                 code = 1
         except BaseException:
             kind, value, tb = sys.exc_info()
-            if value is not None and tb is not None:
-                value.__traceback__ = tb.tb_next  # (the traceback starts in the script, as Python's)
-            sys.excepthook(kind, value, tb.tb_next if tb else tb)
+            for _ in range(2 if argv[0] == "-m" else 1):  # (the traceback starts in the script, or in runpy, as Python's)
+                tb = tb.tb_next if tb is not None else tb
+            if value is not None:
+                value.__traceback__ = tb
+            sys.excepthook(kind, value, tb)
             code = 1
         threading._shutdown()  # type: ignore[attr-defined]  # (as Py_FinalizeEx: non-daemon threads, then atexit)
         atexit._run_exitfuncs()
@@ -227,10 +249,10 @@ def why_not(args, env: dict | None) -> str | None:
     args = list(map(str, args))
     if len(args) < 2 or args[0] != sys.executable:
         return "not this Python"
-    if args[1].startswith("-") and args[1] != "-c":
+    if args[1].startswith("-") and args[1] not in ("-c", "-m"):
         return f"interpreter option {args[1]}"
-    if args[1] == "-c" and len(args) < 3:
-        return "-c without a body"
+    if args[1] in ("-c", "-m") and len(args) < 3:
+        return f"{args[1]} without an argument"
     server = _start()
     if server is None:
         return "no fork server"

@@ -1,7 +1,13 @@
 """One torchrun worker for tests/test_integrations_dist.py (CPU, gloo): a framework's own Trainer
 in several processes, with fusionguard's callback, flex forced dense in warn mode.
 
-    torchrun --nproc_per_node=2 --standalone tests/integrations_dist_worker.py FRAMEWORK OUT_DIR
+    torchrun --nproc_per_node=2 --standalone tests/integrations_dist_worker.py FRAMEWORK[,FRAMEWORK...] OUT_DIR
+
+Several (comma-separated; only the last may end at the process's exit): one after the other in
+one launch, each in OUT_DIR/FRAMEWORK as its working directory, its output after a line
+``MARK + FRAMEWORK`` on stdout and stderr; each Trainer and its callback's session end before the
+next starts (checked). The launch's start (torchrun's agent, two workers importing torch and
+the framework) is paid once.
 
 FRAMEWORK:
   hf         Hugging Face Trainer, the tiny Llama of tests/test_integrations_hf.py under
@@ -23,6 +29,7 @@ OUT_DIR/result{R}.json (the metrics its Trainer holds). The process group is the
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -32,7 +39,10 @@ from pathlib import Path
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
+import fusionguard
+
 DEVICE = os.environ.get("FG_INTEG_DEVICE", "cpu")  # "cuda": NCCL (tests/gpu/test_integrations_dist_cuda.py)
+MARK = "=== integrations_dist_worker: "  # + FRAMEWORK: where its output starts
 LENGTHS = (16, 24, 32, 40)  # evaluation rows: rank R runs rows R and R + 2
 TRAIN_STEPS = 2
 
@@ -175,12 +185,23 @@ def lightning(out: Path, rank: int, stop: bool = False) -> dict:
 
 @record
 def main() -> None:
-    framework, out = sys.argv[1], Path(sys.argv[2])
+    frameworks, root = sys.argv[1].split(","), Path(sys.argv[2])
     rank = int(os.environ["RANK"])
     warnings.filterwarnings("ignore")  # torch's "flex_attention called without torch.compile", ours
-    run, stop = {"hf": (hf, False), "hf_stop": (hf, True), "lightning": (lightning, False), "lightning_stop": (lightning, True)}[framework]
-    result = run(out, rank, stop)
-    (out / f"result{rank}.json").write_text(json.dumps(result, default=str))
+    for framework in frameworks:
+        out = root / framework if len(frameworks) > 1 else root
+        out.mkdir(exist_ok=True)
+        os.chdir(out)  # (hf: the callback's default log, in the working directory)
+        for stream in (sys.stdout, sys.stderr):
+            print(MARK + framework, file=stream, flush=True)
+        run, stop = {"hf": (hf, False), "hf_stop": (hf, True), "lightning": (lightning, False), "lightning_stop": (lightning, True)}[
+            framework
+        ]
+        result = run(out, rank, stop)
+        (out / f"result{rank}.json").write_text(json.dumps(result, default=str))
+        if framework != frameworks[-1]:
+            gc.collect()  # (the Trainer is gone: its callback's session ends with it)
+            assert not fusionguard.is_enabled(), f"{framework}: fusionguard still on after its Trainer"
 
 
 if __name__ == "__main__":

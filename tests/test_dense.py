@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import threading
 import warnings
 
+import forkserver
 import pytest
 import torch
 from conftest import PUBLIC, causal, child_env, flex_events, in_own_process, op_call, qkv, read_jsonl
@@ -328,7 +328,7 @@ def test_threads_making_their_first_dense_calls_at_once_are_all_logged_and_block
     calls meanwhile: missing from the log in warn mode, run dense in strict mode. Every round
     failed that way before the fix (2 threads, 5 or 3 calls each)."""
     rounds = ["warn", "strict"] * 3
-    p = subprocess.run(
+    p = forkserver.run(  # (a process of its own, forked: torch imported, nothing compiled, no fusionguard)
         [sys.executable, "-c", _FIRST_CALLS, str(tmp_path), *rounds],
         capture_output=True,
         text=True,

@@ -1,8 +1,10 @@
 """torchrun --nproc_per_node=2 on CPU with gloo: per-rank logs, one rank dense, strict failure.
 
-Three torchrun launches in all (each a few seconds of process start-up and imports); the worker is
-tests/dist_worker.py. gather_to_rank0 is tested inside the workers and, without a process group,
-in this process.
+Five torchrun launches in all (each about 12 CPU s of process start-up, imports and the group's
+set-up); the worker is tests/dist_worker.py. Scenarios that end cleanly and need no start-up hook
+share a launch (``launched``: "both" and "rank1"; "fsdp2" and "cp"), one after the other, each
+with its own enable(), log directory and disable(). gather_to_rank0 is tested inside the workers
+and, without a process group, in this process.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 from typing import Sequence
 
 import pytest
-from conftest import needs, read_jsonl
+from conftest import lacks, needs, read_jsonl
 
 from fusionguard.eventlog.distributed import gather_to_rank0, process_group_ready
 
@@ -113,6 +115,26 @@ def output(proc: subprocess.CompletedProcess) -> str:
     return f"rc={proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
 
 
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """``launched(*scenarios, timeout=...)``: one launch running the scenarios one after the other
+    (once per module, whichever test asks first): (OUT, the launch), scenario S's files in OUT/S."""
+    done: dict = {}
+
+    def get(*scenarios: str, timeout: float = LAUNCH_TIMEOUT) -> tuple:
+        key = ",".join(scenarios)
+        if key not in done:
+            out = tmp_path_factory.mktemp("dist")
+            done[key] = (out, launch(key, out, timeout=timeout))
+        return done[key]
+
+    return get
+
+
+#: The compiling scenarios launched together: fsdp2 (watched) and, where this torch has it, cp.
+COMPILING = ("fsdp2",) if lacks("context_parallel") else ("fsdp2", "cp")
+
+
 def test_gather_to_rank0_without_a_process_group():
     assert not process_group_ready()
     obj = {"rank": 0, "rows": [1, 2]}
@@ -120,9 +142,10 @@ def test_gather_to_rank0_without_a_process_group():
 
 
 @torchrun
-def test_every_rank_dense_one_log_per_rank_and_gather(tmp_path):
-    proc = launch("both", tmp_path)
+def test_every_rank_dense_one_log_per_rank_and_gather(launched):
+    out, proc = launched("both", "rank1")
     assert proc.returncode == 0, output(proc)
+    tmp_path = out / "both"
     logs = rank_logs(tmp_path)
     for rank, events in logs.items():
         (call,) = flex_calls(events)
@@ -145,9 +168,11 @@ def test_every_rank_dense_one_log_per_rank_and_gather(tmp_path):
 
 
 @torchrun
-def test_only_rank1_dense(tmp_path):
-    proc = launch("rank1", tmp_path)
+def test_only_rank1_dense(launched):
+    """(in the launch of "both", after it: a fresh enable() and log, rank 0 makes no call)"""
+    out, proc = launched("both", "rank1")
     assert proc.returncode == 0, output(proc)
+    tmp_path = out / "rank1"
     logs = rank_logs(tmp_path)
     assert flex_calls(logs[0]) == []
     (call,) = flex_calls(logs[1])
@@ -185,15 +210,18 @@ def test_strict_rank_raises_torchrun_stops_the_group(tmp_path):
 @torchrun
 @pytest.mark.slow
 @pytest.mark.parametrize("scenario", ["fsdp2", "fsdp2_unwatched"])
-def test_fsdp2_per_block_compile_names_each_block_on_every_rank(tmp_path, scenario):
+def test_fsdp2_per_block_compile_names_each_block_on_every_rank(tmp_path, launched, scenario):
     """torchtitan's pattern under torchrun: fully_shard per block, block.compile(), two steps in
     watch(model), or without watch() under ``fusionguard run`` (issue 28: the blocks are found in
     the model holding them; the worker never calls enable()). One compiled graph serves both
     blocks; each run is named by the block running it, per rank; the report sums the ranks."""
     from fusionguard.report.build import build as build_report_dict
 
-    runner = fusionguard_run(tmp_path) if scenario == "fsdp2_unwatched" else ()
-    proc = launch(scenario, tmp_path, timeout=LAUNCH_TIMEOUT * 4, runner=runner)  # (two ranks compile at once)
+    if scenario == "fsdp2_unwatched":  # (under the start-up hook: a launch of its own)
+        proc = launch(scenario, tmp_path, timeout=LAUNCH_TIMEOUT * 4, runner=fusionguard_run(tmp_path))  # (two ranks compile at once)
+    else:  # (with cp, where this torch has it)
+        out, proc = launched(*COMPILING, timeout=LAUNCH_TIMEOUT * 4 * len(COMPILING))
+        tmp_path = out / scenario if len(COMPILING) > 1 else out
     assert proc.returncode == 0, output(proc)
     logs = rank_logs(tmp_path)
     expected = [
@@ -288,7 +316,7 @@ def test_context_parallel_flex_is_found_on_this_torch():
 @torchrun
 @pytest.mark.slow
 @needs("context_parallel")
-def test_context_parallel_flex_on_gloo_compiled_fused_eager_dense_with_local_shapes(tmp_path):
+def test_context_parallel_flex_on_gloo_compiled_fused_eager_dense_with_local_shapes(launched):
     """Context parallelism for FlexAttention (``_ContextParallel(2, FLEX)``, S = 256 on 2 ranks,
     inference: no flex backward on CPU). Compiled: fused on every rank, no dense call. The same
     module eager inside the CP region: dense on every rank, logged with the local shapes (Q is
@@ -296,8 +324,9 @@ def test_context_parallel_flex_on_gloo_compiled_fused_eager_dense_with_local_sha
     the whole attention's shard (the CP path really ran)."""
     from fusionguard.dense.memory import predict_dense
 
-    proc = launch("cp", tmp_path, timeout=LAUNCH_TIMEOUT * 4)  # (the CP mask and flex compile on both ranks)
+    out, proc = launched(*COMPILING, timeout=LAUNCH_TIMEOUT * 4 * len(COMPILING))  # (after fsdp2, in its launch)
     assert proc.returncode == 0, output(proc)
+    tmp_path = out / "cp"
     logs = rank_logs(tmp_path)
     for rank in (0, 1):
         cp = json.loads((tmp_path / f"cp{rank}.json").read_text())

@@ -1,10 +1,14 @@
-"""`fusionguard doctor` on CPU: inference only, eager dense vs compiled fused, exit status."""
+"""`fusionguard doctor` on CPU: inference only, eager dense vs compiled fused, exit status.
+
+``python -m fusionguard doctor`` forked from tests/forkserver.py (torch imported, no fusionguard):
+what the doctor checks is the stack, not the interpreter's start."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
+import forkserver
 import pytest
 from conftest import ROOT
 
@@ -12,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_doctor_on_cpu_says_fused_ok():
-    proc = subprocess.run(
+    proc = forkserver.run(
         [sys.executable, "-m", "fusionguard", "doctor", "--shape", "1,4,2,64,64,8", "--device", "cpu"],
         capture_output=True,
         text=True,
@@ -36,14 +40,14 @@ def test_doctor_on_cpu_says_fused_ok():
 
 @pytest.mark.parametrize("shape", ["1,2,3", "1,3,2,64,64,8", "a,b,c,d,e,f"])
 def test_doctor_rejects_bad_shapes(shape):
-    proc = subprocess.run(
+    proc = forkserver.run(
         [sys.executable, "-m", "fusionguard", "doctor", "--shape", shape], capture_output=True, text=True, timeout=120, cwd=ROOT
     )
     assert proc.returncode == 2 and ("--shape" in proc.stderr or "GQA" in proc.stderr)
 
 
 def test_doctor_fails_clearly_on_a_non_fusing_stack():
-    proc = subprocess.run(
+    proc = forkserver.run(
         [sys.executable, "-m", "fusionguard", "doctor", "--shape", "1,4,2,64,64,8", "--device", "cpu", "--backend", "aot_eager"],
         capture_output=True,
         text=True,
@@ -69,7 +73,7 @@ def test_doctor_refuses_bad_options_cleanly(args, said):
 
     if "cuda" in args and torch.cuda.is_available():
         pytest.skip("a CUDA device is available: --device cuda is a good option here")
-    proc = subprocess.run([sys.executable, "-m", "fusionguard", "doctor", *args], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    proc = forkserver.run([sys.executable, "-m", "fusionguard", "doctor", *args], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert said in proc.stderr and "Traceback" not in proc.stderr and proc.stdout == ""
 

@@ -8,7 +8,9 @@ validate()), flex forced dense in warn mode. Evaluation rows have distinct lengt
 framework hands rank R rows R and R + 2: a rank's log shows whose calls it counted. torchrun
 redirects each rank's stdout and stderr to its own file (``--redirects 3``), so what each rank
 printed is known. ``stop_on_dense`` with only rank 1 dense: every rank stops at the same step.
-About 15-20 s a launch on 2 cores (4 launches), most of it imports.
+About 15-20 CPU s a launch, most of it imports: a framework's two scenarios share one launch
+(``launched``: the stop scenario first, its Trainer and session ended before the next starts;
+the other last, ending at the process's exit as it would alone).
 """
 
 from __future__ import annotations
@@ -20,19 +22,48 @@ from typing import Dict, List
 
 import pytest
 from conftest import read_jsonl
-from integrations_dist_worker import LENGTHS, TRAIN_STEPS
+from integrations_dist_worker import LENGTHS, MARK, TRAIN_STEPS
 from test_distributed import HERE, LAUNCH_TIMEOUT, flex_calls, launch, output, torchrun
 
 pytestmark = [torchrun, pytest.mark.slow]
 WORKER = HERE / "integrations_dist_worker.py"
+HF = ("hf_stop", "hf")  # (one launch each: the stop scenario first, the other ends at the process's exit)
+LIGHTNING = ("lightning_stop", "lightning")
 HF_LAYERS = ("model.layers.0.self_attn", "model.layers.1.self_attn")
 L_LAYERS = ("layers.0", "layers.1")
 
 
 def run(framework: str, out: Path):
-    proc = launch(framework, out, worker=WORKER, timeout=LAUNCH_TIMEOUT * 2, options=["--redirects=3", f"--log-dir={out / 'torchrun'}"])
+    """torchrun the worker for FRAMEWORK (or several, comma-separated) in OUT: (launch, printed)."""
+    timeout = LAUNCH_TIMEOUT * 2 * len(framework.split(","))
+    proc = launch(framework, out, worker=WORKER, timeout=timeout, options=["--redirects=3", f"--log-dir={out / 'torchrun'}"])
     assert proc.returncode == 0, output(proc) + printed_text(out)
     return proc, printed(out)
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """``launched(FRAMEWORK, *together)``: one launch running ``together`` one after the other (once
+    per module): FRAMEWORK's directory, the launch and what each rank printed while FRAMEWORK ran."""
+    done: dict = {}
+
+    def get(framework: str, *together: str) -> tuple:
+        key = ",".join(together)
+        if key not in done:
+            out = tmp_path_factory.mktemp("integ")
+            done[key] = (out, *run(key, out))
+        out, proc, texts = done[key]
+        return out / framework, proc, {rank: part(text, framework) for rank, text in texts.items()}
+
+    return get
+
+
+def part(text: str, framework: str) -> str:
+    """What the worker printed while FRAMEWORK ran (stdout and stderr: each starts with a mark)."""
+    sections = re.split(f"^{re.escape(MARK)}(\\w+)\n", text, flags=re.MULTILINE)
+    found = [body for name, body in zip(sections[1::2], sections[2::2]) if name == framework]
+    assert len(found) == 2, f"{framework}: {len(found)} marked sections (stdout and stderr expected)"
+    return "".join(found)
 
 
 def printed(out: Path) -> Dict[int, str]:
@@ -65,8 +96,8 @@ def speakers(texts: Dict[int, str], pattern: str) -> List[int]:
     return [rank for rank, text in sorted(texts.items()) for _ in re.finditer(pattern, text, re.MULTILINE)]
 
 
-def test_hf_trainer_every_rank_logs_rank0_speaks(tmp_path):
-    proc, texts = run("hf", tmp_path)
+def test_hf_trainer_every_rank_logs_rank0_speaks(launched):
+    tmp_path, proc, texts = launched("hf", *HF)
     # one file per rank, by default in the working directory (fusionguard.rank{R}.jsonl)
     files = sorted(tmp_path.glob("fusionguard*.jsonl"))
     assert [f.name for f in files] == ["fusionguard.rank0.jsonl", "fusionguard.rank1.jsonl"]
@@ -103,9 +134,9 @@ def test_hf_trainer_every_rank_logs_rank0_speaks(tmp_path):
         assert result["metrics"]["eval_loss"] == history[-1]["eval_loss"]
 
 
-def test_lightning_ddp_every_rank_logs_rank0_speaks(tmp_path):
+def test_lightning_ddp_every_rank_logs_rank0_speaks(launched):
     pytest.importorskip("lightning.pytorch")
-    proc, texts = run("lightning", tmp_path)
+    tmp_path, proc, texts = launched("lightning", *LIGHTNING)
     files = sorted((tmp_path / "logs").glob("fusionguard.rank*.pid*.jsonl"))
     assert [f.name.split(".")[1] for f in files] == ["rank0", "rank1"], files
     for rank, f in enumerate(files):
@@ -129,16 +160,17 @@ def test_lightning_ddp_every_rank_logs_rank0_speaks(tmp_path):
     assert "fusionguard" not in proc.stdout + proc.stderr
 
 
-def test_hf_stop_on_dense_stops_every_rank_together(tmp_path):
+def test_hf_stop_on_dense_stops_every_rank_together(launched):
     """Only rank 1 runs dense (rank 0's model runs sdpa): a rank stopping alone would leave the
     other failing (gloo) or waiting (NCCL) in its next step's collective. Every rank stops at
     step 1, and rank 0 says which rank ran dense."""
-    check_hf_stop(tmp_path)
+    check_hf_stop(*launched("hf_stop", *HF))
 
 
-def check_hf_stop(tmp_path):
-    """(also tests/gpu/test_integrations_dist_cuda.py, with NCCL)"""
-    proc, texts = run("hf_stop", tmp_path)
+def check_hf_stop(tmp_path, proc=None, texts=None):
+    """(also tests/gpu/test_integrations_dist_cuda.py, with NCCL: a launch of its own)"""
+    if proc is None:
+        proc, texts = run("hf_stop", tmp_path)
     results = [json.loads((tmp_path / f"result{rank}.json").read_text()) for rank in (0, 1)]
     assert [r["global_step"] for r in results] == [1, 1], "both ranks stop after step 1 (of 3)"
     logs = [read_jsonl(tmp_path / f"fusionguard.rank{rank}.jsonl") for rank in (0, 1)]
@@ -153,15 +185,17 @@ def check_hf_stop(tmp_path):
     assert speakers(texts, r"^fusionguard: stop_on_dense") == [0]
 
 
-def test_lightning_stop_on_dense_stops_every_rank_together(tmp_path):
+def test_lightning_stop_on_dense_stops_every_rank_together(launched):
     """The same with Lightning's fit() under strategy="ddp" (trainer.should_stop on every rank)."""
-    check_lightning_stop(tmp_path)
-
-
-def check_lightning_stop(tmp_path):
-    """(also tests/gpu/test_integrations_dist_cuda.py, with NCCL)"""
     pytest.importorskip("lightning.pytorch")
-    proc, texts = run("lightning_stop", tmp_path)
+    check_lightning_stop(*launched("lightning_stop", *LIGHTNING))
+
+
+def check_lightning_stop(tmp_path, proc=None, texts=None):
+    """(also tests/gpu/test_integrations_dist_cuda.py, with NCCL: a launch of its own)"""
+    pytest.importorskip("lightning.pytorch")
+    if proc is None:
+        proc, texts = run("lightning_stop", tmp_path)
     results = [json.loads((tmp_path / f"result{rank}.json").read_text()) for rank in (0, 1)]
     assert [r["global_step"] for r in results] == [1, 1], "both ranks stop after step 1 (of 3)"
     files = sorted((tmp_path / "logs").glob("fusionguard.rank*.pid*.jsonl"))
