@@ -225,3 +225,19 @@ def test_a_model_saved_during_a_session_loads_where_fusionguard_is_not_importabl
     assert done.returncode == 0, done.stderr[-2000:]
     # during / copy: an inert hook pair on each hooked module; after: none
     assert done.stdout.split("\n")[:3] == ["during.pt (1, 2, 16, 8) 6", "copy.pt (1, 2, 16, 8) 6", "after.pt (1, 2, 16, 8) 0"]
+
+
+def test_a_fused_call_named_outside_the_watched_model_is_counted_not_dropped(clean):
+    """#33: a compiled graph whose names miss the watched ones (Dynamo reaching a layer through
+    ``self.__dict__['_modules']``, Lightning's compiled module) counted nothing for the session."""
+    from fusionguard.core.state import STATE
+    from fusionguard.eventlog.kinds import NO_LAYER
+    from fusionguard.watching.naming import fqn_from_source
+
+    assert fqn_from_source("L['self'].__dict__['_modules']['net'].layers.1") == "net.layers.1"
+    assert fqn_from_source("L['self'].__dict__[\"_modules\"]['net']") == "net"
+    model = Net()
+    with fusionguard.track(model, log_path=False) as fg:
+        STATE.stats.on_fused([("layers.0", 1), ("not.a.watched.name", 2)], "forward")  # (a graph run's report)
+        rows = {r["layer"]: r["fused"] for r in fg.counts().rows}
+    assert rows == {"layers.0": 1, NO_LAYER: 2}
