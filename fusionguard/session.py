@@ -62,10 +62,14 @@ class _Life:
         self.total = Tally()
         self.step = Tally()
         self.watch: Any = None
-        self.watched: Any = None  # the model the watch is on
+        self.watched: Callable[[], Any] = _nothing  # a weak reference to the model the watch is on (the model may hold its session)
         self.took_from: Any = None  # weak reference to the _Life it took the model's hooks over from
         self.bound: List[Any] = []  # finalizers of the objects it is bound to
         self.on_forward = False  # a step_on_forward() test is set (on the session: it may hold the session)
+
+
+def _nothing() -> None:
+    return None
 
 
 def _unwrap(model: Any) -> Any:
@@ -183,7 +187,8 @@ class Session:
     @property
     def model(self) -> Any:
         """The model watched (unwrapped), or the one given."""
-        return self._h.watched if self._h.watched is not None else self._model
+        watched = self._h.watched()
+        return watched if watched is not None else self._model
 
     @property
     def active(self) -> bool:
@@ -446,7 +451,7 @@ class Session:
 
             inner = _unwrap(model)
             life = self._h
-            if not isinstance(inner, torch.nn.Module) or inner is life.watched:
+            if not isinstance(inner, torch.nn.Module) or inner is life.watched():
                 return
             from fusionguard.watching.watcher import Watch  # lazy: it imports torch
 
@@ -459,9 +464,9 @@ class Session:
                     life.took_from = weakref.ref(other)
                 elif not regain:
                     life.took_from = None
-                life.watch = Watch(inner, memory=self._memory, hooks=self.hooks).__enter__()
+                life.watch = Watch(inner, memory=self._memory, hooks=self.hooks).__enter__().release()
                 life.watch.on_forward = _forward_began
-                life.watched = inner
+                life.watched = weakref.ref(inner)
                 try:
                     STATE.sessions.owners[id(inner)] = (weakref.ref(inner), weakref.ref(life))
                 except TypeError:
@@ -551,7 +556,7 @@ def _unwatch(life: _Life, give_back: bool = True) -> None:
     owned = False
     with STATE.sessions.lock:
         w, life.watch = life.watch, None
-        inner, life.watched = life.watched, None
+        inner, life.watched = life.watched(), _nothing
         if inner is not None:
             ref, owner = STATE.sessions.owners.get(id(inner), (None, None))
             if owner is not None and owner() is life:
@@ -564,7 +569,7 @@ def _unwatch(life: _Life, give_back: bool = True) -> None:
         if earlier is None or (earlier.started and earlier.off is None):
             break
         earlier = earlier.took_from() if earlier.took_from is not None else None
-    session = earlier.session() if earlier is not None and earlier.watched is None else None
+    session = earlier.session() if earlier is not None and earlier.watched() is None else None
     if session is not None and _unwrap(session._model) is inner:
         session._follow(session._model, regain=True)
 

@@ -241,3 +241,21 @@ def test_a_fused_call_named_outside_the_watched_model_is_counted_not_dropped(cle
         STATE.stats.on_fused([("layers.0", 1), ("not.a.watched.name", 2)], "forward")  # (a graph run's report)
         rows = {r["layer"]: r["fused"] for r in fg.counts().rows}
     assert rows == {"layers.0": 1, NO_LAYER: 2}
+
+
+def test_a_session_stored_on_its_own_model_is_collected_with_it(clean):
+    """#33: ``model.fg = fusionguard.track(model).start()`` (a notebook cell run again) held the
+    model, its hooks and the enable() for the life of the process: the running sessions' registry
+    held the session's end, which held the model's watch, which held the model."""
+    gone = []
+    for _ in range(3):  # the cell, run 3 times
+        model = Net()
+        model.fg = fusionguard.track(model, log_path=False).start()
+        run(model)
+        gone.append((weakref.ref(model), weakref.ref(model.fg)))
+    del model
+    gc.collect()
+    for t in [t for t in threading.enumerate() if t.name == "fusionguard-session-end"]:
+        t.join(10)
+    assert [(m(), s()) for m, s in gone] == [(None, None)] * 3
+    assert not fusionguard.session.STATE.sessions.live and not fusionguard.is_enabled()
