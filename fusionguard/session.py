@@ -248,10 +248,7 @@ class Session:
         where a watched layer's peak was measured (CUDA); empty when fusionguard is off (never a
         false 0)."""
         self._started("metrics()")
-        if counts is not None and not isinstance(counts, Counts):
-            raise TypeError(
-                f"{self.name}: metrics(counts=...) takes the Counts of step(), counts() or pending(), not {type(counts).__name__}"
-            )
+        self._counts_arg("metrics(counts=...)", counts)
         if self.off is not None:
             return {}
         out = (counts or self.counts()).metrics()
@@ -266,10 +263,7 @@ class Session:
         2 FlexAttention layers, forward fused 2/2, backward fused 2/2``; what ran dense and why,
         what never ran flex; or why fusionguard is off."""
         self._started("verdict()")
-        if counts is not None and not isinstance(counts, Counts):
-            raise TypeError(
-                f"{self.name}: verdict(label, counts=...) takes the Counts of step(), counts() or pending(), not {type(counts).__name__}"
-            )
+        self._counts_arg("verdict(label, counts=...)", counts)
         if self.off is not None:
             then = "this session ended then (start() it again)" if self.off == DISABLED and fusionguard.is_enabled() else ""
             return Verdict(f"fusionguard: {label}: no verdict: {self.off}; {then or 'FlexAttention calls are not checked'}", True)
@@ -285,15 +279,16 @@ class Session:
 
     def summary_text(self, ended_by: Optional[BaseException] = None) -> str:
         """The summary table, or one line when there is nothing to show (fusionguard off, no call,
-        a run that ended on ``ended_by`` before any call)."""
+        a run that ended on ``ended_by`` before any call); ended by ``disable()``: the rows counted before it."""
         if self._h.order == 0:
             return f"fusionguard: {self.name} was never started (call start(), or use it in a with block)"
-        if self.off is not None:
+        if self.off == KILL_SWITCH:
             return f"fusionguard: {self.off}; FlexAttention calls were not checked"
         counts = self.counts()
         ended = f"the run ended on {type(ended_by).__name__}" if ended_by is not None else ""
+        ended = f"this session ended when {DISABLED}" if self.off is not None else ended
         if not counts.rows:
-            return f"fusionguard: {ended + ' ' if ended else ''}no FlexAttention call was counted" + (" before it" if ended else "")
+            return f"fusionguard: {ended + ': ' if ended else ''}no FlexAttention call was counted" + (" before it" if ended else "")
         return (f"fusionguard: {ended}\n" if ended else "") + str(Summary(counts.rows))
 
     def new_events(self) -> List[Dict[str, Any]]:
@@ -370,6 +365,7 @@ class Session:
         """``stop_on_dense`` for a framework's adapter, called by every rank after every training
         step: the same answer everywhere (``ranks_with_dense``), so every rank stops together or
         none. The line to say (once, on rank 0) when this step ran dense on some rank, else None."""
+        self._counts_arg("dense_stop(step, at)", step, required=True)
         if not self.active:
             return None
         ranks = self.ranks_with_dense(step.dense > 0)
@@ -387,6 +383,10 @@ class Session:
             raise RuntimeError(
                 f"{self.name}: {what} on a session that was never started: call start() first, or use it as `with {self.name} as fg:`"
             )
+
+    def _counts_arg(self, call: str, counts: Any, required: bool = False) -> None:
+        if (counts is not None or required) and not isinstance(counts, Counts):
+            raise TypeError(f"{self.name}: {call} takes the Counts of step(), counts() or pending(), not {type(counts).__name__}")
 
     def __reduce_ex__(self, protocol: Any) -> Any:  # (copy.copy and copy.deepcopy come here too)
         raise TypeError(f"a fusionguard session ({self.name}) cannot be copied or pickled; its model can (copy or save the model)")
@@ -575,6 +575,10 @@ def _unwatch(life: _Life, give_back: bool = True) -> None:
 
 
 def _end(life: _Life, why: Optional[str]) -> None:
+    with STATE.sessions.lock:  # who took the model's hooks over from it takes them from whom it took them (it may be freed next)
+        for other in STATE.sessions.live.values():
+            if other.took_from is not None and other.took_from() is life:
+                other.took_from = life.took_from
     _unwatch(life, give_back=why is None)  # (disable() ends every session: none takes hooks back)
     tap(life.total, False)
     tap(life.step, False)

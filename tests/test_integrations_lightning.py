@@ -270,7 +270,7 @@ def test_keyboard_interrupt_is_named_in_the_summary(tmp_path, said):
     finally:
         logging.getLogger("lightning.pytorch.callbacks.fusionguard").removeHandler(summary)
     assert summary.lines == [
-        "fusionguard summary:\nfusionguard: the run ended on KeyboardInterrupt no FlexAttention call was counted before it"
+        "fusionguard summary:\nfusionguard: the run ended on KeyboardInterrupt: no FlexAttention call was counted before it"
     ]
     assert "no FlexAttention layer seen" not in "\n".join(said.lines)
 

@@ -100,6 +100,10 @@ def test_clear_errors_for_wrong_counts_copies_and_the_constructors_name(clean):
             fg.metrics(counts="x")
         with pytest.raises(TypeError, match=r"verdict\(label, counts=...\) takes the Counts"):
             fg.verdict("s", counts=3)
+        with pytest.raises(
+            TypeError, match=r"dense_stop\(step, at\) takes the Counts of step\(\), counts\(\) or pending\(\), not NoneType"
+        ):
+            fg.dense_stop(None, "x")
         for copier in (copy.deepcopy, copy.copy, pickle.dumps):
             with pytest.raises(TypeError, match="cannot be copied or pickled; its model can"):
                 copier(fg)
@@ -156,6 +160,21 @@ def test_a_session_ended_by_disable_says_so_after_a_new_enable(clean):
     fusionguard.enable(strict=True, log_path=False)  # (calls are checked again, not by this session)
     text = fg.verdict("step 1").text
     assert text == "fusionguard: step 1: no verdict: fusionguard.disable() was called; this session ended then (start() it again)"
+
+
+def test_the_summary_of_a_session_ended_by_disable_shows_what_it_checked_before(clean):
+    """#33: it said "FlexAttention calls were not checked" over 2 dense calls it had counted."""
+    model = Net()
+    fg = fusionguard.track(model, log_path=False).start()
+    run(model)
+    empty = fusionguard.track(log_path=False).start()  # (counts from here: nothing)
+    fusionguard.disable()
+    text = fg.summary_text()
+    assert text.startswith("fusionguard: this session ended when fusionguard.disable() was called\nlayer ")
+    assert "layers.0" in text and "layers.1" in text and "not checked" not in text
+    assert empty.summary_text() == (
+        "fusionguard: this session ended when fusionguard.disable() was called: no FlexAttention call was counted before it"
+    )
 
 
 _MODELS = '''
