@@ -62,10 +62,14 @@ class _Life:
         self.total = Tally()
         self.step = Tally()
         self.watch: Any = None
-        self.watched: Any = None  # the model the watch is on
+        self.watched: Callable[[], Any] = _nothing  # a weak reference to the model the watch is on (the model may hold its session)
         self.took_from: Any = None  # weak reference to the _Life it took the model's hooks over from
         self.bound: List[Any] = []  # finalizers of the objects it is bound to
         self.on_forward = False  # a step_on_forward() test is set (on the session: it may hold the session)
+
+
+def _nothing() -> None:
+    return None
 
 
 def _unwrap(model: Any) -> Any:
@@ -183,7 +187,8 @@ class Session:
     @property
     def model(self) -> Any:
         """The model watched (unwrapped), or the one given."""
-        return self._h.watched if self._h.watched is not None else self._model
+        watched = self._h.watched()
+        return watched if watched is not None else self._model
 
     @property
     def active(self) -> bool:
@@ -243,10 +248,7 @@ class Session:
         where a watched layer's peak was measured (CUDA); empty when fusionguard is off (never a
         false 0)."""
         self._started("metrics()")
-        if counts is not None and not isinstance(counts, Counts):
-            raise TypeError(
-                f"{self.name}: metrics(counts=...) takes the Counts of step(), counts() or pending(), not {type(counts).__name__}"
-            )
+        self._counts_arg("metrics(counts=...)", counts)
         if self.off is not None:
             return {}
         out = (counts or self.counts()).metrics()
@@ -261,10 +263,7 @@ class Session:
         2 FlexAttention layers, forward fused 2/2, backward fused 2/2``; what ran dense and why,
         what never ran flex; or why fusionguard is off."""
         self._started("verdict()")
-        if counts is not None and not isinstance(counts, Counts):
-            raise TypeError(
-                f"{self.name}: verdict(label, counts=...) takes the Counts of step(), counts() or pending(), not {type(counts).__name__}"
-            )
+        self._counts_arg("verdict(label, counts=...)", counts)
         if self.off is not None:
             then = "this session ended then (start() it again)" if self.off == DISABLED and fusionguard.is_enabled() else ""
             return Verdict(f"fusionguard: {label}: no verdict: {self.off}; {then or 'FlexAttention calls are not checked'}", True)
@@ -280,15 +279,16 @@ class Session:
 
     def summary_text(self, ended_by: Optional[BaseException] = None) -> str:
         """The summary table, or one line when there is nothing to show (fusionguard off, no call,
-        a run that ended on ``ended_by`` before any call)."""
+        a run that ended on ``ended_by`` before any call); ended by ``disable()``: the rows counted before it."""
         if self._h.order == 0:
             return f"fusionguard: {self.name} was never started (call start(), or use it in a with block)"
-        if self.off is not None:
+        if self.off == KILL_SWITCH:
             return f"fusionguard: {self.off}; FlexAttention calls were not checked"
         counts = self.counts()
         ended = f"the run ended on {type(ended_by).__name__}" if ended_by is not None else ""
+        ended = f"this session ended when {DISABLED}" if self.off is not None else ended
         if not counts.rows:
-            return f"fusionguard: {ended + ' ' if ended else ''}no FlexAttention call was counted" + (" before it" if ended else "")
+            return f"fusionguard: {ended + ': ' if ended else ''}no FlexAttention call was counted" + (" before it" if ended else "")
         return (f"fusionguard: {ended}\n" if ended else "") + str(Summary(counts.rows))
 
     def new_events(self) -> List[Dict[str, Any]]:
@@ -365,6 +365,7 @@ class Session:
         """``stop_on_dense`` for a framework's adapter, called by every rank after every training
         step: the same answer everywhere (``ranks_with_dense``), so every rank stops together or
         none. The line to say (once, on rank 0) when this step ran dense on some rank, else None."""
+        self._counts_arg("dense_stop(step, at)", step, required=True)
         if not self.active:
             return None
         ranks = self.ranks_with_dense(step.dense > 0)
@@ -382,6 +383,10 @@ class Session:
             raise RuntimeError(
                 f"{self.name}: {what} on a session that was never started: call start() first, or use it as `with {self.name} as fg:`"
             )
+
+    def _counts_arg(self, call: str, counts: Any, required: bool = False) -> None:
+        if (counts is not None or required) and not isinstance(counts, Counts):
+            raise TypeError(f"{self.name}: {call} takes the Counts of step(), counts() or pending(), not {type(counts).__name__}")
 
     def __reduce_ex__(self, protocol: Any) -> Any:  # (copy.copy and copy.deepcopy come here too)
         raise TypeError(f"a fusionguard session ({self.name}) cannot be copied or pickled; its model can (copy or save the model)")
@@ -446,7 +451,7 @@ class Session:
 
             inner = _unwrap(model)
             life = self._h
-            if not isinstance(inner, torch.nn.Module) or inner is life.watched:
+            if not isinstance(inner, torch.nn.Module) or inner is life.watched():
                 return
             from fusionguard.watching.watcher import Watch  # lazy: it imports torch
 
@@ -459,9 +464,9 @@ class Session:
                     life.took_from = weakref.ref(other)
                 elif not regain:
                     life.took_from = None
-                life.watch = Watch(inner, memory=self._memory, hooks=self.hooks).__enter__()
+                life.watch = Watch(inner, memory=self._memory, hooks=self.hooks).__enter__().release()
                 life.watch.on_forward = _forward_began
-                life.watched = inner
+                life.watched = weakref.ref(inner)
                 try:
                     STATE.sessions.owners[id(inner)] = (weakref.ref(inner), weakref.ref(life))
                 except TypeError:
@@ -551,7 +556,7 @@ def _unwatch(life: _Life, give_back: bool = True) -> None:
     owned = False
     with STATE.sessions.lock:
         w, life.watch = life.watch, None
-        inner, life.watched = life.watched, None
+        inner, life.watched = life.watched(), _nothing
         if inner is not None:
             ref, owner = STATE.sessions.owners.get(id(inner), (None, None))
             if owner is not None and owner() is life:
@@ -564,12 +569,16 @@ def _unwatch(life: _Life, give_back: bool = True) -> None:
         if earlier is None or (earlier.started and earlier.off is None):
             break
         earlier = earlier.took_from() if earlier.took_from is not None else None
-    session = earlier.session() if earlier is not None and earlier.watched is None else None
+    session = earlier.session() if earlier is not None and earlier.watched() is None else None
     if session is not None and _unwrap(session._model) is inner:
         session._follow(session._model, regain=True)
 
 
 def _end(life: _Life, why: Optional[str]) -> None:
+    with STATE.sessions.lock:  # who took the model's hooks over from it takes them from whom it took them (it may be freed next)
+        for other in STATE.sessions.live.values():
+            if other.took_from is not None and other.took_from() is life:
+                other.took_from = life.took_from
     _unwatch(life, give_back=why is None)  # (disable() ends every session: none takes hooks back)
     tap(life.total, False)
     tap(life.step, False)

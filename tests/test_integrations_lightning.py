@@ -163,6 +163,26 @@ def test_compiled_blocks_fused_verdict(tmp_path, said):
     assert "fusionguard: validation batch 1: 2 FlexAttention layers, forward fused 2/2" in said.lines
 
 
+def test_a_module_compiled_whole_is_named_by_its_own_paths(tmp_path, said):
+    """``validate(torch.compile(module))``: Lightning unwraps it and compiles the module's bound
+    ``forward``, so Dynamo reaches the layers through ``self.__dict__['_modules']``: the names are
+    still the module's own (``layers.0``) and the fused calls are counted (#33: they were dropped)."""
+
+    class Counting(type(make_module(L.LightningModule))):
+        n = 0
+
+        def validation_step(self, batch, idx):  # (as a user writes it: state kept on the module)
+            self.n += 1
+            loss = self.layers[1](self.layers[0](batch[0])).pow(2).mean()
+            self.log("val_loss", loss, batch_size=1)
+            return loss
+
+    cb = FusionGuardCallback(strict=True, log_path=False)
+    [metrics] = trainer(L, tmp_path, cb).validate(torch.compile(Counting()))
+    assert (metrics["fusionguard/dense_calls"], metrics["fusionguard/fused_calls"]) == (0, 2 * BATCHES)
+    assert "fusionguard: validation batch 1: 2 FlexAttention layers, forward fused 2/2" in said.lines
+
+
 def test_attention_that_is_not_flex(tmp_path, said):
     cb = FusionGuardCallback(log_path=False)
     [metrics] = trainer(L, tmp_path, cb).validate(make_module(L.LightningModule, flex=False))
@@ -250,7 +270,7 @@ def test_keyboard_interrupt_is_named_in_the_summary(tmp_path, said):
     finally:
         logging.getLogger("lightning.pytorch.callbacks.fusionguard").removeHandler(summary)
     assert summary.lines == [
-        "fusionguard summary:\nfusionguard: the run ended on KeyboardInterrupt no FlexAttention call was counted before it"
+        "fusionguard summary:\nfusionguard: the run ended on KeyboardInterrupt: no FlexAttention call was counted before it"
     ]
     assert "no FlexAttention layer seen" not in "\n".join(said.lines)
 

@@ -128,7 +128,7 @@ def test_the_verdict_and_the_summary(clean):
     assert "layers.1" in str(fg.summary()) and "eager_call" in fg.summary_text()
     empty = fusionguard.track(Net(), log_path=False).start()
     assert empty.summary_text(KeyboardInterrupt()) == (
-        "fusionguard: the run ended on KeyboardInterrupt no FlexAttention call was counted before it"
+        "fusionguard: the run ended on KeyboardInterrupt: no FlexAttention call was counted before it"
     )
     empty.stop()
 

@@ -100,6 +100,10 @@ def test_clear_errors_for_wrong_counts_copies_and_the_constructors_name(clean):
             fg.metrics(counts="x")
         with pytest.raises(TypeError, match=r"verdict\(label, counts=...\) takes the Counts"):
             fg.verdict("s", counts=3)
+        with pytest.raises(
+            TypeError, match=r"dense_stop\(step, at\) takes the Counts of step\(\), counts\(\) or pending\(\), not NoneType"
+        ):
+            fg.dense_stop(None, "x")
         for copier in (copy.deepcopy, copy.copy, pickle.dumps):
             with pytest.raises(TypeError, match="cannot be copied or pickled; its model can"):
                 copier(fg)
@@ -156,6 +160,21 @@ def test_a_session_ended_by_disable_says_so_after_a_new_enable(clean):
     fusionguard.enable(strict=True, log_path=False)  # (calls are checked again, not by this session)
     text = fg.verdict("step 1").text
     assert text == "fusionguard: step 1: no verdict: fusionguard.disable() was called; this session ended then (start() it again)"
+
+
+def test_the_summary_of_a_session_ended_by_disable_shows_what_it_checked_before(clean):
+    """#33: it said "FlexAttention calls were not checked" over 2 dense calls it had counted."""
+    model = Net()
+    fg = fusionguard.track(model, log_path=False).start()
+    run(model)
+    empty = fusionguard.track(log_path=False).start()  # (counts from here: nothing)
+    fusionguard.disable()
+    text = fg.summary_text()
+    assert text.startswith("fusionguard: this session ended when fusionguard.disable() was called\nlayer ")
+    assert "layers.0" in text and "layers.1" in text and "not checked" not in text
+    assert empty.summary_text() == (
+        "fusionguard: this session ended when fusionguard.disable() was called: no FlexAttention call was counted before it"
+    )
 
 
 _MODELS = '''
@@ -225,3 +244,37 @@ def test_a_model_saved_during_a_session_loads_where_fusionguard_is_not_importabl
     assert done.returncode == 0, done.stderr[-2000:]
     # during / copy: an inert hook pair on each hooked module; after: none
     assert done.stdout.split("\n")[:3] == ["during.pt (1, 2, 16, 8) 6", "copy.pt (1, 2, 16, 8) 6", "after.pt (1, 2, 16, 8) 0"]
+
+
+def test_a_fused_call_named_outside_the_watched_model_is_counted_not_dropped(clean):
+    """#33: a compiled graph whose names miss the watched ones (Dynamo reaching a layer through
+    ``self.__dict__['_modules']``, Lightning's compiled module) counted nothing for the session."""
+    from fusionguard.core.state import STATE
+    from fusionguard.eventlog.kinds import NO_LAYER
+    from fusionguard.watching.naming import fqn_from_source
+
+    assert fqn_from_source("L['self'].__dict__['_modules']['net'].layers.1") == "net.layers.1"
+    assert fqn_from_source("L['self'].__dict__[\"_modules\"]['net']") == "net"
+    model = Net()
+    with fusionguard.track(model, log_path=False) as fg:
+        STATE.stats.on_fused([("layers.0", 1), ("not.a.watched.name", 2)], "forward")  # (a graph run's report)
+        rows = {r["layer"]: r["fused"] for r in fg.counts().rows}
+    assert rows == {"layers.0": 1, NO_LAYER: 2}
+
+
+def test_a_session_stored_on_its_own_model_is_collected_with_it(clean):
+    """#33: ``model.fg = fusionguard.track(model).start()`` (a notebook cell run again) held the
+    model, its hooks and the enable() for the life of the process: the running sessions' registry
+    held the session's end, which held the model's watch, which held the model."""
+    gone = []
+    for _ in range(3):  # the cell, run 3 times
+        model = Net()
+        model.fg = fusionguard.track(model, log_path=False).start()
+        run(model)
+        gone.append((weakref.ref(model), weakref.ref(model.fg)))
+    del model
+    gc.collect()
+    for t in [t for t in threading.enumerate() if t.name == "fusionguard-session-end"]:
+        t.join(10)
+    assert [(m(), s()) for m, s in gone] == [(None, None)] * 3
+    assert not fusionguard.session.STATE.sessions.live and not fusionguard.is_enabled()

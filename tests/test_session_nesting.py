@@ -10,7 +10,9 @@ a test's own ``track()`` under the pytest plugin's session), on CPU, inference o
 
 from __future__ import annotations
 
+import gc
 import logging
+import threading
 
 import pytest
 from conftest import Lines
@@ -102,6 +104,24 @@ def test_a_nested_session_on_one_model_gives_the_hooks_back(clean):
     assert {r["layer"] for r in a.counts().rows} == {"layers.0", "layers.1"}
     a.stop()
     assert hooks(model) == 0
+
+
+def test_the_hooks_go_back_through_a_middle_session_that_was_collected(clean):
+    """#33: a cell ``fg2 = track(model).start()`` run twice inside an outer session: the first
+    fg2, dropped, is collected; at the last fg2's stop the outer session gets the hooks back."""
+    model = Net()
+    outer = fusionguard.track(model, log_path=False).start()
+    one = hooks(model)
+    cell = {"fusionguard": fusionguard, "model": model}
+    for _ in range(2):
+        exec("fg2 = fusionguard.track(model, log_path=False).start()", cell)
+    gc.collect()
+    for t in [t for t in threading.enumerate() if t.name == "fusionguard-session-end"]:
+        t.join(10)
+    cell["fg2"].stop()
+    assert hooks(model) == one and outer.model is model
+    run(model)
+    assert {r["layer"] for r in outer.counts().rows} == {"layers.0", "layers.1"}
 
 
 def test_the_same_session_nested_ends_with_the_outer_block(clean):

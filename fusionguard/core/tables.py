@@ -161,15 +161,19 @@ class Stats:
 
     def on_fused(self, layers: Iterable[Tuple[Optional[str], int]], phase: str) -> None:
         """A compiled graph ran: ``(layer, n)`` fused FlexAttention calls per layer, ``None``
-        for calls no name reaches (``NO_LAYER``). Under ``watch()``, of the named, only the
+        for calls no name reaches (``NO_LAYER``). Under ``watch()``, the rows take only the
         watched model's layers (a graph compiled inside one block names its modules relative
-        to that block: ``attn`` for every block's)."""
+        to that block: ``attn`` for every block's; the hooks count those calls by layer), and the
+        sessions' counters, which no hook feeds, count any other name under ``NO_LAYER``: a call
+        named wrongly is still counted, never dropped."""
         watched = self.watched
         with self.lock:
             for layer, n in layers:
                 if layer is None:
                     layer = NO_LAYER
                 elif watched and layer not in watched:
+                    for tap in self.taps:
+                        tap.on_fused(NO_LAYER, phase, n)
                     continue
                 self.row(layer, phase).fused += n
                 for tap in self.taps:

@@ -58,7 +58,10 @@ def fqn_from_source(text: str) -> str:
     among them, ``L['self']._modules['layers']._modules['0']``) or as plain names."""
     if "[" not in text and not text.startswith("L"):
         return text
-    text = text.replace(f".{ti.MODULES}[", "[")  # the same submodule, reached through the dict
+    # the same submodule, reached through the dict (``._modules[``), or through the instance's own
+    # ``__dict__`` (``.__dict__['_modules'][``: a bound method compiled on its own, Lightning's compiled module)
+    text = text.replace(f".__dict__['{ti.MODULES}'][", "[").replace(f'.__dict__["{ti.MODULES}"][', "[")
+    text = text.replace(f".{ti.MODULES}[", "[")
     if text.startswith("L['"):  # the compiled frame's local holding the root module (self, mod, ...)
         text = text[text.index("]") + 1 :]
     elif text.startswith("G['"):

@@ -77,7 +77,7 @@ class Watch:
         self.models = models
         self.memory = memory
         self.expect_flex = expect_flex
-        self._roots: Dict[int, torch.nn.Module] = {}  # id(hook slot) -> the watched model it checks (expect_flex)
+        self._roots: Dict[int, Any] = {}  # id(hook slot) -> a weak reference to the watched model it checks (expect_flex)
         # hooks=False: names only, every module treated as compiled (no hooks Dynamo could trace):
         # for a caller that knows the model will be compiled after watch() starts (a framework
         # that compiles it itself, e.g. TrainingArguments(torch_compile=True))
@@ -111,6 +111,13 @@ class Watch:
             self._depth -= 1
             if self._depth == 0:
                 self._remove()
+
+    def release(self) -> "Watch":
+        """Hold the models no more (their hooks stay until the exit, which needs none of them): for
+        an owner that a model may hold, kept by a registry (a session stored on its own model), so
+        the model can still be collected. It cannot be entered again after its exit."""
+        self.models = ()
+        return self
 
     def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
@@ -186,7 +193,7 @@ class Watch:
             slot = Hooks.attach(target, self, "", target is not model)
             self._slots.append(slot)
         inner = ti.wrapped_module(model) if ti.is_compile_wrapper(model) else None
-        self._roots[id(slot)] = inner if isinstance(inner, torch.nn.Module) else model
+        self._roots[id(slot)] = weakref.ref(inner if isinstance(inner, torch.nn.Module) else model)
 
     def _name(self, module: torch.nn.Module, name: str) -> None:
         key = name_module(module, name)
@@ -226,7 +233,8 @@ class Watch:
             if not name and self.on_forward is not None and not frame.recompute:
                 self.on_forward(mod)
             if self._roots and not frame.recompute:
-                root = self._roots.get(id(slot))
+                ref = self._roots.get(id(slot))
+                root = ref() if ref is not None else None
                 if root is not None and not told_no_flex(root):
                     frame.root, frame.flex_before = root, flex_calls()
             if self._is_layer(mod, name):
