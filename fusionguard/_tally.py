@@ -98,9 +98,13 @@ def verdict(label: str, counts: Counts, model: Any) -> Verdict:
     layers = sorted({r["layer"] for r in rows})
     impl = ti.attn_implementation(model) if model is not None else None
     impl_text = f" (config._attn_implementation={impl!r})" if impl else ""
-    if not layers:
+    if not layers:  # (calls counted under (no layer) only: said as such, never "never ran flex")
+        fused_out = f"{counts.fused} fused FlexAttention call(s) outside any watched layer" if counts.fused else ""
         if counts.dense:
-            return Verdict(f"fusionguard: {label}: {counts.dense} dense FlexAttention call(s) outside any watched layer", False)
+            also = f"; {fused_out}" if fused_out else ""
+            return Verdict(f"fusionguard: {label}: {counts.dense} dense FlexAttention call(s) outside any watched layer{also}", False)
+        if fused_out:
+            return Verdict(f"fusionguard: {label}: {fused_out}", True)
         if counts.allowed:
             return Verdict(f"fusionguard: {label}: {counts.allowed} allowed dense FlexAttention call(s) (allow_dense()), none fused", True)
         return Verdict(f"fusionguard: {label}: no FlexAttention call: the model never ran flex{impl_text}", False)

@@ -451,8 +451,8 @@ class Session:
 
             inner = _unwrap(model)
             life = self._h
-            if not isinstance(inner, torch.nn.Module) or inner is life.watched():
-                return
+            if not isinstance(inner, torch.nn.Module) or inner is life.watched() or not (life.started and life.off is None):
+                return  # (an ended session never takes hooks)
             from fusionguard.watching.watcher import Watch  # lazy: it imports torch
 
             _unwatch(life)
@@ -564,12 +564,11 @@ def _unwatch(life: _Life, give_back: bool = True) -> None:
                 owned = True
     if w is not None:
         _end_watch(w)
-    earlier = life.took_from() if owned and give_back and life.took_from is not None else None
-    for _ in range(64):
-        if earlier is None or (earlier.started and earlier.off is None):
-            break
+    earlier, seen = (life.took_from() if owned and give_back and life.took_from is not None else None), {id(life)}
+    while earlier is not None and id(earlier) not in seen and not (earlier.started and earlier.off is None):
+        seen.add(id(earlier))  # (never itself, never an ended one, never round a cycle)
         earlier = earlier.took_from() if earlier.took_from is not None else None
-    session = earlier.session() if earlier is not None and earlier.watched() is None else None
+    session = earlier.session() if earlier is not None and id(earlier) not in seen and earlier.watched() is None else None
     if session is not None and _unwrap(session._model) is inner:
         session._follow(session._model, regain=True)
 
@@ -578,7 +577,7 @@ def _end(life: _Life, why: Optional[str]) -> None:
     with STATE.sessions.lock:  # who took the model's hooks over from it takes them from whom it took them (it may be freed next)
         for other in STATE.sessions.live.values():
             if other.took_from is not None and other.took_from() is life:
-                other.took_from = life.took_from
+                other.took_from = None if life.took_from is None or life.took_from() is other else life.took_from  # (no cycle)
     _unwatch(life, give_back=why is None)  # (disable() ends every session: none takes hooks back)
     tap(life.total, False)
     tap(life.step, False)

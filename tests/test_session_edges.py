@@ -278,3 +278,43 @@ def test_a_session_stored_on_its_own_model_is_collected_with_it(clean):
         t.join(10)
     assert [(m(), s()) for m, s in gone] == [(None, None)] * 3
     assert not fusionguard.session.STATE.sessions.live and not fusionguard.is_enabled()
+
+
+class _Outer(torch.nn.Module):
+    """A module that compiles its child in ``__init__`` (docs/integrations.md's Lightning advice)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.compile(Net())
+
+    def forward(self, inp):
+        return self.net(inp)
+
+
+def test_a_compiled_child_is_named_by_its_layers_and_its_fused_calls_are_said(clean):
+    """#33: ``self.net = torch.compile(self.net)``: the compile records name ``net.layers.N``, which
+    were not watched names, so all fused calls were ``(no layer)`` and the verdict said "never ran flex"."""
+    model = _Outer()
+    with fusionguard.track(model, log_path=False) as fg, torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(2):
+            model(x())
+        rows = {r["layer"]: r["fused"] for r in fg.counts().rows}
+        verdict = fg.verdict("batch 1")
+    assert rows == {"net.layers.0": 2, "net.layers.1": 2}
+    assert verdict == ("fusionguard: batch 1: 2 FlexAttention layers, forward fused 2/2", True)
+
+
+def test_the_verdict_on_fused_calls_outside_any_watched_layer_says_them(clean):
+    """#33: fused (or dense) calls counted only under ``(no layer)`` are never "the model never ran flex"."""
+    from fusionguard.eventlog.kinds import NO_LAYER
+    from fusionguard.session import Counts
+
+    def row(dense, fused):
+        return {"layer": NO_LAYER, "phase": "forward", "dense": dense, "fused": fused, "allowed": 0, "causes": {}}
+
+    with fusionguard.track(Net(), log_path=False) as fg:
+        fused = fg.verdict("batch 1", Counts(fused=6, rows=(row(0, 6),)))
+        both = fg.verdict("batch 1", Counts(dense=1, fused=6, rows=(row(1, 6),)))
+    assert fused == ("fusionguard: batch 1: 6 fused FlexAttention call(s) outside any watched layer", True)
+    assert both.ok is False and "never ran flex" not in both.text and "6 fused" in both.text and "1 dense" in both.text

@@ -124,6 +124,24 @@ def test_the_hooks_go_back_through_a_middle_session_that_was_collected(clean):
     assert {r["layer"] for r in outer.counts().rows} == {"layers.0", "layers.1"}
 
 
+@pytest.mark.parametrize("away", [False, True])
+def test_a_session_that_takes_its_model_back_leaves_no_hook_after_both_stop(clean, away):
+    """#33: s2 took the model from s1, s1 takes it back (``follow()`` again, or via another model):
+    the two ``took_from`` links form a cycle; after both stop and ``disable()`` no hook is left."""
+    model, other = Net(), Net()
+    s1 = fusionguard.track(model, log_path=False).start()
+    s2 = fusionguard.track(model).start()
+    if away:
+        s1.follow(other)
+    s1.follow(model)
+    s1.stop()
+    assert hooks(model) > 0 and s2.model is model  # s2, still running, gets them back
+    s2.stop()
+    fusionguard.disable()
+    assert hooks(model) == 0 and hooks(other) == 0
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
+
+
 def test_the_same_session_nested_ends_with_the_outer_block(clean):
     model = Net()
     fg = fusionguard.track(model, log_path=False)

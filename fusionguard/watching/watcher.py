@@ -138,8 +138,8 @@ class Watch:
     def _install(self) -> None:
         watched = STATE.watch.names
         for model in self.models:
-            # Modules that get no hooks: those inside a torch.compile wrapper (Dynamo's names,
-            # known to us by identity only), and those a wrapper holds or compiled in place
+            # Modules that get no hooks: those inside a torch.compile wrapper (named by identity,
+            # and watched names as the compile records spell them), and those a wrapper holds or compiled in place
             # (watch(model) beside compiled = torch.compile(model); module.compile(), torchtitan's
             # per-block compile), whose names stay watched: records of a wrapper compiled around
             # them map to them. Either kind is named by identity for a dense call it runs
@@ -150,6 +150,9 @@ class Watch:
             for raw_name, module in model.named_modules():
                 name = clean_name(raw_name)
                 if under(raw_name, wrapped):
+                    if name:  # (named as the compile records name them: ``net.layers.0`` for ``self.net = torch.compile(net)``)
+                        watched[name] = watched.get(name, 0) + 1
+                        self._names.append(name)
                     if not _builtin(module):
                         self._name(module, name)
                     continue
