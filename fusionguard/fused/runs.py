@@ -438,7 +438,7 @@ def count_runs(compiled: Any, records: List[Dict[str, Any]], namer: Optional[Nam
                     # a forward re-run by checkpointing inside the backward is not a new call
                     # (a watched layer's hooks count it as a recompute)
                     if per_layer and not (fields["phase"] == "forward" and in_backward()):
-                        STATE.stats.on_fused(per_layer, fields["phase"])
+                        STATE.stats.on_fused(per_layer, fields["phase"], flex_layer)
                     for event in events:
                         STATE.log.emit_fields("info", "flex_run", event)
             except Exception as exc:
