@@ -141,12 +141,30 @@ def compiled_run(tmp_path_factory):
         trainer.evaluate()
         history = list(trainer.state.log_history)
         compiled = type(trainer.model_wrapped).__name__
+        first = len(handler.lines), len(read_jsonl(log))
+        # (the Trainer prepares the model once: a second evaluate() runs it eagerly, its attention
+        # calling Hugging Face's compiled flex_attention)
+        trainer.evaluate()
+        second = {
+            "lines": handler.lines[first[0] :],
+            "rows": sorted((r["layer"], r["fused"]) for r in cb.session.counts().rows),
+            "summary": sorted((r["layer"], r["fused"]) for r in fusionguard.summary()),
+        }
     finally:
         logging.getLogger("fusionguard").removeHandler(handler)
         fusionguard.disable()
         _testing.reset_for_tests()
         torch._dynamo.reset()
-    return {"log": read_jsonl(log), "history": history, "lines": handler.lines, "hooks": hooks_before, "compiled": compiled}
+    events = read_jsonl(log)
+    second["log"] = events[first[1] :]
+    return {
+        "log": events[: first[1]],
+        "history": history,
+        "lines": handler.lines[: first[0]],
+        "hooks": hooks_before,
+        "compiled": compiled,
+        "second": second,
+    }
 
 
 def test_torch_compile_fused_verdict(compiled_run):
@@ -162,6 +180,15 @@ def test_torch_compile_adds_no_traced_hooks(compiled_run):
     events = compiled_run["log"]
     assert [e for e in events if e["event"] == "watch_traced"] == []
     assert sorted({e["layer"] for e in events if e["event"] == "flex_compile"}) == LAYERS
+
+
+def test_torch_compile_second_evaluate_names_the_same_layers(compiled_run):
+    """The second evaluate() runs the model eagerly (the Trainer compiled it for the first): its
+    fused calls, made by Hugging Face's compiled flex_attention, carry the layers that called it."""
+    second = compiled_run["second"]
+    assert "fusionguard: evaluation batch 1: 2 FlexAttention layers, forward fused 2/2" in second["lines"]
+    assert {e["layer"] for e in second["log"] if e["event"] == "flex_run"} == set(LAYERS)
+    assert second["rows"] == second["summary"] == [(name, 2 * BATCHES) for name in LAYERS]  # (both evaluates)
 
 
 def test_attention_that_is_not_flex(tmp_path, cleanup, fg_records):

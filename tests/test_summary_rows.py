@@ -220,3 +220,30 @@ def test_allowed_calls_are_a_column_of_their_own_not_dense(guard, capsys):
     assert 'data-col="dense" data-value="1"' in html and 'data-col="allowed" data-value="1"' in html
     summary_event = summary_events(log)[-1]["rows"]
     assert [(r["dense"], r["allowed"]) for r in summary_event] == [(1, 1)]
+
+
+class Other(torch.nn.Module):
+    """Another model, its layer named otherwise (``inner.attn``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Model()
+
+    def forward(self, q, k, v):
+        return self.inner(q, k, v)
+
+
+def test_fused_calls_named_outside_the_watched_model_are_no_layer_in_summary_as_in_the_session(guard):
+    """A compiled model that is not watched, run beside a watched one: its fused calls carry its
+    own names (``inner.attn``), outside the watched layers. The session counts them under
+    ``(no layer)``, and summary() does too (no hook of the watched model counted them)."""
+    guard()
+    model, other = Model(), torch.compile(Other())
+    q, k, v = qkv()
+    with torch.no_grad(), fusionguard.track(model) as session:
+        model(q, k, v)  # dense: the watched layer's
+        other(q, k, v)  # fused, twice
+        other(q, k, v)
+        mine = {(r["layer"], r["phase"]): (r["fused"], r["dense"]) for r in session.counts().rows}
+        process = {k: v[:2] for k, v in summary_rows(fusionguard.summary()).items()}
+    assert mine == process == {("attn", "forward"): (0, 1), (NO_LAYER, "forward"): (2, 0)}

@@ -13,7 +13,7 @@ import itertools
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 from fusionguard.eventlog.kinds import NO_LAYER  # (also read from here: summary()'s rows)
 
@@ -159,13 +159,16 @@ class Stats:
             if scores:
                 row.scores_bytes = max(row.scores_bytes or 0, scores)
 
-    def on_fused(self, layers: Iterable[Tuple[Optional[str], int]], phase: str) -> None:
+    def on_fused(
+        self, layers: Iterable[Tuple[Optional[str], int]], phase: str, hooked: Optional[Callable[[], Optional[str]]] = None
+    ) -> None:
         """A compiled graph ran: ``(layer, n)`` fused FlexAttention calls per layer, ``None``
-        for calls no name reaches (``NO_LAYER``). Under ``watch()``, the rows take only the
-        watched model's layers (a graph compiled inside one block names its modules relative
-        to that block: ``attn`` for every block's; the hooks count those calls by layer), and the
-        sessions' counters, which no hook feeds, count any other name under ``NO_LAYER``: a call
-        named wrongly is still counted, never dropped."""
+        for calls no name reaches (``NO_LAYER``). Under ``watch()``, a name outside the watched
+        model counts under ``NO_LAYER`` in the sessions' counters, which no hook feeds: a call
+        named wrongly is still counted, never dropped. The rows count it there too, unless a
+        hooked layer runs it (``hooked()``, asked only then, names the layer running now): a
+        graph compiled inside one block names its modules relative to that block (``attn`` for
+        every block's), and that layer's hooks count those calls by layer (not twice)."""
         watched = self.watched
         with self.lock:
             for layer, n in layers:
@@ -174,6 +177,9 @@ class Stats:
                 elif watched and layer not in watched:
                     for tap in self.taps:
                         tap.on_fused(NO_LAYER, phase, n)
+                    if hooked is not None and hooked():
+                        continue
+                    self.row(NO_LAYER, phase).fused += n
                     continue
                 self.row(layer, phase).fused += n
                 for tap in self.taps:

@@ -140,6 +140,22 @@ class _WatchedSelf(_FrameLocal):
         return "self" in f.f_code.co_varnames and watched_name(f.f_locals.get("self")) is not None
 
 
+class _WatchedForward(_FrameLocal):
+    """The nearest frame running a watched module's own ``forward`` (by its code, as
+    ``layer_from_stack`` finds a dense call's layer): under a ``watch()`` without hooks
+    (``hooks=False``, the Trainer's ``torch_compile``), the layer that called a compiled function
+    from eager code (found once per graph, then kept like any other)."""
+
+    def __init__(self) -> None:
+        super().__init__((), "", "self")
+
+    def _match(self, f: Any) -> bool:
+        w, c = STATE.watch, f.f_code
+        return (id(c) in w.forward_codes or (c.co_filename, c.co_firstlineno) in w.forward_sites) and bool(
+            watched_name(f.f_locals.get("self"))
+        )
+
+
 class _ModuleForward(_FrameLocal):
     """The nearest frame running a module's own ``forward``: without ``watch()``, the layer that
     called a compiled function (found once per graph, then kept like any other)."""
@@ -226,7 +242,7 @@ class Namer:
     the backward. Backward: the names its forward left on the ``ctx``. A graph with one call and
     nothing better: the layer running now (hooks, backward span; ``_hook_names``)."""
 
-    __slots__ = ("phase", "n", "rels", "root", "outer", "ctx", "built", "unwatched", "caller")
+    __slots__ = ("phase", "n", "rels", "root", "outer", "ctx", "built", "unwatched", "caller", "watched_caller")
 
     def __init__(self, phase: str, n: int, rels: Optional[List[str]], root: Optional[_FrameLocal], outer: str) -> None:
         self.phase, self.n, self.rels, self.root, self.outer = phase, n, rels, root, outer
@@ -237,6 +253,7 @@ class Namer:
         # still named per run; others keep their compile-time names
         self.unwatched = phase == "backward" or (rels is not None and root is not None) or n == 1
         self.caller: Optional[_FrameLocal] = None
+        self.watched_caller: Optional[_FrameLocal] = None
 
     def names(self) -> Optional[Tuple[Optional[str], ...]]:
         if self.phase == "backward":
@@ -254,10 +271,27 @@ class Namer:
         names = self.names()
         if names is None or not any(names):
             names = _hook_names(fixed)
-            if self.n == 1 and self.phase == "forward" and not is_watching():
-                names = self._caller_names(names)
+            if self.n == 1 and self.phase == "forward":
+                names = self._watched_caller_names(names) if is_watching() else self._caller_names(names)
         self._to_backward(names)
         return names
+
+    def _watched_caller_names(self, names: Tuple[Optional[str], ...]) -> Tuple[Optional[str], ...]:
+        """Under ``watch()``, the one call of a compiled function that no hook named (a watch
+        without hooks: ``hooks=False``): named by the watched module whose ``forward`` called it
+        now, as a dense call is (a Trainer's second ``evaluate()`` runs the model it compiled for
+        the first eagerly, its attention calling Hugging Face's compiled ``flex_attention``)."""
+        if flex_layer():
+            return names
+        if self.watched_caller is None:
+            self.watched_caller = _WatchedForward()
+        name = watched_name(self.watched_caller.get())
+        if not name:
+            return names
+        found = self.built.get(name)
+        if found is None:
+            found = self.built[name] = (name,)
+        return found
 
     def _caller_names(self, fixed: Tuple[Optional[str], ...]) -> Tuple[Optional[str], ...]:
         """Without ``watch()``: the one call of a compiled function, named by the module whose
@@ -404,7 +438,7 @@ def count_runs(compiled: Any, records: List[Dict[str, Any]], namer: Optional[Nam
                     # a forward re-run by checkpointing inside the backward is not a new call
                     # (a watched layer's hooks count it as a recompute)
                     if per_layer and not (fields["phase"] == "forward" and in_backward()):
-                        STATE.stats.on_fused(per_layer, fields["phase"])
+                        STATE.stats.on_fused(per_layer, fields["phase"], flex_layer)
                     for event in events:
                         STATE.log.emit_fields("info", "flex_run", event)
             except Exception as exc:
