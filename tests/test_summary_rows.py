@@ -247,3 +247,22 @@ def test_fused_calls_named_outside_the_watched_model_are_no_layer_in_summary_as_
         mine = {(r["layer"], r["phase"]): (r["fused"], r["dense"]) for r in session.counts().rows}
         process = {k: v[:2] for k, v in summary_rows(fusionguard.summary()).items()}
     assert mine == process == {("attn", "forward"): (0, 1), (NO_LAYER, "forward"): (2, 0)}
+
+
+def test_a_compiled_copy_of_the_watched_architecture_is_not_the_watched_model(guard):
+    """A compiled model of the watched model's own architecture (a teacher, an EMA, a reference
+    copy), not watched, runs while the watched model never does: its calls carry the watched
+    names (``attn``), yet its frame's module is known and lies outside the watched model, so they
+    are ``(no layer)`` in the session and in summary(), and the verdict does not say fused (#33)."""
+    guard()
+    model, copy = Model(), torch.compile(Model())
+    q, k, v = qkv()
+    with torch.no_grad(), fusionguard.track(model) as session:
+        copy(q, k, v)
+        copy(q, k, v)
+        counts = session.counts()
+        mine = {(r["layer"], r["phase"]): (r["fused"], r["dense"]) for r in counts.rows}
+        process = {k: v[:2] for k, v in summary_rows(fusionguard.summary()).items()}
+        verdict = session.verdict("step 1", counts)
+    assert mine == process == {(NO_LAYER, "forward"): (2, 0)}
+    assert "fused 1/1" not in verdict.text

@@ -21,6 +21,7 @@ from fusionguard.watching.naming import (
     fqn_from_source,
     in_backward,
     is_watching,
+    outside_watched,
     resolve_watched_name,
     stack_source,
     watched_name,
@@ -70,18 +71,30 @@ def dynamo_names() -> Optional[Tuple[List[str], Optional["_FrameLocal"], Any]]:
     return rels, _FrameLocal((code.co_name,), code.co_filename, local), root
 
 
+# A compiled frame's module known to lie outside the watched models (``naming.outside_watched``):
+# its calls are none of theirs, whatever its paths spell (never a module name: names hold no NUL).
+OUTSIDE = "\0outside"
+
+
 def root_prefix(module: Any) -> Optional[str]:
     """The name of a compiled frame's module: its watched name under ``watch()`` (None if it is
-    not watched), else its path from the outermost module holding it (``watching.paths``)."""
+    not known to be watched, ``OUTSIDE`` if known not to be), else its path from the outermost
+    module holding it (``watching.paths``)."""
     if module is None:
         return None
-    return watched_name(module) if is_watching() else module_path(module)
+    if not is_watching():
+        return module_path(module)
+    name = watched_name(module)
+    return OUTSIDE if name is None and outside_watched(module) else name
 
 
 def join_names(prefix: Optional[str], rels: List[str], outer: str = "") -> List[Optional[str]]:
     """Full names of calls at ``rels``: under the watched module ``prefix`` ('' for a watched
     model), else (a frame rooted outside the watched models) joined to the hook layer around
-    the compile and mapped to the watched spelling (``resolve_watched_name``)."""
+    the compile and mapped to the watched spelling (``resolve_watched_name``); ``OUTSIDE``: none
+    (named by the hooked layer running them, if any: ``_hook_names``)."""
+    if prefix == OUTSIDE:
+        return [None] * len(rels)
     if prefix is not None:
         return [".".join(x for x in (prefix, r) if x) or None for r in rels]
     out: List[Optional[str]] = []

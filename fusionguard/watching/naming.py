@@ -225,6 +225,23 @@ def watched_name(module: Any) -> Optional[str]:
     return None
 
 
+def builtin_module(module: Any) -> bool:
+    """torch.nn's own modules (Linear, norms, containers): never named by identity under ``watch()``."""
+    mod = type(module).__module__ or ""
+    return mod.startswith(("torch.nn.", "torch.ao.")) and mod != "torch.nn.utils.parametrize"
+
+
+def outside_watched(module: Any) -> bool:
+    """A compiled frame's root module known to lie outside every watched model: a module of the
+    user's own class, not watched by identity (every such module inside a watched model is), and
+    no wrapper around one (DDP's ``module``, ``_orig_mod``). Its graph's paths may spell the
+    watched names (a compiled teacher, EMA or reference copy of the same architecture); they
+    are not the watched model's."""
+    if not isinstance(module, torch.nn.Module) or builtin_module(module) or watched_name(module) is not None:
+        return False
+    return not any(watched_name(m) is not None for m in wrapper_chain(module)[1:])
+
+
 def is_watching() -> bool:
     w = STATE.watch
     return bool(w.modules or w.roots)
