@@ -266,3 +266,40 @@ def test_a_compiled_copy_of_the_watched_architecture_is_not_the_watched_model(gu
         verdict = session.verdict("step 1", counts)
     assert mine == process == {(NO_LAYER, "forward"): (2, 0)}
     assert "fused 1/1" not in verdict.text
+
+
+class Holder(torch.nn.Module):
+    """A watched module that is no attention layer (its hooks count no call), calling a compiled
+    container of attention layers that is not one of its submodules."""
+
+    def __init__(self, blocks) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.__dict__["blocks"] = blocks  # used, not registered
+
+    def forward(self, q, k, v):
+        return self.blocks(self.lin(q), k, v)
+
+
+class Blocks(torch.nn.Sequential):
+    def forward(self, q, k, v):
+        for block in self:
+            q = block(q, k, v)
+        return q
+
+
+def test_fused_calls_under_a_hooked_module_that_counts_no_call_stay_in_summary(guard):
+    """#33: the compiled container's fused calls are named outside the watched model
+    (``holder.0``); the watched module running them (``holder``) is hooked but no attention layer:
+    its hooks count no call, so summary() keeps them under ``(no layer)``, as the session does."""
+    guard()
+    blocks = torch.compile(Blocks(Attn(), Attn()))
+    model = torch.nn.Sequential()
+    model.holder = Holder(blocks)
+    q, k, v = qkv()
+    with torch.no_grad(), fusionguard.track(model) as session:
+        model.holder(q, k, v)
+        model.holder(q, k, v)
+        mine = sum(r["fused"] for r in session.counts().rows)
+        process = sum(r["fused"] for r in fusionguard.summary())
+    assert mine == process == 4

@@ -166,7 +166,7 @@ class Stats:
         for calls no name reaches (``NO_LAYER``). Under ``watch()``, a name outside the watched
         model counts under ``NO_LAYER`` in the sessions' counters, which no hook feeds: a call
         named wrongly is still counted, never dropped. The rows count it there too, unless a
-        hooked layer runs it (``hooked()``, asked only then, names the layer running now): a
+        hooked attention layer runs it (``hooked()``, asked only then, names the running layer whose hooks count calls): a
         graph compiled inside one block names its modules relative to that block (``attn`` for
         every block's), and that layer's hooks count those calls by layer (not twice)."""
         watched = self.watched

@@ -17,6 +17,7 @@ from fusionguard.core.frames import take_deferred
 from fusionguard.core.state import STATE, count, internal_error
 from fusionguard.watching.naming import (
     clean_name,
+    counting_layer,
     flex_layer,
     fqn_from_source,
     in_backward,
@@ -451,7 +452,7 @@ def count_runs(compiled: Any, records: List[Dict[str, Any]], namer: Optional[Nam
                     # a forward re-run by checkpointing inside the backward is not a new call
                     # (a watched layer's hooks count it as a recompute)
                     if per_layer and not (fields["phase"] == "forward" and in_backward()):
-                        STATE.stats.on_fused(per_layer, fields["phase"], flex_layer)
+                        STATE.stats.on_fused(per_layer, fields["phase"], counting_layer)
                     for event in events:
                         STATE.log.emit_fields("info", "flex_run", event)
             except Exception as exc:

@@ -148,6 +148,21 @@ def flex_layer(frame: Any = None) -> Optional[str]:
     return name or (backward_layer() if in_backward() else None) or (layer_from_stack(frame) if frame is not None else None)
 
 
+def counting_layer() -> Optional[str]:
+    """The running watched layer whose hooks count its calls (``summary()``'s ``calls``): an
+    attention layer, its class known to make FlexAttention calls, or in a backward the innermost
+    open backward span (only such layers open one). Not any hooked module on the stack: a
+    container's or a projection's hooks count nothing."""
+    stack = LAYER.get()
+    if not stack:
+        return backward_layer() if in_backward() else None
+    classes = STATE.stats.flex_classes
+    for name, cls in reversed(stack):
+        if cls is not None and cls in classes:
+            return name
+    return None
+
+
 def note_flex_call(frame: Any = None) -> Optional[str]:
     """``flex_layer()``, and remember that the innermost watched module's class makes
     FlexAttention calls (it becomes an attention layer: measured, with backward spans). Called
