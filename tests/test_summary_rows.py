@@ -303,3 +303,40 @@ def test_fused_calls_under_a_hooked_module_that_counts_no_call_stay_in_summary(g
         mine = sum(r["fused"] for r in session.counts().rows)
         process = sum(r["fused"] for r in fusionguard.summary())
     assert mine == process == 4
+
+
+class CompiledFlexAttn(torch.nn.Module):
+    """Hugging Face's way: an eager layer calling a compiled ``flex_attention`` (one for all)."""
+
+    flex = None
+
+    def forward(self, q, k, v):
+        return type(self).flex(q, k, v)
+
+
+class CompiledFlexModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([CompiledFlexAttn(), CompiledFlexAttn()])
+
+    def forward(self, q, k, v):
+        for layer in self.layers:
+            q = layer(q, k, v)
+        return q
+
+
+def test_the_watched_forward_is_found_after_many_calls_from_outside_it(guard):
+    """#33: under a watch without hooks (the Trainer's ``torch_compile``) the compiled
+    flex_attention's calls are named by the watched forward calling them; a reference model of
+    the same class calling it first, many times, does not stop that for good."""
+    guard()
+    CompiledFlexAttn.flex = torch.compile(flex_attention)
+    model, reference = CompiledFlexModel(), CompiledFlexModel()
+    q, k, v = qkv()
+    with torch.no_grad(), fusionguard.track(model, hooks=False) as session:
+        for _ in range(6):  # 12 calls from outside the watched forwards
+            reference(q, k, v)
+        session.step()
+        model(q, k, v)
+        rows = {(r["layer"], r["fused"]) for r in session.step().rows}
+    assert rows == {("layers.0", 1), ("layers.1", 1)}

@@ -109,7 +109,9 @@ class _FrameLocal:
     """A local of the nearest frame above the caller running one of ``names`` (code name) in a
     file whose path contains ``file``: the root module of a compiled frame (``self``), or AOTAutograd's
     ``ctx``. The depth found is kept and checked by code identity, so a run costs one
-    ``sys._getframe`` and one locals read; after 8 misses in a row it stops looking."""
+    ``sys._getframe`` and one locals read; after ``patience`` misses in a row it stops looking."""
+
+    patience = 8
 
     __slots__ = ("names", "file", "local", "depth", "code", "misses")
 
@@ -126,7 +128,7 @@ class _FrameLocal:
                     return f.f_locals.get(self.local)
             except ValueError:
                 pass
-        if self.misses >= 8:
+        if self.misses >= self.patience:
             return None
         f = sys._getframe(1)
         d = 1
@@ -158,7 +160,11 @@ class _WatchedForward(_FrameLocal):
     """The nearest frame running a watched module's own ``forward`` (by its code, as
     ``layer_from_stack`` finds a dense call's layer): under a ``watch()`` without hooks
     (``hooks=False``, the Trainer's ``torch_compile``), the layer that called a compiled function
-    from eager code (found once per graph, then kept like any other)."""
+    from eager code (found once per graph, then kept like any other). It never stops looking: the
+    calls from outside a watched forward (a reference model of the same class) may come first,
+    and each later walk reads only code objects (up to 80 frames; locals of a watched forward's)."""
+
+    patience = sys.maxsize
 
     def __init__(self) -> None:
         super().__init__((), "", "self")
