@@ -470,7 +470,7 @@ class Session:
                 life.watch.on_forward = _forward_began
                 life.watched = weakref.ref(inner)
                 try:
-                    STATE.sessions.owners[id(inner)] = (weakref.ref(inner), weakref.ref(life))
+                    STATE.sessions.own(inner, life)
                 except TypeError:
                     pass
 

@@ -157,6 +157,20 @@ def test_a_middle_session_that_follows_another_model_passes_its_link_on(clean):
     assert {r["layer"] for r in s1.counts().rows} == {"layers.0", "layers.1"}
 
 
+def test_a_collected_model_leaves_no_owner_entry(clean):
+    """#33: a model holding its own session (``model.fg = track(model).start()``) is collected: its
+    entry in the table of who holds each model's hooks goes with it (no dead entry per model)."""
+    other = fusionguard.track(log_path=False).start()  # (keeps fusionguard enabled: no reset)
+    model = Net()
+    model.fg = fusionguard.track(model).start()
+    assert len(_state.STATE.sessions.owners) == 1
+    del model
+    gc.collect()
+    for t in [t for t in threading.enumerate() if t.name == "fusionguard-session-end"]:
+        t.join(10)
+    assert _state.STATE.sessions.owners == {} and other.active
+
+
 def test_the_same_session_nested_ends_with_the_outer_block(clean):
     model = Net()
     fg = fusionguard.track(model, log_path=False)
