@@ -33,7 +33,7 @@ from fusionguard import _lifecycle
 from fusionguard._summary import Summary
 from fusionguard._tally import PEAK, Counts, Tally, Verdict, tap, verdict
 from fusionguard.activate import switched_off
-from fusionguard.core.config import UNSET, Config, check_log_path, check_options
+from fusionguard.core.config import UNSET, Config, check_log_path, check_options, check_session_arguments
 from fusionguard.core.state import STATE, guarded, internal_error
 from fusionguard.eventlog.messages import say
 
@@ -106,7 +106,7 @@ class Session:
                 check_log_path(log_path)
         except (TypeError, ValueError) as exc:
             raise type(exc)(str(exc).replace("fusionguard.enable()", name)) from None
-        _check_arguments(name, model, memory=memory, hooks=hooks)
+        check_session_arguments(name, model, memory=memory, hooks=hooks)
         self.name = name
         self._named = named
         self._log_path = log_path
@@ -177,7 +177,7 @@ class Session:
         compiled or unwrapped model); the same module again does nothing."""
         if model is None:
             raise TypeError(f"{self.name}: follow(model) takes a torch.nn.Module, not None")
-        _check_arguments(self.name, model)
+        check_session_arguments(self.name, model)
         with self._h.lock:
             self._model = model
             if self._h.started and self._h.off is None:
@@ -455,6 +455,8 @@ class Session:
                 return  # (an ended session never takes hooks)
             from fusionguard.watching.watcher import Watch  # lazy: it imports torch
 
+            if not regain:
+                _pass_on(life)
             _unwatch(life)
             with STATE.sessions.lock:  # one session per model: the newest takes the hooks over (and gives them back at its end)
                 ref, owner = STATE.sessions.owners.get(id(inner), (None, None))
@@ -468,7 +470,7 @@ class Session:
                 life.watch.on_forward = _forward_began
                 life.watched = weakref.ref(inner)
                 try:
-                    STATE.sessions.owners[id(inner)] = (weakref.ref(inner), weakref.ref(life))
+                    STATE.sessions.own(inner, life)
                 except TypeError:
                     pass
 
@@ -573,11 +575,16 @@ def _unwatch(life: _Life, give_back: bool = True) -> None:
         session._follow(session._model, regain=True)
 
 
-def _end(life: _Life, why: Optional[str]) -> None:
-    with STATE.sessions.lock:  # who took the model's hooks over from it takes them from whom it took them (it may be freed next)
+def _pass_on(life: _Life) -> None:
+    """``life`` ends or follows another model: who took its model's hooks over from it takes them from whom it took them."""
+    with STATE.sessions.lock:
         for other in STATE.sessions.live.values():
             if other.took_from is not None and other.took_from() is life:
                 other.took_from = None if life.took_from is None or life.took_from() is other else life.took_from  # (no cycle)
+
+
+def _end(life: _Life, why: Optional[str]) -> None:
+    _pass_on(life)  # (it may be freed next)
     _unwatch(life, give_back=why is None)  # (disable() ends every session: none takes hooks back)
     tap(life.total, False)
     tap(life.step, False)
@@ -661,20 +668,6 @@ def _renamed(old: Any, new: Any) -> None:
             o.mine = new
         if o.over is not None and o.over[2] is old:
             o.over = (o.over[0], o.over[1], new)
-
-
-def _check_arguments(name: Any, model: Any, **flags: Any) -> None:
-    """A wrong type is a clear ``TypeError`` naming the argument, before anything is installed."""
-    if not isinstance(name, str):
-        raise TypeError(f"fusionguard.Session(): name must be a str, not {type(name).__name__}")
-    for key, value in flags.items():
-        if not isinstance(value, bool):
-            raise TypeError(f"{name}: {key} must be True or False, not {value!r}")
-    if model is not None:
-        import torch  # lazy: a model was given, so torch is loaded already
-
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"{name}: model must be a torch.nn.Module (or None: counts only), not {type(model).__name__}")
 
 
 def track(

@@ -142,6 +142,35 @@ def test_a_session_that_takes_its_model_back_leaves_no_hook_after_both_stop(clea
     assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
 
 
+def test_a_middle_session_that_follows_another_model_passes_its_link_on(clean):
+    """#33: s1, s2, s3 on one model (each newer takes the hooks), s2 follows another model away,
+    s3 stops: s1, still running on the model, gets the hooks back (s3 took them from s2, which took
+    them from s1), and names its calls."""
+    model, other = Net(), Net()
+    s1 = fusionguard.track(model, log_path=False).start()
+    one = hooks(model)
+    s2, s3 = fusionguard.track(model).start(), fusionguard.track(model).start()
+    s2.follow(other)
+    s3.stop()
+    assert hooks(model) == one and s1.model is model and s2.model is other
+    run(model)
+    assert {r["layer"] for r in s1.counts().rows} == {"layers.0", "layers.1"}
+
+
+def test_a_collected_model_leaves_no_owner_entry(clean):
+    """#33: a model holding its own session (``model.fg = track(model).start()``) is collected: its
+    entry in the table of who holds each model's hooks goes with it (no dead entry per model)."""
+    other = fusionguard.track(log_path=False).start()  # (keeps fusionguard enabled: no reset)
+    model = Net()
+    model.fg = fusionguard.track(model).start()
+    assert len(_state.STATE.sessions.owners) == 1
+    del model
+    gc.collect()
+    for t in [t for t in threading.enumerate() if t.name == "fusionguard-session-end"]:
+        t.join(10)
+    assert _state.STATE.sessions.owners == {} and other.active
+
+
 def test_the_same_session_nested_ends_with_the_outer_block(clean):
     model = Net()
     fg = fusionguard.track(model, log_path=False)

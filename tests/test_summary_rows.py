@@ -247,3 +247,96 @@ def test_fused_calls_named_outside_the_watched_model_are_no_layer_in_summary_as_
         mine = {(r["layer"], r["phase"]): (r["fused"], r["dense"]) for r in session.counts().rows}
         process = {k: v[:2] for k, v in summary_rows(fusionguard.summary()).items()}
     assert mine == process == {("attn", "forward"): (0, 1), (NO_LAYER, "forward"): (2, 0)}
+
+
+def test_a_compiled_copy_of_the_watched_architecture_is_not_the_watched_model(guard):
+    """A compiled model of the watched model's own architecture (a teacher, an EMA, a reference
+    copy), not watched, runs while the watched model never does: its calls carry the watched
+    names (``attn``), yet its frame's module is known and lies outside the watched model, so they
+    are ``(no layer)`` in the session and in summary(), and the verdict does not say fused (#33)."""
+    guard()
+    model, copy = Model(), torch.compile(Model())
+    q, k, v = qkv()
+    with torch.no_grad(), fusionguard.track(model) as session:
+        copy(q, k, v)
+        copy(q, k, v)
+        counts = session.counts()
+        mine = {(r["layer"], r["phase"]): (r["fused"], r["dense"]) for r in counts.rows}
+        process = {k: v[:2] for k, v in summary_rows(fusionguard.summary()).items()}
+        verdict = session.verdict("step 1", counts)
+    assert mine == process == {(NO_LAYER, "forward"): (2, 0)}
+    assert "fused 1/1" not in verdict.text
+
+
+class Holder(torch.nn.Module):
+    """A watched module that is no attention layer (its hooks count no call), calling a compiled
+    container of attention layers that is not one of its submodules."""
+
+    def __init__(self, blocks) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.__dict__["blocks"] = blocks  # used, not registered
+
+    def forward(self, q, k, v):
+        return self.blocks(self.lin(q), k, v)
+
+
+class Blocks(torch.nn.Sequential):
+    def forward(self, q, k, v):
+        for block in self:
+            q = block(q, k, v)
+        return q
+
+
+def test_fused_calls_under_a_hooked_module_that_counts_no_call_stay_in_summary(guard):
+    """#33: the compiled container's fused calls are named outside the watched model
+    (``holder.0``); the watched module running them (``holder``) is hooked but no attention layer:
+    its hooks count no call, so summary() keeps them under ``(no layer)``, as the session does."""
+    guard()
+    blocks = torch.compile(Blocks(Attn(), Attn()))
+    model = torch.nn.Sequential()
+    model.holder = Holder(blocks)
+    q, k, v = qkv()
+    with torch.no_grad(), fusionguard.track(model) as session:
+        model.holder(q, k, v)
+        model.holder(q, k, v)
+        mine = sum(r["fused"] for r in session.counts().rows)
+        process = sum(r["fused"] for r in fusionguard.summary())
+    assert mine == process == 4
+
+
+class CompiledFlexAttn(torch.nn.Module):
+    """Hugging Face's way: an eager layer calling a compiled ``flex_attention`` (one for all)."""
+
+    flex = None
+
+    def forward(self, q, k, v):
+        return type(self).flex(q, k, v)
+
+
+class CompiledFlexModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([CompiledFlexAttn(), CompiledFlexAttn()])
+
+    def forward(self, q, k, v):
+        for layer in self.layers:
+            q = layer(q, k, v)
+        return q
+
+
+def test_the_watched_forward_is_found_after_many_calls_from_outside_it(guard):
+    """#33: under a watch without hooks (the Trainer's ``torch_compile``) the compiled
+    flex_attention's calls are named by the watched forward calling them; a reference model of
+    the same class calling it first, many times, does not stop that for good."""
+    guard()
+    CompiledFlexAttn.flex = torch.compile(flex_attention)
+    model, reference = CompiledFlexModel(), CompiledFlexModel()
+    q, k, v = qkv()
+    with torch.no_grad(), fusionguard.track(model, hooks=False) as session:
+        for _ in range(6):  # 12 calls from outside the watched forwards
+            reference(q, k, v)
+        session.step()
+        model(q, k, v)
+        rows = {(r["layer"], r["fused"]) for r in session.step().rows}
+    assert rows == {("layers.0", 1), ("layers.1", 1)}

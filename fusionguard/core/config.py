@@ -243,3 +243,18 @@ def resolve_log_path(log_path: Union[str, "os.PathLike[str]", None, bool]) -> Tu
         # A directory: each rank and process writes its own file in it.
         return os.path.join(path, process_log_name()), path
     return path, None
+
+
+def check_session_arguments(name: Any, model: Any, **flags: Any) -> None:
+    """A session's arguments (``fusionguard.track()``, the callbacks'): a wrong type is a clear
+    ``TypeError`` naming the argument, before anything is installed."""
+    if not isinstance(name, str):
+        raise TypeError(f"fusionguard.Session(): name must be a str, not {type(name).__name__}")
+    for key, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name}: {key} must be True or False, not {value!r}")
+    if model is not None:
+        import torch  # lazy: a model was given, so torch is loaded already
+
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"{name}: model must be a torch.nn.Module (or None: counts only), not {type(model).__name__}")

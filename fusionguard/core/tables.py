@@ -90,6 +90,17 @@ class SessionRegistry:
     def tables(self) -> Dict[str, Any]:
         return {"live": self.live, "owners": self.owners, "told": self.told}
 
+    def own(self, model: Any, life: Any) -> None:
+        """``life`` holds ``model``'s hooks; the entry goes when the model is collected (a session
+        that ends then finds its model gone, and no one else would remove it)."""
+        key, owners = id(model), self.owners
+
+        def forget(ref: Any) -> None:  # (no lock: a collection may run while a thread holds it)
+            if owners.get(key, (None,))[0] is ref:
+                owners.pop(key, None)
+
+        owners[key] = (weakref.ref(model, forget), weakref.ref(life))
+
     def reset(self) -> None:
         with self.lock:
             for table in self.tables().values():
@@ -166,7 +177,7 @@ class Stats:
         for calls no name reaches (``NO_LAYER``). Under ``watch()``, a name outside the watched
         model counts under ``NO_LAYER`` in the sessions' counters, which no hook feeds: a call
         named wrongly is still counted, never dropped. The rows count it there too, unless a
-        hooked layer runs it (``hooked()``, asked only then, names the layer running now): a
+        hooked attention layer runs it (``hooked()``, asked only then, names the running layer whose hooks count calls): a
         graph compiled inside one block names its modules relative to that block (``attn`` for
         every block's), and that layer's hooks count those calls by layer (not twice)."""
         watched = self.watched

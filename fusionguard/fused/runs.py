@@ -17,10 +17,12 @@ from fusionguard.core.frames import take_deferred
 from fusionguard.core.state import STATE, count, internal_error
 from fusionguard.watching.naming import (
     clean_name,
+    counting_layer,
     flex_layer,
     fqn_from_source,
     in_backward,
     is_watching,
+    outside_watched,
     resolve_watched_name,
     stack_source,
     watched_name,
@@ -70,18 +72,30 @@ def dynamo_names() -> Optional[Tuple[List[str], Optional["_FrameLocal"], Any]]:
     return rels, _FrameLocal((code.co_name,), code.co_filename, local), root
 
 
+# A compiled frame's module known to lie outside the watched models (``naming.outside_watched``):
+# its calls are none of theirs, whatever its paths spell (never a module name: names hold no NUL).
+OUTSIDE = "\0outside"
+
+
 def root_prefix(module: Any) -> Optional[str]:
     """The name of a compiled frame's module: its watched name under ``watch()`` (None if it is
-    not watched), else its path from the outermost module holding it (``watching.paths``)."""
+    not known to be watched, ``OUTSIDE`` if known not to be), else its path from the outermost
+    module holding it (``watching.paths``)."""
     if module is None:
         return None
-    return watched_name(module) if is_watching() else module_path(module)
+    if not is_watching():
+        return module_path(module)
+    name = watched_name(module)
+    return OUTSIDE if name is None and outside_watched(module) else name
 
 
 def join_names(prefix: Optional[str], rels: List[str], outer: str = "") -> List[Optional[str]]:
     """Full names of calls at ``rels``: under the watched module ``prefix`` ('' for a watched
     model), else (a frame rooted outside the watched models) joined to the hook layer around
-    the compile and mapped to the watched spelling (``resolve_watched_name``)."""
+    the compile and mapped to the watched spelling (``resolve_watched_name``); ``OUTSIDE``: none
+    (named by the hooked layer running them, if any: ``_hook_names``)."""
+    if prefix == OUTSIDE:
+        return [None] * len(rels)
     if prefix is not None:
         return [".".join(x for x in (prefix, r) if x) or None for r in rels]
     out: List[Optional[str]] = []
@@ -95,7 +109,9 @@ class _FrameLocal:
     """A local of the nearest frame above the caller running one of ``names`` (code name) in a
     file whose path contains ``file``: the root module of a compiled frame (``self``), or AOTAutograd's
     ``ctx``. The depth found is kept and checked by code identity, so a run costs one
-    ``sys._getframe`` and one locals read; after 8 misses in a row it stops looking."""
+    ``sys._getframe`` and one locals read; after ``patience`` misses in a row it stops looking."""
+
+    patience = 8
 
     __slots__ = ("names", "file", "local", "depth", "code", "misses")
 
@@ -112,7 +128,7 @@ class _FrameLocal:
                     return f.f_locals.get(self.local)
             except ValueError:
                 pass
-        if self.misses >= 8:
+        if self.misses >= self.patience:
             return None
         f = sys._getframe(1)
         d = 1
@@ -144,7 +160,11 @@ class _WatchedForward(_FrameLocal):
     """The nearest frame running a watched module's own ``forward`` (by its code, as
     ``layer_from_stack`` finds a dense call's layer): under a ``watch()`` without hooks
     (``hooks=False``, the Trainer's ``torch_compile``), the layer that called a compiled function
-    from eager code (found once per graph, then kept like any other)."""
+    from eager code (found once per graph, then kept like any other). It never stops looking: the
+    calls from outside a watched forward (a reference model of the same class) may come first,
+    and each later walk reads only code objects (up to 80 frames; locals of a watched forward's)."""
+
+    patience = sys.maxsize
 
     def __init__(self) -> None:
         super().__init__((), "", "self")
@@ -438,7 +458,7 @@ def count_runs(compiled: Any, records: List[Dict[str, Any]], namer: Optional[Nam
                     # a forward re-run by checkpointing inside the backward is not a new call
                     # (a watched layer's hooks count it as a recompute)
                     if per_layer and not (fields["phase"] == "forward" and in_backward()):
-                        STATE.stats.on_fused(per_layer, fields["phase"], flex_layer)
+                        STATE.stats.on_fused(per_layer, fields["phase"], counting_layer)
                     for event in events:
                         STATE.log.emit_fields("info", "flex_run", event)
             except Exception as exc:

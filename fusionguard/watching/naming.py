@@ -148,6 +148,21 @@ def flex_layer(frame: Any = None) -> Optional[str]:
     return name or (backward_layer() if in_backward() else None) or (layer_from_stack(frame) if frame is not None else None)
 
 
+def counting_layer() -> Optional[str]:
+    """The running watched layer whose hooks count its calls (``summary()``'s ``calls``): an
+    attention layer, its class known to make FlexAttention calls, or in a backward the innermost
+    open backward span (only such layers open one). Not any hooked module on the stack: a
+    container's or a projection's hooks count nothing."""
+    stack = LAYER.get()
+    if not stack:
+        return backward_layer() if in_backward() else None
+    classes = STATE.stats.flex_classes
+    for name, cls in reversed(stack):
+        if cls is not None and cls in classes:
+            return name
+    return None
+
+
 def note_flex_call(frame: Any = None) -> Optional[str]:
     """``flex_layer()``, and remember that the innermost watched module's class makes
     FlexAttention calls (it becomes an attention layer: measured, with backward spans). Called
@@ -223,6 +238,23 @@ def watched_name(module: Any) -> Optional[str]:
     if root is not None and root[0]() is module:
         return ""
     return None
+
+
+def builtin_module(module: Any) -> bool:
+    """torch.nn's own modules (Linear, norms, containers): never named by identity under ``watch()``."""
+    mod = type(module).__module__ or ""
+    return mod.startswith(("torch.nn.", "torch.ao.")) and mod != "torch.nn.utils.parametrize"
+
+
+def outside_watched(module: Any) -> bool:
+    """A compiled frame's root module known to lie outside every watched model: a module of the
+    user's own class, not watched by identity (every such module inside a watched model is), and
+    no wrapper around one (DDP's ``module``, ``_orig_mod``). Its graph's paths may spell the
+    watched names (a compiled teacher, EMA or reference copy of the same architecture); they
+    are not the watched model's."""
+    if not isinstance(module, torch.nn.Module) or builtin_module(module) or watched_name(module) is not None:
+        return False
+    return not any(watched_name(m) is not None for m in wrapper_chain(module)[1:])
 
 
 def is_watching() -> bool:

@@ -17,6 +17,7 @@ from fusionguard.watching.hooks import Frame, Hooks, frames_of, span_inputs
 from fusionguard.watching.memory import cuda_device, cuda_ready, dense_count, measure_start, measure_stop, record, tensors
 from fusionguard.watching.naming import (
     LAYER,
+    builtin_module,
     bw_pop,
     bw_push,
     clean_name,
@@ -29,10 +30,7 @@ from fusionguard.watching.naming import (
     wrapper_chain,
 )
 
-
-def _builtin(module: torch.nn.Module) -> bool:
-    mod = type(module).__module__ or ""
-    return mod.startswith(("torch.nn.", "torch.ao.")) and mod != "torch.nn.utils.parametrize"
+_builtin = builtin_module
 
 
 def _layers(layers: Any) -> List[Union[type, str]]:
