@@ -8,16 +8,16 @@ under every framework callback (docs/integrations.md, "The session object").
             writer.add_scalar("fusionguard/dense_calls", step.dense, i)
     print(fg.verdict("run").text)
 
-A session starts ``enable()`` or joins the one running, by one rule: what the session names
-(``strict``, ``mode``, ``log_path``, options) replaces what the launcher (``FUSIONGUARD=``,
-``fusionguard run``) or an earlier session set, and never what the program's own ``enable()``
-set: that conflict is said once (the program's settings stand). It owns the ``watch()`` of its
-model (one session per model: a newer session on the same model takes the hooks over), follows
-the model when the framework swaps it (``follow()``), and ends on ``stop()``, at the end of its
-``with`` block (an exception too), when the object it is bound to (``bind(trainer)``) or the
-session itself is garbage-collected, and on ``fusionguard.disable()``, which ends every session.
-Its counts are its own: every call counted from its start, by layer, phase and cause. It knows
-when fusionguard is off (``FUSIONGUARD=off``, ``disable()``) and says so instead of a verdict.
+A session starts ``enable()`` or joins the one running, by one rule: what the session names (``strict``,
+``mode``, ``log_path``, options) replaces what the launcher (``FUSIONGUARD=``, ``fusionguard run``) or an
+earlier session set, and never what the program's own ``enable()`` set: that conflict is said once (the
+program's settings stand; a test runner's ``restore()`` overrides them). It owns the ``watch()`` of its model
+(one session per model: a newer session on the same model takes the hooks over), follows the model when the
+framework swaps it (``follow()``), and ends on ``stop()``, at the end of its ``with`` block (an exception too),
+when the object it is bound to (``bind(trainer)``) or the session itself is garbage-collected, and on
+``fusionguard.disable()``, which ends every session. Its counts are its own: every call counted from its start,
+by layer, phase and cause. It knows when fusionguard is off (``FUSIONGUARD=off``, ``disable()``) and says so
+instead of a verdict.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ __all__ = ["Counts", "Session", "Verdict", "describe", "track"]
 
 KILL_SWITCH = "FUSIONGUARD=off in the environment (the kill switch)"
 DISABLED = "fusionguard.disable() was called"
+STOPPED = "the session was stopped (stop()): calls since then are not counted"
 
 
 class _Life:
@@ -222,7 +223,7 @@ class Session:
     def step(self) -> Counts:
         """The calls since the last ``step()`` (or the start), and a new step from here."""
         self._started("step()")
-        off = self.off
+        off = self._not_counting()
         with self._h.lock:
             old, self._h.step = self._h.step, Tally()
             if self._h.started and self._h.off is None:
@@ -241,7 +242,7 @@ class Session:
     def pending(self) -> Counts:
         """The calls since the last ``step()``, without starting a new one."""
         self._started("pending()")
-        return self._h.step.counts(self.off)
+        return self._h.step.counts(self._not_counting())
 
     def metrics(self, counts: Optional[Counts] = None) -> Dict[str, float]:
         """``counts`` (default: since the start) as metric keys, with ``fusionguard/peak_layer_bytes``
@@ -264,9 +265,11 @@ class Session:
         what never ran flex; or why fusionguard is off."""
         self._started("verdict()")
         self._counts_arg("verdict(label, counts=...)", counts)
-        if self.off is not None:
-            then = "this session ended then (start() it again)" if self.off == DISABLED and fusionguard.is_enabled() else ""
-            return Verdict(f"fusionguard: {label}: no verdict: {self.off}; {then or 'FlexAttention calls are not checked'}", True)
+        off = self.off or (counts.off if counts is not None else self._not_counting())
+        if off is not None:
+            then = "this session ended then (start() it again)" if off == DISABLED and fusionguard.is_enabled() else ""
+            then = then or ("start() it again to count" if off == STOPPED else "FlexAttention calls are not checked")
+            return Verdict(f"fusionguard: {label}: no verdict: {off}; {then}", True)
         try:  # (not guarded(): the fallback names the label)
             return verdict(label, counts or self.pending(), self.model)
         except Exception as exc:
@@ -312,7 +315,8 @@ class Session:
 
     def restore(self) -> None:
         """Put the session's own settings back if the program changed them (its own ``enable()``
-        or ``disable()``): for a test runner between tests. Starts the session if it had ended."""
+        or ``disable()``): for a test runner between tests, the one exception to the who-wins rule:
+        the session then owns the running ``enable()`` (``stop()`` ends it). Starts it if it had ended."""
         if self._h.off == KILL_SWITCH:
             return
         with self._h.lock:
@@ -377,6 +381,10 @@ class Session:
         return f"fusionguard: stop_on_dense: dense FlexAttention{on} at {at}: training stops"
 
     # -- inside ---------------------------------------------------------------------------------------
+    def _not_counting(self) -> Optional[str]:
+        """Why the span from the last ``step()`` to now is not all counted (off, or stopped), or None."""
+        return self.off or (None if self._h.started else STOPPED)
+
     def _started(self, what: str) -> None:
         """Counts of a session never started would be false zeros (and a false "never ran flex")."""
         if self._h.order == 0:

@@ -153,6 +153,28 @@ def test_step_on_forward_takes_a_function_and_a_test_that_raises_is_the_users(cl
     assert a.pending().dense == 8 and len([m for m in fg_records.lines if "step_on_forward" in m]) == 1
 
 
+def test_a_stopped_session_says_so_instead_of_false_zeros(clean):
+    """Hostile read (#33): after stop(), step() gave dense=0 with metrics of 0 and the verdict
+    "the model never ran flex" while the model went on running dense."""
+    model = Net()
+    fg = fusionguard.track(model, log_path=False).start()
+    run(model)
+    assert fg.step().dense == 2
+    fusionguard.enable(log_path=False)  # (the program's own: fusionguard stays on after stop())
+    fg.stop()
+    run(model)  # dense again, after the session stopped
+    for step in (fg.pending(), fg.step(), fg.step()):
+        assert step.off == fusionguard.session.STOPPED and step.metrics() == {}
+    text, ok = fg.verdict("after stop")
+    assert ok and text == f"fusionguard: after stop: no verdict: {fusionguard.session.STOPPED}; start() it again to count"
+    total = fg.counts()  # its whole span, which ended at stop(): true counts, with a verdict
+    assert total.off is None and total.dense == 2 and total.metrics()["fusionguard/dense_calls"] == 2.0
+    assert "dense" in fg.verdict("whole run", total).text and not fg.verdict("whole run", total).ok
+    with fg:  # started again: counts from zero, and a step is counted again
+        run(model)
+        assert fg.step().off is None and fg.pending().off is None
+
+
 def test_a_session_ended_by_disable_says_so_after_a_new_enable(clean):
     model = Net()
     fg = fusionguard.track(model, log_path=False).start()
