@@ -449,12 +449,13 @@ def _plain_internal_error_trys(path: str) -> List[str]:
     lines = src.splitlines()
     bare = []
     for node in ast.walk(ast.parse(src)):
-        if not isinstance(node, ast.Try) or len(node.handlers) != 1:
+        if not isinstance(node, ast.Try) or "#" in lines[node.lineno - 1]:
             continue
-        (h,) = node.handlers
-        calls = {n.func.id for n in ast.walk(h) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
-        if isinstance(h.type, ast.Name) and h.type.id == "Exception" and "internal_error" in calls and "#" not in lines[node.lineno - 1]:
-            bare.append(f"{path}:{node.lineno}")
+        for h in node.handlers:  # (any handler: a try that also catches Warning first is the same shape)
+            calls = {n.func.id for n in ast.walk(h) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+            if isinstance(h.type, ast.Name) and h.type.id == "Exception" and "internal_error" in calls:
+                bare.append(f"{path}:{node.lineno}")
+                break
     return bare
 
 
@@ -463,6 +464,9 @@ def test_internal_errors_go_through_guarded_or_say_why_not(tmp_path):
     a reason on its ``try:`` line (a per-call path, where a try is free and a ``with`` is not; a
     fallback built per call)."""
     probe = tmp_path / "probe.py"
-    probe.write_text("def f():\n    try:\n        g()\n    except Exception as exc:\n        internal_error('f', exc)\n")
-    assert _plain_internal_error_trys(str(probe)) == [f"{probe}:2"]  # the check finds one
+    probe.write_text(
+        "def f():\n    try:\n        g()\n    except Exception as exc:\n        internal_error('f', exc)\n"
+        "    try:\n        g()\n    except Warning:\n        pass\n    except Exception as exc:\n        internal_error('f', exc)\n"
+    )
+    assert _plain_internal_error_trys(str(probe)) == [f"{probe}:2", f"{probe}:6"]  # the check finds both shapes
     assert [b for path in _modules().values() for b in _plain_internal_error_trys(path)] == []

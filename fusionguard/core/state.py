@@ -349,7 +349,7 @@ class guarded:
 
         @functools.wraps(fn)
         def safe(*args: Any, **kwargs: Any) -> Any:
-            try:
+            try:  # (guarded() itself, as a decorator)
                 return fn(*args, **kwargs)
             except passes:
                 raise

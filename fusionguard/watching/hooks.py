@@ -319,7 +319,7 @@ def _hooks_traced(slot: "Hooks") -> int:
     """Runs at trace time: once per process, say that watch()'s hooks are being compiled; hide
     them from the next compiles (callbacks that ``torch._dynamo.reset()`` cleared)."""
     name = slot.name
-    try:
+    try:  # (not guarded(): a Warning that a filter raises is caught first, never raised into Dynamo's trace)
         out_of_sight()
         if not STATE.stats.told_traced:
             STATE.stats.told_traced = True
