@@ -46,8 +46,10 @@ class WatchRegistry:
     (weak reference, count). ``pairs``: module -> its pool of hook pairs (the same hook objects at
     every entry: Dynamo guards on them). ``hooked``: id(pair) -> the pairs now registered (taken
     out of sight while Dynamo compiles). ``compiled_inside``: module held by a live
-    ``torch.compile`` wrapper -> a weak reference to that wrapper. ``lock`` guards modules,
-    roots, pairs and hooked."""
+    ``torch.compile`` wrapper -> a weak reference to that wrapper. ``unhooked``: id(Watch) ->
+    True for each running watch that names modules it puts no hooks on (``hooks=False``,
+    modules inside or held by a compile wrapper): only then is the layer of a compiled function's
+    call looked for on the stack (``fused.runs``). ``lock`` guards modules, roots, pairs and hooked."""
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
@@ -59,6 +61,7 @@ class WatchRegistry:
         self.pairs: "weakref.WeakKeyDictionary[Any, List[Any]]" = weakref.WeakKeyDictionary()
         self.hooked: Dict[int, Any] = {}
         self.compiled_inside: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+        self.unhooked: Dict[int, bool] = {}
 
     def tables(self) -> Dict[str, Any]:
         return {k: v for k, v in vars(self).items() if k != "lock"}

@@ -130,7 +130,7 @@ class _FrameLocal:
                 pass
         if self.misses >= self.patience:
             return None
-        f = sys._getframe(1)
+        f = start = sys._getframe(1)
         d = 1
         while f is not None and d < 80:
             if self._match(f):
@@ -138,11 +138,15 @@ class _FrameLocal:
                 return f.f_locals.get(self.local)
             f, d = f.f_back, d + 1
         self.misses += 1
+        self._missed(start)
         return None
 
     def _match(self, f: Any) -> bool:
         c = f.f_code
         return c.co_name in self.names and self.file in c.co_filename and self.local in c.co_varnames
+
+    def _missed(self, f: Any) -> None:
+        """A walk from ``f`` found nothing."""
 
 
 class _WatchedSelf(_FrameLocal):
@@ -158,22 +162,39 @@ class _WatchedSelf(_FrameLocal):
 
 class _WatchedForward(_FrameLocal):
     """The nearest frame running a watched module's own ``forward`` (by its code, as
-    ``layer_from_stack`` finds a dense call's layer): under a ``watch()`` without hooks
-    (``hooks=False``, the Trainer's ``torch_compile``), the layer that called a compiled function
-    from eager code (found once per graph, then kept like any other). It never stops looking: the
-    calls from outside a watched forward (a reference model of the same class) may come first,
-    and each later walk reads only code objects (up to 80 frames; locals of a watched forward's)."""
+    ``layer_from_stack`` finds a dense call's layer): under a ``watch()`` that leaves watched
+    modules without hooks (``hooks=False``, the Trainer's ``torch_compile``), the layer that called
+    a compiled function from eager code (found once per graph, then kept like any other). It never
+    stops looking: the calls from outside a watched forward (a reference model of the same class,
+    a teacher) may come first. A miss is cheap after the first from its caller: the innermost
+    module ``forward`` a walk found nothing above (``outside``) ends the next walks there, its
+    depth kept like a found one's (its ``self``, unwatched, names nothing; a watched module of
+    the same class at that depth is named)."""
 
     patience = sys.maxsize
 
     def __init__(self) -> None:
         super().__init__((), "", "self")
+        self.outside: Dict[int, Any] = {}  # id(code) -> code: forwards of modules that called from outside
 
     def _match(self, f: Any) -> bool:
         w, c = STATE.watch, f.f_code
+        if id(c) in self.outside:
+            return True
         return (id(c) in w.forward_codes or (c.co_filename, c.co_firstlineno) in w.forward_sites) and bool(
             watched_name(f.f_locals.get("self"))
         )
+
+    def _missed(self, f: Any) -> None:
+        for _ in range(80):
+            if f is None:
+                return
+            if is_module_forward(f):
+                if len(self.outside) >= 64:
+                    self.outside.clear()
+                self.outside[id(f.f_code)] = f.f_code  # (the code kept alive: its id is never reused meanwhile)
+                return
+            f = f.f_back
 
 
 class _ModuleForward(_FrameLocal):
@@ -292,13 +313,16 @@ class Namer:
         if names is None or not any(names):
             names = _hook_names(fixed)
             if self.n == 1 and self.phase == "forward":
-                names = self._watched_caller_names(names) if is_watching() else self._caller_names(names)
+                if not is_watching():
+                    names = self._caller_names(names)
+                elif STATE.watch.unhooked:  # (the hooks name every caller that is a watched layer)
+                    names = self._watched_caller_names(names)
         self._to_backward(names)
         return names
 
     def _watched_caller_names(self, names: Tuple[Optional[str], ...]) -> Tuple[Optional[str], ...]:
-        """Under ``watch()``, the one call of a compiled function that no hook named (a watch
-        without hooks: ``hooks=False``): named by the watched module whose ``forward`` called it
+        """Under ``watch()``, the one call of a compiled function that no hook named (a watched
+        module without hooks: ``hooks=False``): named by the watched module whose ``forward`` called it
         now, as a dense call is (a Trainer's second ``evaluate()`` runs the model it compiled for
         the first eagerly, its attention calling Hugging Face's compiled ``flex_attention``)."""
         if flex_layer():
