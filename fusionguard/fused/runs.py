@@ -378,6 +378,14 @@ def _hook_names(fixed: Tuple[Optional[str], ...]) -> Tuple[Optional[str], ...]:
     return (now,)
 
 
+def _hooks_count(per_layer: Tuple[Tuple[Optional[str], int], ...]) -> bool:
+    """Whether the calls of this run that are named outside the watched models (if any) are
+    counted by the hooks of the attention layer running it (``naming.counting_layer``), so that
+    ``summary()``'s rows leave them out (``Stats.on_fused``); asked only for such names."""
+    watched = STATE.watch.names
+    return bool(watched) and any(x is not None and x not in watched for x, _ in per_layer) and bool(counting_layer())
+
+
 def _run_events(
     fields: Dict[str, Any], names: Tuple[Optional[str], ...]
 ) -> Tuple[List[Dict[str, Any]], Tuple[Tuple[Optional[str], int], ...]]:
@@ -482,7 +490,7 @@ def count_runs(compiled: Any, records: List[Dict[str, Any]], namer: Optional[Nam
                     # a forward re-run by checkpointing inside the backward is not a new call
                     # (a watched layer's hooks count it as a recompute)
                     if per_layer and not (fields["phase"] == "forward" and in_backward()):
-                        STATE.stats.on_fused(per_layer, fields["phase"], counting_layer)
+                        STATE.stats.on_fused(per_layer, fields["phase"], _hooks_count(per_layer))
                     for event in events:
                         STATE.log.emit_fields("info", "flex_run", event)
             except Exception as exc:
