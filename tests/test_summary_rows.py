@@ -359,11 +359,12 @@ class Teacher(torch.nn.Module):
 
 
 def _frames_tested(call):
-    """How many frames the fused path tests for a watched forward (``_match`` calls) while ``call`` runs."""
+    """How many frames the fused path tests for a watched forward that called a compiled function
+    (``_match`` calls of its finder) while ``call`` runs."""
     seen = []
 
     def profile(frame, event, arg):
-        if event == "call" and frame.f_code.co_name == "_match":
+        if event == "call" and frame.f_code.co_name == "_match" and type(frame.f_locals.get("self")).__name__ == "_WatchedForward":
             seen.append(1)
 
     sys.setprofile(profile)

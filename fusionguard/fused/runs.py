@@ -9,7 +9,7 @@ import sys
 import warnings
 import weakref
 from collections.abc import MutableMapping
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from fusionguard import torch_internals as ti
 from fusionguard.core import profiler as profiling
@@ -25,6 +25,7 @@ from fusionguard.watching.naming import (
     outside_watched,
     resolve_watched_name,
     stack_source,
+    watched_forward,
     watched_name,
 )
 from fusionguard.watching.paths import caller_name, is_module_forward, module_path
@@ -178,12 +179,7 @@ class _WatchedForward(_FrameLocal):
         self.outside: Dict[int, Any] = {}  # id(code) -> code: forwards of modules that called from outside
 
     def _match(self, f: Any) -> bool:
-        w, c = STATE.watch, f.f_code
-        if id(c) in self.outside:
-            return True
-        return (id(c) in w.forward_codes or (c.co_filename, c.co_firstlineno) in w.forward_sites) and bool(
-            watched_name(f.f_locals.get("self"))
-        )
+        return id(f.f_code) in self.outside or watched_forward(f) is not None
 
     def _missed(self, f: Any) -> None:
         for _ in range(80):
@@ -283,7 +279,7 @@ class Namer:
     the backward. Backward: the names its forward left on the ``ctx``. A graph with one call and
     nothing better: the layer running now (hooks, backward span; ``_hook_names``)."""
 
-    __slots__ = ("phase", "n", "rels", "root", "outer", "ctx", "built", "unwatched", "caller", "watched_caller")
+    __slots__ = ("phase", "n", "rels", "root", "outer", "ctx", "built", "unwatched", "callers")
 
     def __init__(self, phase: str, n: int, rels: Optional[List[str]], root: Optional[_FrameLocal], outer: str) -> None:
         self.phase, self.n, self.rels, self.root, self.outer = phase, n, rels, root, outer
@@ -293,8 +289,7 @@ class Namer:
         # (named by its forward run) or a graph of one call (named by the layer calling it) is
         # still named per run; others keep their compile-time names
         self.unwatched = phase == "backward" or (rels is not None and root is not None) or n == 1
-        self.caller: Optional[_FrameLocal] = None
-        self.watched_caller: Optional[_FrameLocal] = None
+        self.callers: Dict[type, _FrameLocal] = {}  # finder class -> its finder (``_caller_names``)
 
     def names(self) -> Optional[Tuple[Optional[str], ...]]:
         if self.phase == "backward":
@@ -314,44 +309,34 @@ class Namer:
             names = _hook_names(fixed)
             if self.n == 1 and self.phase == "forward":
                 if not is_watching():
-                    names = self._caller_names(names)
-                elif STATE.watch.unhooked:  # (the hooks name every caller that is a watched layer)
-                    names = self._watched_caller_names(names)
+                    names = self._caller_names(names, _ModuleForward, module_path)
+                elif STATE.watch.unhooked and not flex_layer():  # (hooks name every caller that is a hooked layer)
+                    names = self._caller_names(names, _WatchedForward, watched_name)
         self._to_backward(names)
         return names
 
-    def _watched_caller_names(self, names: Tuple[Optional[str], ...]) -> Tuple[Optional[str], ...]:
-        """Under ``watch()``, the one call of a compiled function that no hook named (a watched
-        module without hooks: ``hooks=False``): named by the watched module whose ``forward`` called it
-        now, as a dense call is (a Trainer's second ``evaluate()`` runs the model it compiled for
-        the first eagerly, its attention calling Hugging Face's compiled ``flex_attention``)."""
-        if flex_layer():
-            return names
-        if self.watched_caller is None:
-            self.watched_caller = _WatchedForward()
-        name = watched_name(self.watched_caller.get())
-        if not name:
-            return names
-        found = self.built.get(name)
+    def _caller_names(
+        self, names: Tuple[Optional[str], ...], finder: type, name_of: Callable[[Any], Optional[str]]
+    ) -> Tuple[Optional[str], ...]:
+        """The one call of a compiled function (``torch.compile(flex_attention)`` serves every
+        layer), named by the module whose ``forward`` called it now. Without ``watch()``: any
+        module (``_ModuleForward``, ``module_path``). Under it, when no hook named it and a watched
+        module has none (``hooks=False``): the watched one (``_WatchedForward``, ``watched_name``),
+        as a dense call is (a Trainer's second ``evaluate()`` runs the model it compiled for the
+        first eagerly, its attention calling Hugging Face's compiled ``flex_attention``)."""
+        found = self.callers.get(finder)
         if found is None:
-            found = self.built[name] = (name,)
-        return found
-
-    def _caller_names(self, fixed: Tuple[Optional[str], ...]) -> Tuple[Optional[str], ...]:
-        """Without ``watch()``: the one call of a compiled function, named by the module whose
-        ``forward`` called it now (``torch.compile(flex_attention)`` serves every layer)."""
-        if self.caller is None:
-            self.caller = _ModuleForward()
-        module = self.caller.get()
-        if module is None and self.caller.misses >= 8:
+            found = self.callers[finder] = finder()
+        module = found.get()
+        if module is None and found.misses >= found.patience:
             self.unwatched = False  # called from no module's forward: runs keep the fixed names
-        name = module_path(module)
+        name = name_of(module)
         if not name:
-            return fixed
-        names = self.built.get(name)
-        if names is None:
-            names = self.built[name] = (name,)
-        return names
+            return names
+        built = self.built.get(name)
+        if built is None:
+            built = self.built[name] = (name,)
+        return built
 
     def _to_backward(self, names: Tuple[Optional[str], ...]) -> None:
         """A forward run leaves its names on AOTAutograd's ctx (none in an inference graph)."""
