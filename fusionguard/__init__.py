@@ -87,7 +87,7 @@ def enable(
     A second call while enabled changes only what it names and keeps the rest (the log file
     too); ``strict`` and ``mode`` are one setting (naming either replaces both). After
     ``disable()``, ``enable()`` starts from the defaults. docs/integrations.md says how this
-    fits ``FUSIONGUARD=`` and ``fusionguard.track()`` (who wins: ``_lifecycle.enable``).
+    fits ``FUSIONGUARD=`` and ``fusionguard.track()`` (who wins: ``_lifecycle.enable_as``).
 
     strict:   raise ``DenseFallbackError`` before a dense FlexAttention kernel allocates;
               otherwise warn (``DenseFallbackWarning``) and log. Not named (or None): not strict,
@@ -124,7 +124,7 @@ def enable(
     Every argument is checked first (``TypeError`` / ``ValueError`` naming it, nothing installed);
     a failure part-way undoes everything installed before the error reaches the caller.
     """
-    _lifecycle.enable("program", strict, log_path, options)
+    _lifecycle.enable_as("program", strict, log_path, **options)
 
 
 def disable() -> None:

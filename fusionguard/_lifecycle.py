@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import atexit
 import logging
-from typing import Any, Dict, Optional
+from typing import Any, Optional
 
 from fusionguard.activate import switched_off
 from fusionguard.core.config import UNSET, Config, Runtime, check_log_path, check_options, merged, resolve_log_path
@@ -114,7 +114,7 @@ def _write_lock() -> Any:
 enabling = 0
 
 
-def enable(by: str, strict: Any, log_path: Any, options: Dict[str, Any]) -> None:
+def enable_as(by: str, /, strict: Any = UNSET, log_path: Any = UNSET, **options: Any) -> None:
     """``fusionguard.enable()`` (its docstring), made for ``by``: ``"program"`` (the program's own
     call), ``"launcher"`` (``FUSIONGUARD=`` / ``fusionguard run``: the start-up hook) or ``"session"``
     (``fusionguard.track()``). Who wins: a session's explicit settings replace the launcher's or an
@@ -148,12 +148,6 @@ def enable(by: str, strict: Any, log_path: Any, options: Dict[str, Any]) -> None
             STATE.enabled_by = by
         finally:
             enabling -= 1
-
-
-def enable_as(by: str, strict: Any = UNSET, log_path: Any = UNSET, **options: Any) -> None:
-    """``enable()`` made by the launcher (``_startup/sitecustomize.py``) or a session (``session.py``), not by
-    the program's own code: a session's explicit settings beat the former (docs/integrations.md)."""
-    enable(by, strict, log_path, options)
 
 
 def start(config: Config, log_dir: Optional[str]) -> None:

@@ -34,7 +34,7 @@ from fusionguard._summary import Summary
 from fusionguard._tally import PEAK, Counts, Tally, Verdict, tap, verdict
 from fusionguard.activate import switched_off
 from fusionguard.core.config import UNSET, Config, check_log_path, check_options, check_session_arguments
-from fusionguard.core.state import STATE, guarded, internal_error
+from fusionguard.core.state import STATE, guarded, internal_error, nothing
 from fusionguard.eventlog.messages import say
 
 __all__ = ["Counts", "Session", "Verdict", "describe", "track"]
@@ -63,14 +63,10 @@ class _Life:
         self.total = Tally()
         self.step = Tally()
         self.watch: Any = None
-        self.watched: Callable[[], Any] = _nothing  # a weak reference to the model the watch is on (the model may hold its session)
+        self.watched: Callable[[], Any] = nothing  # a weak reference to the model the watch is on (the model may hold its session)
         self.took_from: Any = None  # weak reference to the _Life it took the model's hooks over from
         self.bound: List[Any] = []  # finalizers of the objects it is bound to
         self.on_forward = False  # a step_on_forward() test is set (on the session: it may hold the session)
-
-
-def _nothing() -> None:
-    return None
 
 
 def _unwrap(model: Any) -> Any:
@@ -566,7 +562,7 @@ def _unwatch(life: _Life, give_back: bool = True) -> None:
     owned = False
     with STATE.sessions.lock:
         w, life.watch = life.watch, None
-        inner, life.watched = life.watched(), _nothing
+        inner, life.watched = life.watched(), nothing
         if inner is not None:
             ref, owner = STATE.sessions.owners.get(id(inner), (None, None))
             if owner is not None and owner() is life:

@@ -284,6 +284,20 @@ def test_a_fused_call_named_outside_the_watched_model_is_counted_not_dropped(cle
     assert rows == {"layers.0": 1, NO_LAYER: 2}
 
 
+def test_the_fused_path_settles_whether_hooks_count_a_call_before_the_tables(clean):
+    """#33: the tables took a callback into ``watching`` (run under their lock) to ask whether a
+    hooked attention layer counts the calls named outside the watched model: now plain data,
+    settled by the fused path per run; the session counts them, summary()'s rows leave them to the hooks."""
+    from fusionguard.core.state import STATE
+    from fusionguard.eventlog.kinds import NO_LAYER
+
+    with fusionguard.track(Net(), log_path=False) as fg:
+        STATE.stats.on_fused([("not.a.watched.name", 2)], "forward", True)
+        rows = {r["layer"]: r["fused"] for r in fg.counts().rows}
+        summary = {r["layer"]: r["fused"] for r in fusionguard.summary()}
+    assert rows == {NO_LAYER: 2} and NO_LAYER not in summary
+
+
 def test_a_session_stored_on_its_own_model_is_collected_with_it(clean):
     """#33: ``model.fg = fusionguard.track(model).start()`` (a notebook cell run again) held the
     model, its hooks and the enable() for the life of the process: the running sessions' registry

@@ -340,3 +340,62 @@ def test_the_watched_forward_is_found_after_many_calls_from_outside_it(guard):
         model(q, k, v)
         rows = {(r["layer"], r["fused"]) for r in session.step().rows}
     assert rows == {("layers.0", 1), ("layers.1", 1)}
+
+
+class TeacherAttn(torch.nn.Module):
+    """Another architecture calling the same compiled ``flex_attention``: a teacher nobody watches."""
+
+    def forward(self, q, k, v):
+        return CompiledFlexAttn.flex(q, k, v)
+
+
+class Teacher(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = TeacherAttn()
+
+    def forward(self, q, k, v):
+        return self.attn(q, k, v)
+
+
+def _frames_tested(call):
+    """How many frames the fused path tests for a watched forward that called a compiled function
+    (``_match`` calls of its finder) while ``call`` runs."""
+    seen = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == "_match" and type(frame.f_locals.get("self")).__name__ == "_WatchedForward":
+            seen.append(1)
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return len(seen)
+
+
+def test_an_unwatched_caller_of_a_compiled_flex_attention_costs_no_stack_walk(guard):
+    """#33: every run of a compiled flex_attention called from an unwatched eager model (a teacher)
+    walked the stack for a watched forward, for ever: needed only while a watched module has no
+    hooks (``hooks=False``), and then a miss is cheap after its first walk; the watched model's
+    calls are named all the same."""
+    guard()
+    CompiledFlexAttn.flex = torch.compile(flex_attention)
+    model, teacher = CompiledFlexModel(), Teacher()
+    q, k, v = qkv()
+    with torch.no_grad():
+        with fusionguard.track(model) as session:  # hooks on: they name the watched layers
+            teacher(q, k, v)
+            assert _frames_tested(lambda: teacher(q, k, v)) == 0
+            session.step()
+            model(q, k, v)
+            hooked = {(r["layer"], r["fused"]) for r in session.step().rows}
+        with fusionguard.track(model, hooks=False) as session:
+            for _ in range(3):
+                teacher(q, k, v)
+            assert _frames_tested(lambda: teacher(q, k, v)) == 0
+            session.step()
+            model(q, k, v)
+            hookless = {(r["layer"], r["fused"]) for r in session.step().rows}
+    assert hooked == hookless == {("layers.0", 1), ("layers.1", 1)}

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
-from fusionguard.core.state import guarded
+from fusionguard.core.state import guarded, nothing
 from fusionguard.eventlog.formatting import escape, human_bytes
 from fusionguard.torch_internals import profiler_check
 
@@ -75,10 +75,6 @@ def in_range(name: Callable[[], str], fn: Callable[..., Any], *args: Any, **kwar
             rf.__exit__(None, None, None)
 
 
-def _nothing() -> None:
-    return None
-
-
 def mark(name: Callable[[], str]) -> None:
     """An empty range (a blocked call: nothing ran, but the timeline shows where it stopped)."""
-    in_range(name, _nothing)
+    in_range(name, nothing)

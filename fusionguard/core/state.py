@@ -299,6 +299,11 @@ def write_stderr(text: str, level: int = logging.WARNING) -> None:
     say(text, level)
 
 
+def nothing() -> None:
+    """None, whatever is asked: a weak reference that holds nothing (``ref = nothing``), an empty body."""
+    return None
+
+
 def internal_error(where: str, exc: BaseException) -> None:
     """Record an unexpected failure inside fusionguard once; never raises."""
     try:

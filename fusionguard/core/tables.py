@@ -13,7 +13,7 @@ import itertools
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 from fusionguard.eventlog.kinds import NO_LAYER  # (also read from here: summary()'s rows)
 
@@ -46,8 +46,10 @@ class WatchRegistry:
     (weak reference, count). ``pairs``: module -> its pool of hook pairs (the same hook objects at
     every entry: Dynamo guards on them). ``hooked``: id(pair) -> the pairs now registered (taken
     out of sight while Dynamo compiles). ``compiled_inside``: module held by a live
-    ``torch.compile`` wrapper -> a weak reference to that wrapper. ``lock`` guards modules,
-    roots, pairs and hooked."""
+    ``torch.compile`` wrapper -> a weak reference to that wrapper. ``unhooked``: id(Watch) ->
+    True for each running watch that names modules it puts no hooks on (``hooks=False``,
+    modules inside or held by a compile wrapper): only then is the layer of a compiled function's
+    call looked for on the stack (``fused.runs``). ``lock`` guards modules, roots, pairs and hooked."""
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
@@ -59,6 +61,7 @@ class WatchRegistry:
         self.pairs: "weakref.WeakKeyDictionary[Any, List[Any]]" = weakref.WeakKeyDictionary()
         self.hooked: Dict[int, Any] = {}
         self.compiled_inside: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+        self.unhooked: Dict[int, bool] = {}
 
     def tables(self) -> Dict[str, Any]:
         return {k: v for k, v in vars(self).items() if k != "lock"}
@@ -170,16 +173,14 @@ class Stats:
             if scores:
                 row.scores_bytes = max(row.scores_bytes or 0, scores)
 
-    def on_fused(
-        self, layers: Iterable[Tuple[Optional[str], int]], phase: str, hooked: Optional[Callable[[], Optional[str]]] = None
-    ) -> None:
+    def on_fused(self, layers: Iterable[Tuple[Optional[str], int]], phase: str, hooked: bool = False) -> None:
         """A compiled graph ran: ``(layer, n)`` fused FlexAttention calls per layer, ``None``
         for calls no name reaches (``NO_LAYER``). Under ``watch()``, a name outside the watched
         model counts under ``NO_LAYER`` in the sessions' counters, which no hook feeds: a call
-        named wrongly is still counted, never dropped. The rows count it there too, unless a
-        hooked attention layer runs it (``hooked()``, asked only then, names the running layer whose hooks count calls): a
-        graph compiled inside one block names its modules relative to that block (``attn`` for
-        every block's), and that layer's hooks count those calls by layer (not twice)."""
+        named wrongly is still counted, never dropped. The rows count it there too, unless
+        ``hooked``: a hooked attention layer runs the graph (``fused.runs`` settles it per run,
+        before), whose hooks count those calls by layer (not twice): a graph compiled inside one
+        block names its modules relative to that block (``attn`` for every block's)."""
         watched = self.watched
         with self.lock:
             for layer, n in layers:
@@ -188,9 +189,8 @@ class Stats:
                 elif watched and layer not in watched:
                     for tap in self.taps:
                         tap.on_fused(NO_LAYER, phase, n)
-                    if hooked is not None and hooked():
-                        continue
-                    self.row(NO_LAYER, phase).fused += n
+                    if not hooked:
+                        self.row(NO_LAYER, phase).fused += n
                     continue
                 self.row(layer, phase).fused += n
                 for tap in self.taps:

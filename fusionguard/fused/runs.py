@@ -9,7 +9,7 @@ import sys
 import warnings
 import weakref
 from collections.abc import MutableMapping
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from fusionguard import torch_internals as ti
 from fusionguard.core import profiler as profiling
@@ -25,6 +25,7 @@ from fusionguard.watching.naming import (
     outside_watched,
     resolve_watched_name,
     stack_source,
+    watched_forward,
     watched_name,
 )
 from fusionguard.watching.paths import caller_name, is_module_forward, module_path
@@ -130,7 +131,7 @@ class _FrameLocal:
                 pass
         if self.misses >= self.patience:
             return None
-        f = sys._getframe(1)
+        f = start = sys._getframe(1)
         d = 1
         while f is not None and d < 80:
             if self._match(f):
@@ -138,11 +139,15 @@ class _FrameLocal:
                 return f.f_locals.get(self.local)
             f, d = f.f_back, d + 1
         self.misses += 1
+        self._missed(start)
         return None
 
     def _match(self, f: Any) -> bool:
         c = f.f_code
         return c.co_name in self.names and self.file in c.co_filename and self.local in c.co_varnames
+
+    def _missed(self, f: Any) -> None:
+        """A walk from ``f`` found nothing."""
 
 
 class _WatchedSelf(_FrameLocal):
@@ -158,22 +163,34 @@ class _WatchedSelf(_FrameLocal):
 
 class _WatchedForward(_FrameLocal):
     """The nearest frame running a watched module's own ``forward`` (by its code, as
-    ``layer_from_stack`` finds a dense call's layer): under a ``watch()`` without hooks
-    (``hooks=False``, the Trainer's ``torch_compile``), the layer that called a compiled function
-    from eager code (found once per graph, then kept like any other). It never stops looking: the
-    calls from outside a watched forward (a reference model of the same class) may come first,
-    and each later walk reads only code objects (up to 80 frames; locals of a watched forward's)."""
+    ``layer_from_stack`` finds a dense call's layer): under a ``watch()`` that leaves watched
+    modules without hooks (``hooks=False``, the Trainer's ``torch_compile``), the layer that called
+    a compiled function from eager code (found once per graph, then kept like any other). It never
+    stops looking: the calls from outside a watched forward (a reference model of the same class,
+    a teacher) may come first. A miss is cheap after the first from its caller: the innermost
+    module ``forward`` a walk found nothing above (``outside``) ends the next walks there, its
+    depth kept like a found one's (its ``self``, unwatched, names nothing; a watched module of
+    the same class at that depth is named)."""
 
     patience = sys.maxsize
 
     def __init__(self) -> None:
         super().__init__((), "", "self")
+        self.outside: Dict[int, Any] = {}  # id(code) -> code: forwards of modules that called from outside
 
     def _match(self, f: Any) -> bool:
-        w, c = STATE.watch, f.f_code
-        return (id(c) in w.forward_codes or (c.co_filename, c.co_firstlineno) in w.forward_sites) and bool(
-            watched_name(f.f_locals.get("self"))
-        )
+        return id(f.f_code) in self.outside or watched_forward(f) is not None
+
+    def _missed(self, f: Any) -> None:
+        for _ in range(80):
+            if f is None:
+                return
+            if is_module_forward(f):
+                if len(self.outside) >= 64:
+                    self.outside.clear()
+                self.outside[id(f.f_code)] = f.f_code  # (the code kept alive: its id is never reused meanwhile)
+                return
+            f = f.f_back
 
 
 class _ModuleForward(_FrameLocal):
@@ -262,7 +279,7 @@ class Namer:
     the backward. Backward: the names its forward left on the ``ctx``. A graph with one call and
     nothing better: the layer running now (hooks, backward span; ``_hook_names``)."""
 
-    __slots__ = ("phase", "n", "rels", "root", "outer", "ctx", "built", "unwatched", "caller", "watched_caller")
+    __slots__ = ("phase", "n", "rels", "root", "outer", "ctx", "built", "unwatched", "callers")
 
     def __init__(self, phase: str, n: int, rels: Optional[List[str]], root: Optional[_FrameLocal], outer: str) -> None:
         self.phase, self.n, self.rels, self.root, self.outer = phase, n, rels, root, outer
@@ -272,8 +289,7 @@ class Namer:
         # (named by its forward run) or a graph of one call (named by the layer calling it) is
         # still named per run; others keep their compile-time names
         self.unwatched = phase == "backward" or (rels is not None and root is not None) or n == 1
-        self.caller: Optional[_FrameLocal] = None
-        self.watched_caller: Optional[_FrameLocal] = None
+        self.callers: Dict[type, _FrameLocal] = {}  # finder class -> its finder (``_caller_names``)
 
     def names(self) -> Optional[Tuple[Optional[str], ...]]:
         if self.phase == "backward":
@@ -292,42 +308,35 @@ class Namer:
         if names is None or not any(names):
             names = _hook_names(fixed)
             if self.n == 1 and self.phase == "forward":
-                names = self._watched_caller_names(names) if is_watching() else self._caller_names(names)
+                if not is_watching():
+                    names = self._caller_names(names, _ModuleForward, module_path)
+                elif STATE.watch.unhooked and not flex_layer():  # (hooks name every caller that is a hooked layer)
+                    names = self._caller_names(names, _WatchedForward, watched_name)
         self._to_backward(names)
         return names
 
-    def _watched_caller_names(self, names: Tuple[Optional[str], ...]) -> Tuple[Optional[str], ...]:
-        """Under ``watch()``, the one call of a compiled function that no hook named (a watch
-        without hooks: ``hooks=False``): named by the watched module whose ``forward`` called it
-        now, as a dense call is (a Trainer's second ``evaluate()`` runs the model it compiled for
-        the first eagerly, its attention calling Hugging Face's compiled ``flex_attention``)."""
-        if flex_layer():
-            return names
-        if self.watched_caller is None:
-            self.watched_caller = _WatchedForward()
-        name = watched_name(self.watched_caller.get())
-        if not name:
-            return names
-        found = self.built.get(name)
+    def _caller_names(
+        self, names: Tuple[Optional[str], ...], finder: type, name_of: Callable[[Any], Optional[str]]
+    ) -> Tuple[Optional[str], ...]:
+        """The one call of a compiled function (``torch.compile(flex_attention)`` serves every
+        layer), named by the module whose ``forward`` called it now. Without ``watch()``: any
+        module (``_ModuleForward``, ``module_path``). Under it, when no hook named it and a watched
+        module has none (``hooks=False``): the watched one (``_WatchedForward``, ``watched_name``),
+        as a dense call is (a Trainer's second ``evaluate()`` runs the model it compiled for the
+        first eagerly, its attention calling Hugging Face's compiled ``flex_attention``)."""
+        found = self.callers.get(finder)
         if found is None:
-            found = self.built[name] = (name,)
-        return found
-
-    def _caller_names(self, fixed: Tuple[Optional[str], ...]) -> Tuple[Optional[str], ...]:
-        """Without ``watch()``: the one call of a compiled function, named by the module whose
-        ``forward`` called it now (``torch.compile(flex_attention)`` serves every layer)."""
-        if self.caller is None:
-            self.caller = _ModuleForward()
-        module = self.caller.get()
-        if module is None and self.caller.misses >= 8:
+            found = self.callers[finder] = finder()
+        module = found.get()
+        if module is None and found.misses >= found.patience:
             self.unwatched = False  # called from no module's forward: runs keep the fixed names
-        name = module_path(module)
+        name = name_of(module)
         if not name:
-            return fixed
-        names = self.built.get(name)
-        if names is None:
-            names = self.built[name] = (name,)
-        return names
+            return names
+        built = self.built.get(name)
+        if built is None:
+            built = self.built[name] = (name,)
+        return built
 
     def _to_backward(self, names: Tuple[Optional[str], ...]) -> None:
         """A forward run leaves its names on AOTAutograd's ctx (none in an inference graph)."""
@@ -352,6 +361,14 @@ def _hook_names(fixed: Tuple[Optional[str], ...]) -> Tuple[Optional[str], ...]:
     if not now or known and known.startswith(now + "."):
         return fixed
     return (now,)
+
+
+def _hooks_count(per_layer: Tuple[Tuple[Optional[str], int], ...]) -> bool:
+    """Whether the calls of this run that are named outside the watched models (if any) are
+    counted by the hooks of the attention layer running it (``naming.counting_layer``), so that
+    ``summary()``'s rows leave them out (``Stats.on_fused``); asked only for such names."""
+    watched = STATE.watch.names
+    return bool(watched) and any(x is not None and x not in watched for x, _ in per_layer) and bool(counting_layer())
 
 
 def _run_events(
@@ -458,7 +475,7 @@ def count_runs(compiled: Any, records: List[Dict[str, Any]], namer: Optional[Nam
                     # a forward re-run by checkpointing inside the backward is not a new call
                     # (a watched layer's hooks count it as a recompute)
                     if per_layer and not (fields["phase"] == "forward" and in_backward()):
-                        STATE.stats.on_fused(per_layer, fields["phase"], counting_layer)
+                        STATE.stats.on_fused(per_layer, fields["phase"], _hooks_count(per_layer))
                     for event in events:
                         STATE.log.emit_fields("info", "flex_run", event)
             except Exception as exc:

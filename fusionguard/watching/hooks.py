@@ -13,7 +13,7 @@ import torch
 
 from fusionguard import torch_internals as ti
 from fusionguard.core.frames import warn_at_user_line
-from fusionguard.core.state import STATE, guarded, internal_error
+from fusionguard.core.state import STATE, guarded, internal_error, nothing
 from fusionguard.watching.memory import Measure, tensors
 
 if TYPE_CHECKING:
@@ -50,10 +50,6 @@ class Frame:
     dense_before: int
     flex_before: int  # FlexAttention calls counted when a watched model's forward began (-1: not checked)
     root: Any  # that watched model
-
-
-def _nothing() -> Any:
-    return None
 
 
 class _Hook(functools.partial):
@@ -122,7 +118,7 @@ class Hooks:
         self.name = ""
         self.compiled = False
         self.handles: List[Tuple[Any, Tuple[Any, ...]]] = []  # (pre, post): (handle, ti.hook_marks)
-        self.home: Callable[[], Any] = _nothing  # the module's pre-hook dict, weakly
+        self.home: Callable[[], Any] = nothing  # the module's pre-hook dict, weakly
         # one entry per eager forward of the module between this pair's pre- and post-hook, on
         # any thread (list append and pop are atomic): such a module keeps its hooks in sight
         self.calls: List[None] = []

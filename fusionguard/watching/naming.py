@@ -327,24 +327,34 @@ def layer_from_stack(frame: Any, limit: int = 200) -> Optional[str]:
     forward, and only the innermost such frame (before Python 3.13 reading them leaves a
     snapshot on the frame until it returns: the attention forward's own, whose tensors are
     alive anyway)."""
-    w = STATE.watch
-    modules = w.modules
-    if not modules:
+    if not STATE.watch.modules:
         return None
-    codes, sites = w.forward_codes, w.forward_sites
     f = frame
     while f is not None and limit > 0:
         limit -= 1
-        c = f.f_code
-        if id(c) in codes or (c.co_filename, c.co_firstlineno) in sites:
-            obj = f.f_locals.get("self")
-            entry = modules.get(id(obj))
-            if entry is not None and entry[0]() is obj:
-                classes = STATE.stats.flex_classes
-                if type(obj) not in classes:
-                    classes.add(type(obj))
-                return entry[1]
+        found = watched_forward(f)
+        if found is not None:
+            classes = STATE.stats.flex_classes
+            if type(found[1]) not in classes:
+                classes.add(type(found[1]))
+            return found[0]
         f = f.f_back
+    return None
+
+
+def watched_forward(f: Any) -> Optional[Tuple[str, Any]]:
+    """(watched name, module) when the frame ``f`` runs a watched layer's own ``forward`` (never a
+    model's: a model is not a layer), else None. Tested by its code first (a watched forward's
+    code object, or its file and first line: Dynamo runs a rewritten copy), so locals are read
+    only from a frame running a watched class's forward: ``layer_from_stack`` and the fused
+    path's finder of the watched forward that called a compiled function (``fused.runs``)."""
+    w = STATE.watch
+    c = f.f_code
+    if id(c) in w.forward_codes or (c.co_filename, c.co_firstlineno) in w.forward_sites:
+        obj = f.f_locals.get("self")
+        entry = w.modules.get(id(obj))
+        if entry is not None and entry[0]() is obj:
+            return entry[1], obj
     return None
 
 

@@ -153,6 +153,8 @@ class Watch:
                         self._names.append(name)
                     if not _builtin(module):
                         self._name(module, name)
+                        if name:
+                            STATE.watch.unhooked[id(self)] = True
                     continue
                 compiled = False
                 if not under(raw_name, held):
@@ -170,6 +172,8 @@ class Watch:
                 if not self.hooks or (not asked and (_builtin(module) or under(raw_name, held))):
                     # torch.nn's own modules (Linear, norms, containers) never call FlexAttention;
                     # a hook would make Dynamo trace their whole __call__ under torch.compile
+                    if name and not _builtin(module):
+                        STATE.watch.unhooked[id(self)] = True
                     continue
                 self._slots.append(Hooks.attach(module, self, name, compiled))
                 if not raw_name:
@@ -210,6 +214,7 @@ class Watch:
             for h in hs:
                 h.remove()
         self._roots = {}
+        STATE.watch.unhooked.pop(id(self), None)
         ids, self._ids = self._ids, []
         unname_modules(ids)
         names, self._names = self._names, []
