@@ -340,3 +340,45 @@ def test_the_verdict_on_fused_calls_outside_any_watched_layer_says_them(clean):
         both = fg.verdict("batch 1", Counts(dense=1, fused=6, rows=(row(1, 6),)))
     assert fused == ("fusionguard: batch 1: 6 fused FlexAttention call(s) outside any watched layer", True)
     assert both.ok is False and "never ran flex" not in both.text and "6 fused" in both.text and "1 dense" in both.text
+
+
+class _NoWeakRef:
+    __slots__ = ()
+
+
+def test_wrong_arguments_of_the_adapter_methods_raise_naming_them_before_doing_anything(clean, fg_records):
+    """#33 (hostile6): ``crashed("x", "y")`` wrote no crash record and said nothing (the record ran inside
+    ``guarded()``), ``summary_text(ended_by="x")`` said "the run ended on str", ``bind(None)`` / ``bind(1)``
+    were accepted (the ``except TypeError`` for owners without weak references swallowed them)."""
+    name = r"^fusionguard.track\(\): "
+    with fusionguard.track(Net(), log_path=False) as fg:
+        wrong = [
+            (lambda: fg.crashed("x", "y"), r"crashed\(exc, where\): exc must be an exception, not str$"),
+            (lambda: fg.crashed(ValueError("boom"), 3), r"crashed\(exc, where\): where must be a str, not int$"),
+            (lambda: fg.summary_text(ended_by="x"), r"summary_text\(ended_by=...\): ended_by must be an exception or None, not str$"),
+            (lambda: fg.bind(None), r"bind\(owner\): owner must be an object with weak references, not NoneType$"),
+            (lambda: fg.bind(1), r"bind\(owner\): owner must be an object with weak references, not int$"),
+            (lambda: fg.bind(_NoWeakRef()), r"bind\(owner\): owner must be an object with weak references, not _NoWeakRef$"),
+            (lambda: fg.verdict(5), r"verdict\(label, counts=...\): label must be a str, not int$"),
+            (lambda: fg.guarded(None), r"guarded\(where\): where must be a str, not NoneType$"),
+            (lambda: fg.dense_stop(fg.pending(), 12), r"dense_stop\(step, at\): at must be a str, not int$"),
+            (lambda: fg.ranks_with_dense("yes"), r"ranks_with_dense\(dense\): dense must be True or False, not str$"),
+        ]
+        for call, message in wrong:
+            with pytest.raises(TypeError, match=name + message):
+                call()
+        assert not fg._h.bound and fg.active
+        assert fusionguard.events("crash") == [] and fg_records.lines == []  # (nothing written, nothing said)
+        with pytest.raises(TypeError, match=r"^fusionguard.events\(\): kind must be a str .* or None, not int$"):
+            fusionguard.events(1)
+        # the right spellings still answer
+        assert fg.summary_text(ended_by=KeyboardInterrupt()).startswith("fusionguard: the run ended on KeyboardInterrupt")
+        assert fg.ranks_with_dense(True) == [0] and fg.ranks_with_dense(False) == []
+        owner = _Owner()
+        assert fg.bind(owner) is fg and len(fg._h.bound) == 1
+        fg.crashed(ValueError("boom"), "a test")
+    assert [e["where"] for e in fusionguard.events("crash")] == ["a test"]
+
+
+class _Owner:
+    pass
