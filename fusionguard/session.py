@@ -681,7 +681,7 @@ def track(
     memory (``watch()``'s). hooks=False: names only, no hooks (a model the framework compiles
     after the session starts). ``model`` may be None (counts only) and set later (``follow``).
     A copy of the model made meanwhile (``copy.deepcopy``, ``torch.save``) carries a stdlib no-op
-    per hook (``contextlib.nullcontext.__exit__``): it loads without fusionguard."""
+    per hook (``contextlib.nullcontext.__exit__``): it loads without fusionguard; a session of the copy takes them off."""
     return Session(model, strict=strict, log_path=log_path, memory=memory, hooks=hooks, name="fusionguard.track()", **options)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import io
 import pickle
 import threading
 import warnings
@@ -382,3 +383,37 @@ def test_wrong_arguments_of_the_adapter_methods_raise_naming_them_before_doing_a
 
 class _Owner:
     pass
+
+
+def _hooks(model):
+    """Forward (pre-)hooks on the model's modules, and flag ids (with_kwargs, always_call) left without their hook."""
+    count = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+    stale = [
+        k
+        for m in model.modules()
+        for hooks, flags in ((m._forward_pre_hooks, m._forward_pre_hooks_with_kwargs), (m._forward_hooks, m._forward_hooks_with_kwargs))
+        for k in flags
+        if k not in hooks
+    ] + [k for m in model.modules() for k in m._forward_hooks_always_called if k not in m._forward_hooks]
+    return count, stale
+
+
+def test_a_model_saved_and_loaded_inside_a_session_again_and_again_carries_no_more_hooks(clean):
+    """#33 (hostile6): a checkpoint/resume loop saving the whole model inside ``track(model)`` added one
+    more set of inert hooks per generation (6, 12, 18, ... on this model): a watch of a copy now takes
+    the copy's inert leftovers off (their flags too), so a copy of a copy carries what the first copy did."""
+    model, carried = Net(), []
+    for _ in range(4):
+        with fusionguard.track(model, log_path=False) as fg:
+            assert _hooks(model) == (6, [])  # (the live pair on the model and its two layers: no leftover beside it)
+            run(model)
+            buf = io.BytesIO()
+            torch.save(model, buf)
+            assert {r["layer"]: r["dense"] for r in fg.counts().rows} == {"layers.0": 1, "layers.1": 1}
+        buf.seek(0)
+        model = torch.load(buf, weights_only=False)
+        carried.append(_hooks(model))
+    assert carried == [(6, [])] * 4
+    with fusionguard.watch(model):
+        pass
+    assert _hooks(model) == (0, [])  # (watched and ended: nothing left on it)
