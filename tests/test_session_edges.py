@@ -16,6 +16,7 @@ import weakref
 import pytest
 import torch
 from test_session import Attn, Net, x  # one copy of the tiny two-layer model
+from torch.nn.attention.flex_attention import flex_attention
 
 import fusionguard
 from fusionguard import _testing
@@ -417,3 +418,34 @@ def test_a_model_saved_and_loaded_inside_a_session_again_and_again_carries_no_mo
     with fusionguard.watch(model):
         pass
     assert _hooks(model) == (0, [])  # (watched and ended: nothing left on it)
+
+
+_compiled_flex = torch.compile(flex_attention)
+
+
+class _RootFlex(torch.nn.Module):
+    """A model whose own forward calls a compiled flex_attention after its two (eager) attention layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = Net()
+
+    def forward(self, inp):
+        out = self.net(inp)
+        return _compiled_flex(out, out, out)
+
+
+def test_the_verdict_says_fused_calls_outside_the_watched_layers_beside_them(clean):
+    """#33 (hostile6): with watched-layer rows, the fused calls made outside any watched layer were not
+    said ("forward fused 0/2" while the metrics said fused_calls 1); the dense ones outside already were."""
+    model = _RootFlex()
+    with fusionguard.track(model, log_path=False) as fg:
+        run(model)
+        counts = fg.counts()
+        verdict = fg.verdict("batch 1", counts)
+    assert (counts.dense, counts.fused) == (2, 1) and fg.metrics(counts)["fusionguard/fused_calls"] == 1.0
+    assert verdict.text == (
+        "fusionguard: batch 1: 2 FlexAttention layers, forward fused 0/2; dense: net.layers.0 forward x1 (eager_call); "
+        "net.layers.1 forward x1 (eager_call); 1 fused FlexAttention call(s) outside any watched layer"
+    )
+    assert not verdict.ok
