@@ -159,6 +159,10 @@ def allow_dense() -> Iterator[None]:
 
 def events(kind: Optional[str] = None) -> List[Dict[str, Any]]:
     """The most recent events (bounded, newest last); ``kind`` filters on the ``event`` field."""
+    if kind is not None and not isinstance(kind, str):  # (never a silent empty list)
+        raise TypeError(
+            f"fusionguard.events(): kind must be a str (an event's name, e.g. \"flex_call\") or None, not {type(kind).__name__}"
+        )
     items = list(_STATE.log.memory)
     if kind is not None:
         items = [e for e in items if e.get("event") == kind]

@@ -126,6 +126,9 @@ def verdict(label: str, counts: Counts, model: Any) -> Verdict:
             text += f"; +{len(dense_rows) - 4} more"
     if outside:
         text += f"; +{outside} dense outside any watched layer"
+    fused_outside = sum(r["fused"] for r in counts.rows if r["layer"] == NO_LAYER)
+    if fused_outside:  # (a watched model's own forward calling a compiled flex_attention, say: counted, so said)
+        text += f"; {fused_outside} fused FlexAttention call(s) outside any watched layer"
     never = _never_ran(layers, model)
     if never:
         ok = False

@@ -33,8 +33,9 @@ from fusionguard import _lifecycle
 from fusionguard._summary import Summary
 from fusionguard._tally import PEAK, Counts, Tally, Verdict, tap, verdict
 from fusionguard.activate import switched_off
-from fusionguard.core.config import UNSET, Config, check_log_path, check_options, check_session_arguments
+from fusionguard.core.config import UNSET, Config, check_log_path, check_options, check_session_arguments, check_types
 from fusionguard.core.state import STATE, guarded, internal_error, nothing
+from fusionguard.eventlog.distributed import process_group_ready, ranks_with
 from fusionguard.eventlog.messages import say
 
 __all__ = ["Counts", "Session", "Verdict", "describe", "track"]
@@ -120,7 +121,7 @@ class Session:
     # -- life ---------------------------------------------------------------------------------------
     def start(self) -> "Session":
         """Enable or join (the rule in the module docstring), watch the model, count from here.
-        A second call does nothing."""
+        A second call while it runs does nothing; after ``stop()`` it starts again, from zero."""
         life = self._h
         with life.lock:
             if life.started:
@@ -160,13 +161,13 @@ class Session:
             self.stop()
 
     def bind(self, owner: Any) -> "Session":
-        """End the session when ``owner`` (a Trainer, say) is garbage-collected."""
+        """End the session when ``owner`` (a Trainer, say: an object that can be weakly referenced) is garbage-collected."""
         try:
             end = weakref.finalize(owner, _end_soon, self._h, False)
-            end.atexit = False  # (at the process's exit fusionguard's own end runs, as without a session)
-            self._h.bound.append(end)
-        except TypeError:  # (no weak references to it: the session ends with itself or the process)
-            pass
+        except TypeError:  # (None, an int, a class with __slots__ and no __weakref__: never collected as such)
+            raise TypeError(f"{self.name}: bind(owner): owner must be an object with weak references, not {type(owner).__name__}") from None
+        end.atexit = False  # (at the process's exit fusionguard's own end runs, as without a session)
+        self._h.bound.append(end)
         return self
 
     def follow(self, model: Any) -> None:
@@ -260,6 +261,7 @@ class Session:
         2 FlexAttention layers, forward fused 2/2, backward fused 2/2``; what ran dense and why,
         what never ran flex; or why fusionguard is off."""
         self._started("verdict()")
+        check_types(f"{self.name}: verdict(label, counts=...)", label=(label, str))
         self._counts_arg("verdict(label, counts=...)", counts)
         off = self.off or (counts.off if counts is not None else self._not_counting())
         if off is not None:
@@ -279,6 +281,7 @@ class Session:
     def summary_text(self, ended_by: Optional[BaseException] = None) -> str:
         """The summary table, or one line when there is nothing to show (fusionguard off, no call,
         a run that ended on ``ended_by`` before any call); ended by ``disable()``: the rows counted before it."""
+        check_types(f"{self.name}: summary_text(ended_by=...)", ended_by=(ended_by, (BaseException, type(None))))
         if self._h.order == 0:
             return f"fusionguard: {self.name} was never started (call start(), or use it in a with block)"
         if self.off == KILL_SWITCH:
@@ -326,11 +329,13 @@ class Session:
     def guarded(self, where: str) -> ContextManager[None]:
         """For an integration's own bookkeeping: an unexpected error inside is logged once
         (``internal_error``) and the host program goes on; ``DenseFallbackError`` passes."""
+        check_types(f"{self.name}: guarded(where)", where=(where, str))
         return guarded(f"{self.name} {where}", passes=(fusionguard.DenseFallbackError,))
 
     def crashed(self, exc: BaseException, where: str) -> None:
         """The run ends on ``exc``: the ``crash`` record (with ``where``) and the pending counts,
         written now (a framework that tears down before the excepthook would run)."""
+        check_types(f"{self.name}: crashed(exc, where)", exc=(exc, BaseException), where=(where, str))
         if not self.active:
             return
         with self.guarded("crash record"):
@@ -342,21 +347,9 @@ class Session:
     def ranks_with_dense(self, dense: bool) -> List[int]:
         """The ranks whose ``dense`` is true, the same list on every rank: under several processes a
         collective every rank must call (one small all-reduce); one process: ``[0]`` or ``[]``."""
-        from fusionguard.eventlog.distributed import process_group_ready  # lazy: only for stop_on_dense
-
-        if not process_group_ready():
-            return [0] if dense else []
+        check_types(f"{self.name}: ranks_with_dense(dense)", dense=(dense, bool))
         try:  # (not guarded(): the fallback depends on dense)
-            import torch  # lazy: as above
-            import torch.distributed as dist  # lazy: as above
-
-            nccl = "nccl" in str(dist.get_backend()) and torch.cuda.is_available()
-            flags = torch.zeros(
-                dist.get_world_size(), dtype=torch.int32, device=torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
-            )
-            flags[dist.get_rank()] = int(dense)
-            dist.all_reduce(flags)
-            return [r for r, flag in enumerate(flags.tolist()) if flag]
+            return ranks_with(dense)
         except Exception as exc:
             internal_error("session ranks_with_dense", exc)
             return [0] if dense else []
@@ -366,13 +359,12 @@ class Session:
         step: the same answer everywhere (``ranks_with_dense``), so every rank stops together or
         none. The line to say (once, on rank 0) when this step ran dense on some rank, else None."""
         self._counts_arg("dense_stop(step, at)", step, required=True)
+        check_types(f"{self.name}: dense_stop(step, at)", at=(at, str))
         if not self.active:
             return None
         ranks = self.ranks_with_dense(step.dense > 0)
         if not ranks:
             return None
-        from fusionguard.eventlog.distributed import process_group_ready  # lazy: as in ranks_with_dense
-
         on = f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" if process_group_ready() else ""
         return f"fusionguard: stop_on_dense: dense FlexAttention{on} at {at}: training stops"
 
@@ -685,7 +677,7 @@ def track(
     memory (``watch()``'s). hooks=False: names only, no hooks (a model the framework compiles
     after the session starts). ``model`` may be None (counts only) and set later (``follow``).
     A copy of the model made meanwhile (``copy.deepcopy``, ``torch.save``) carries a stdlib no-op
-    per hook (``contextlib.nullcontext.__exit__``): it loads without fusionguard."""
+    per hook (``contextlib.nullcontext.__exit__``): it loads without fusionguard; a session of the copy takes them off."""
     return Session(model, strict=strict, log_path=log_path, memory=memory, hooks=hooks, name="fusionguard.track()", **options)
 
 

@@ -1,8 +1,8 @@
 """#33: the framework adapters (fusionguard/integrations/) and the pytest plugin, the examples and
 the Python blocks of the docs use only the public API: what ``fusionguard.__all__`` exports and
 the documented public submodules (``fusionguard.session``, ``fusionguard.integrations.*``). They
-import nothing private, spell no ``_``-name of a public module (``fusionguard.session._LIVE``)
-and never read the state object."""
+import nothing private, spell no name a public module does not export (``fusionguard.session._LIVE``,
+``fusionguard.session.STATE``: a submodule's names are its ``__all__``) and never read the state object."""
 
 from __future__ import annotations
 
@@ -26,11 +26,26 @@ PUBLIC_MODULES = {
 }
 
 
+def _exports(module: str) -> Set[str]:
+    """The ``__all__`` of a public submodule, read from its source (importing it would import its
+    framework); a module without one (the ``integrations`` package) exports only its submodules."""
+    path = ROOT.parent.joinpath(*module.split("."))
+    path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    return set()
+
+
 def _private_name(module: str, name: str) -> bool:
-    """``name`` of the public ``module`` is not public: a ``_``-name, or one the package does not export."""
-    if name.startswith("_") and not (name.startswith("__") and name.endswith("__")):
+    """``name`` of the public ``module`` is not public: a ``_``-name, or one the module does not export
+    (``fusionguard.__all__``; a public submodule's own ``__all__``), nor a public submodule."""
+    if name.startswith("__") and name.endswith("__"):
+        return False
+    if name.startswith("_"):
         return True
-    return module == "fusionguard" and name not in fusionguard.__all__ and f"fusionguard.{name}" not in PUBLIC_MODULES
+    exported = set(fusionguard.__all__) if module == "fusionguard" else _exports(module)
+    return name not in exported and f"{module}.{name}" not in PUBLIC_MODULES
 
 
 def offences(source: str, where: str) -> List[str]:
@@ -120,3 +135,23 @@ def test_the_check_catches_what_main_did(tmp_path):
         "x.py:7 fusionguard.session._tap",
         "x.py:8 fusionguard.core",
     ]
+
+
+def test_the_check_catches_unexported_names_of_a_public_submodule():
+    """A public submodule's names are its ``__all__``: its imports (``STATE``, ``internal_error``) are not API."""
+    spellings = (
+        "import fusionguard\nimport fusionguard.session\nfrom fusionguard.session import STATE\n"
+        "fusionguard.session.STATE.runtime\nfusionguard.session.internal_error('x', None)\n"
+        "from fusionguard.integrations.transformers import logger\n"
+        "from fusionguard.session import Counts, Session, Verdict, describe, track\n"
+        "from fusionguard.integrations.lightning import FusionGuardCallback\nfusionguard.session.Counts\n"
+        "from fusionguard import integrations\nintegrations.transformers.FusionGuardCallback\nintegrations.lightning.said\n"
+    )
+    assert sorted(offences(spellings, "x.py")) == [
+        "x.py:12 fusionguard.integrations.lightning.said",
+        "x.py:3 from fusionguard.session import STATE",
+        "x.py:4 fusionguard.session.STATE",
+        "x.py:5 fusionguard.session.internal_error",
+        "x.py:6 from fusionguard.integrations.transformers import logger",
+    ]
+    assert {"Counts", "Session", "Verdict", "describe", "track"} <= _exports("fusionguard.session")

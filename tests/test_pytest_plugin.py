@@ -366,3 +366,29 @@ def test_the_plugin_reads_modes_and_the_kill_switch_as_activate_does(monkeypatch
         monkeypatch.setenv("FUSIONGUARD", value)
     monkeypatch.setattr(activate, "_told", set())  # (a bad value's note: said here, never again)
     assert pytest_plugin._kill_switch() == (activate.env_mode() == "off")
+
+
+def test_the_documented_switch_keeps_pytest_from_loading_the_installed_plugin(pytester):
+    """docs/pytest.md: ``-p no:<the pytest11 entry point's name>`` turns off the plugin that installing
+    fusionguard registers: an ini ``fusionguard = strict`` then guards nothing, ``--fusionguard`` is a usage error."""
+    root = Path(__file__).parent.parent
+    name = re.search(r"pytest11 =\s*\n\s*(\S+) = fusionguard\.pytest_plugin\n", (root / "setup.cfg").read_text()).group(1)
+    assert f"pytest -p no:{name}`" in (root / "docs" / "pytest.md").read_text()
+    pytester.makeini("[pytest]\nfusionguard = strict\n")
+    inner = f"""
+
+def test_dense():
+    import importlib.metadata
+
+    assert {name!r} in [e.name for e in importlib.metadata.entry_points(group="pytest11")]  # (installed: pytest loads it)
+    attend()
+    assert not fusionguard.is_enabled()
+"""
+    pytester.makepyfile(test_inner=HELPERS + inner)
+    run_forked(pytester, "-p", "no:cacheprovider").assert_outcomes(failed=1)  # (loaded from the entry point alone: strict)
+    off = run_forked(pytester, "-p", f"no:{name}", "-p", "no:cacheprovider")
+    off.assert_outcomes(passed=1)
+    assert "Unknown config option: fusionguard" in off.stdout.str()
+    assert not [line for line in off.outlines if re.match(r"=+ fusionguard =+$", line)]
+    usage = run_forked(pytester, "-p", f"no:{name}", "-p", "no:cacheprovider", "--fusionguard=strict")
+    assert usage.ret == 4 and "unrecognized arguments: --fusionguard=strict" in usage.stderr.str()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import io
 import pickle
 import threading
 import warnings
@@ -15,6 +16,7 @@ import weakref
 import pytest
 import torch
 from test_session import Attn, Net, x  # one copy of the tiny two-layer model
+from torch.nn.attention.flex_attention import flex_attention
 
 import fusionguard
 from fusionguard import _testing
@@ -354,3 +356,110 @@ def test_the_verdict_on_fused_calls_outside_any_watched_layer_says_them(clean):
         both = fg.verdict("batch 1", Counts(dense=1, fused=6, rows=(row(1, 6),)))
     assert fused == ("fusionguard: batch 1: 6 fused FlexAttention call(s) outside any watched layer", True)
     assert both.ok is False and "never ran flex" not in both.text and "6 fused" in both.text and "1 dense" in both.text
+
+
+class _NoWeakRef:
+    __slots__ = ()
+
+
+def test_wrong_arguments_of_the_adapter_methods_raise_naming_them_before_doing_anything(clean, fg_records):
+    """#33 (hostile6): ``crashed("x", "y")`` wrote no crash record and said nothing (the record ran inside
+    ``guarded()``), ``summary_text(ended_by="x")`` said "the run ended on str", ``bind(None)`` / ``bind(1)``
+    were accepted (the ``except TypeError`` for owners without weak references swallowed them)."""
+    name = r"^fusionguard.track\(\): "
+    with fusionguard.track(Net(), log_path=False) as fg:
+        wrong = [
+            (lambda: fg.crashed("x", "y"), r"crashed\(exc, where\): exc must be an exception, not str$"),
+            (lambda: fg.crashed(ValueError("boom"), 3), r"crashed\(exc, where\): where must be a str, not int$"),
+            (lambda: fg.summary_text(ended_by="x"), r"summary_text\(ended_by=...\): ended_by must be an exception or None, not str$"),
+            (lambda: fg.bind(None), r"bind\(owner\): owner must be an object with weak references, not NoneType$"),
+            (lambda: fg.bind(1), r"bind\(owner\): owner must be an object with weak references, not int$"),
+            (lambda: fg.bind(_NoWeakRef()), r"bind\(owner\): owner must be an object with weak references, not _NoWeakRef$"),
+            (lambda: fg.verdict(5), r"verdict\(label, counts=...\): label must be a str, not int$"),
+            (lambda: fg.guarded(None), r"guarded\(where\): where must be a str, not NoneType$"),
+            (lambda: fg.dense_stop(fg.pending(), 12), r"dense_stop\(step, at\): at must be a str, not int$"),
+            (lambda: fg.ranks_with_dense("yes"), r"ranks_with_dense\(dense\): dense must be True or False, not str$"),
+        ]
+        for call, message in wrong:
+            with pytest.raises(TypeError, match=name + message):
+                call()
+        assert not fg._h.bound and fg.active
+        assert fusionguard.events("crash") == [] and fg_records.lines == []  # (nothing written, nothing said)
+        with pytest.raises(TypeError, match=r"^fusionguard.events\(\): kind must be a str .* or None, not int$"):
+            fusionguard.events(1)
+        # the right spellings still answer
+        assert fg.summary_text(ended_by=KeyboardInterrupt()).startswith("fusionguard: the run ended on KeyboardInterrupt")
+        assert fg.ranks_with_dense(True) == [0] and fg.ranks_with_dense(False) == []
+        owner = _Owner()
+        assert fg.bind(owner) is fg and len(fg._h.bound) == 1
+        fg.crashed(ValueError("boom"), "a test")
+    assert [e["where"] for e in fusionguard.events("crash")] == ["a test"]
+
+
+class _Owner:
+    pass
+
+
+def _hooks(model):
+    """Forward (pre-)hooks on the model's modules, and flag ids (with_kwargs, always_call) left without their hook."""
+    count = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+    stale = [
+        k
+        for m in model.modules()
+        for hooks, flags in ((m._forward_pre_hooks, m._forward_pre_hooks_with_kwargs), (m._forward_hooks, m._forward_hooks_with_kwargs))
+        for k in flags
+        if k not in hooks
+    ] + [k for m in model.modules() for k in m._forward_hooks_always_called if k not in m._forward_hooks]
+    return count, stale
+
+
+def test_a_model_saved_and_loaded_inside_a_session_again_and_again_carries_no_more_hooks(clean):
+    """#33 (hostile6): a checkpoint/resume loop saving the whole model inside ``track(model)`` added one
+    more set of inert hooks per generation (6, 12, 18, ... on this model): a watch of a copy now takes
+    the copy's inert leftovers off (their flags too), so a copy of a copy carries what the first copy did."""
+    model, carried = Net(), []
+    for _ in range(4):
+        with fusionguard.track(model, log_path=False) as fg:
+            assert _hooks(model) == (6, [])  # (the live pair on the model and its two layers: no leftover beside it)
+            run(model)
+            buf = io.BytesIO()
+            torch.save(model, buf)
+            assert {r["layer"]: r["dense"] for r in fg.counts().rows} == {"layers.0": 1, "layers.1": 1}
+        buf.seek(0)
+        model = torch.load(buf, weights_only=False)
+        carried.append(_hooks(model))
+    assert carried == [(6, [])] * 4
+    with fusionguard.watch(model):
+        pass
+    assert _hooks(model) == (0, [])  # (watched and ended: nothing left on it)
+
+
+_compiled_flex = torch.compile(flex_attention)
+
+
+class _RootFlex(torch.nn.Module):
+    """A model whose own forward calls a compiled flex_attention after its two (eager) attention layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = Net()
+
+    def forward(self, inp):
+        out = self.net(inp)
+        return _compiled_flex(out, out, out)
+
+
+def test_the_verdict_says_fused_calls_outside_the_watched_layers_beside_them(clean):
+    """#33 (hostile6): with watched-layer rows, the fused calls made outside any watched layer were not
+    said ("forward fused 0/2" while the metrics said fused_calls 1); the dense ones outside already were."""
+    model = _RootFlex()
+    with fusionguard.track(model, log_path=False) as fg:
+        run(model)
+        counts = fg.counts()
+        verdict = fg.verdict("batch 1", counts)
+    assert (counts.dense, counts.fused) == (2, 1) and fg.metrics(counts)["fusionguard/fused_calls"] == 1.0
+    assert verdict.text == (
+        "fusionguard: batch 1: 2 FlexAttention layers, forward fused 0/2; dense: net.layers.0 forward x1 (eager_call); "
+        "net.layers.1 forward x1 (eager_call); 1 fused FlexAttention call(s) outside any watched layer"
+    )
+    assert not verdict.ok

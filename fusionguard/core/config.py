@@ -258,3 +258,15 @@ def check_session_arguments(name: Any, model: Any, **flags: Any) -> None:
 
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"{name}: model must be a torch.nn.Module (or None: counts only), not {type(model).__name__}")
+
+
+_KINDS = {str: "a str", bool: "True or False", BaseException: "an exception", type(None): "None"}
+
+
+def check_types(call: str, **args: Tuple[Any, Any]) -> None:
+    """The arguments of a session's method (``name=(value, type or tuple of types)``): a wrong type is a
+    ``TypeError`` naming the argument, before the method does anything (a bad call never passes silently)."""
+    for key, (value, kind) in args.items():
+        if not isinstance(value, kind):
+            what = " or ".join(_KINDS.get(k, k.__name__) for k in (kind if isinstance(kind, tuple) else (kind,)))
+            raise TypeError(f"{call}: {key} must be {what}, not {type(value).__name__}")

@@ -1,13 +1,13 @@
 """Collecting per-rank results on rank 0 through ``torch.distributed``.
 
-Used by ``fusionguard.summary(all_ranks=True)``. Importing this module does not import torch.
+Used by ``fusionguard.summary(all_ranks=True)`` and a session's ``ranks_with_dense()``. Importing this module does not import torch.
 """
 
 from __future__ import annotations
 
 from typing import Any, List, Optional
 
-__all__ = ["gather_to_rank0", "process_group_ready"]
+__all__ = ["gather_to_rank0", "process_group_ready", "ranks_with"]
 
 
 def process_group_ready() -> bool:
@@ -42,3 +42,19 @@ def gather_to_rank0(obj: Any, group: Any = None) -> Optional[List[Any]]:
     out: Optional[List[Any]] = [None] * world if rank == 0 else None
     dist.gather_object(obj, out, dst=0, group=group)
     return out
+
+
+def ranks_with(flag: bool) -> List[int]:
+    """The ranks whose ``flag`` is true, the same list on every rank: under a process group a
+    collective every rank must call (one small all-reduce); one process: ``[0]`` or ``[]``."""
+    if not process_group_ready():
+        return [0] if flag else []
+    import torch  # lazy: torch loads on first use, never when this module is imported
+    import torch.distributed as dist  # lazy: as above
+
+    nccl = "nccl" in str(dist.get_backend()) and torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
+    flags = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=device)
+    flags[dist.get_rank()] = int(flag)
+    dist.all_reduce(flags)
+    return [r for r, f in enumerate(flags.tolist()) if f]

@@ -17,6 +17,7 @@ from fusionguard.torch_internals.names import (
     DEFAULT_BLOCK_SIZE,
     DISABLE_CONTEXT,
     EXTRA_DICT_REF,
+    FORWARD_HOOK_DICTS,
     GRAPH_TASK_ID,
     HOOKS_DICT_REF,
     MODULES,
@@ -87,6 +88,21 @@ def reinsert_hook(handle: Any, fn: Callable[..., Any], marks: Tuple[Any, ...]) -
         return True
     except Exception:
         return False
+
+
+def drop_hooks(module: Any, hook: Any) -> int:
+    """Take every forward (pre-)hook entry of ``module`` whose hook is ``hook`` out of its hook
+    dicts, with its flags (with_kwargs, always_call: the same ids); how many were taken out."""
+    attrs = module.__dict__
+    dropped = 0
+    for hooks_name, flag_names in FORWARD_HOOK_DICTS:
+        hooks = attrs.get(hooks_name) or {}
+        for key in [k for k, v in hooks.items() if v is hook]:
+            del hooks[key]
+            for name in flag_names:
+                (attrs.get(name) or {}).pop(key, None)
+            dropped += 1
+    return dropped
 
 
 def is_compile_wrapper(module: Any) -> bool:

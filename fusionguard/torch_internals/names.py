@@ -105,6 +105,17 @@ ENGINE_RUN_BACKWARD = _private("_engine_run_backward", "torch.autograd.graph: th
 # nn.Module and its hooks
 MODULES = _private("_modules", "nn.Module: its children, in its __dict__")
 FORWARD_PRE_HOOKS = _private("_forward_pre_hooks", "nn.Module: its forward pre-hook dict, in its __dict__")
+#: nn.Module's forward hook dicts (in its __dict__), each with the dicts of its hooks' flags, keyed by the same hook ids.
+FORWARD_HOOK_DICTS = (
+    (FORWARD_PRE_HOOKS, (_private("_forward_pre_hooks_with_kwargs", "nn.Module: the ids of its pre-hooks that take kwargs"),)),
+    (
+        _private("_forward_hooks", "nn.Module: its forward hook dict, in its __dict__"),
+        (
+            _private("_forward_hooks_with_kwargs", "nn.Module: the ids of its forward hooks that take kwargs"),
+            _private("_forward_hooks_always_called", "nn.Module: the ids of its forward hooks called on an exception too"),
+        ),
+    ),
+)
 COMPILED_CALL_IMPL = _private("_compiled_call_impl", "nn.Module: set by module.compile()")
 HOOKS_DICT_REF = _private("hooks_dict_ref", "RemovableHandle: a weak reference to the dict holding the hook")
 EXTRA_DICT_REF = _private("extra_dict_ref", "RemovableHandle: weak references to the dicts of the hook's flags (with_kwargs, always_call)")

@@ -52,11 +52,15 @@ class Frame:
     root: Any  # that watched model
 
 
+#: What a hook of watch()'s becomes in a copy of its module: a stdlib no-op (any arguments, returns None).
+INERT = contextlib.nullcontext.__exit__
+
+
 class _Hook(functools.partial):
     """A hook of watch()'s: ``pre_hook`` / ``post_hook`` bound to its slot. Pickled or copied
-    (``torch.save(model)``, ``copy.deepcopy(model)`` while it is on), it becomes a stdlib no-op
-    that takes any arguments and returns None (``contextlib.nullcontext.__exit__``: traced by
-    Dynamo without a graph break), so the copy loads and runs where fusionguard is not installed."""
+    (``torch.save(model)``, ``copy.deepcopy(model)`` while it is on), it becomes ``INERT``
+    (``contextlib.nullcontext.__exit__``: traced by Dynamo without a graph break), so the copy
+    loads and runs where fusionguard is not installed; a watch() of the copy takes those off."""
 
     __slots__ = ()
 
@@ -104,7 +108,8 @@ class Hooks:
     the hooks and one without. Nothing stays on the module after watch() exits (pickling and
     ``torch.jit.script`` after it are unaffected). A copy made *during* watch() (``copy.deepcopy``,
     ``torch.save`` then ``torch.load``) carries, in place of each hook, ``contextlib.nullcontext.__exit__``:
-    a stdlib no-op that stays on the copy, never counts it as the watched module and needs no fusionguard.
+    a stdlib no-op that never counts it as the watched module and needs no fusionguard; a watch() of the
+    copy takes those off (``_register``), so saving and loading while watched never piles them up.
 
     Dynamo never sees them where it can be helped: ``out_of_sight`` takes them out of their
     module's hook dicts while Dynamo compiles a frame. The guards and the reuse above matter
@@ -172,6 +177,8 @@ class Hooks:
             return
         for h, _ in self.handles:  # (a partial re-insert)
             h.remove()
+        with guarded("watch: a copy's inert hooks"):  # (a model saved and loaded while watched, again and again: never piled up)
+            ti.drop_hooks(module, INERT)
         # with_kwargs: Hugging Face layers take their tensors as keyword arguments
         pre = module.register_forward_pre_hook(self.pre, with_kwargs=True)
         self.handles = [(pre, ti.hook_marks(pre))]
