@@ -678,6 +678,8 @@ def track(
     after the session starts). ``model`` may be None (counts only) and set later (``follow``).
     A copy of the model made meanwhile (``copy.deepcopy``, ``torch.save``) carries a stdlib no-op
     per hook (``contextlib.nullcontext.__exit__``): it loads without fusionguard; a session of the copy takes them off."""
+    if "name" in options:  # (Session(name=...) is the adapters': its messages say that name)
+        raise TypeError("fusionguard.track() takes no name: its messages say fusionguard.track(); an adapter uses Session(name=...)")
     return Session(model, strict=strict, log_path=log_path, memory=memory, hooks=hooks, name="fusionguard.track()", **options)
 
 

@@ -85,6 +85,13 @@ def test_allowed_only_layers_ran_and_dense_outside_the_model_is_said(clean):
     assert second.text.endswith("; +1 dense outside any watched layer") and not second.ok
 
 
+def test_track_refuses_a_name_with_a_clear_error(clean):
+    """Newcomer read (#33): Python's own "got multiple values for keyword argument 'name'"."""
+    with pytest.raises(TypeError, match=r"^fusionguard.track\(\) takes no name: .*Session\(name=\.\.\.\)"):
+        fusionguard.track(None, name="x")
+    assert fusionguard.Session(None, name="mine").name == "mine"
+
+
 def test_follow_checks_its_argument(clean):
     model = Net()
     with fusionguard.track(model, log_path=False) as fg:
