@@ -128,6 +128,8 @@ class Session:
                 return self
             life.started = True
             life.off = None
+            if STATE.patches.add_hook("gc.callbacks: session ends", _gc_phase_off, lambda: _gc_phase not in gc.callbacks):
+                gc.callbacks.append(_gc_phase)  # (_end_soon's; through the registry: disable() takes it off)
             life.order = next(STATE.sessions.starts)
             self._join()
             if life.off is not None:
@@ -545,7 +547,10 @@ def _gc_phase(phase: str, info: Any) -> None:
         STATE.sessions.collecting.clear()
 
 
-gc.callbacks.append(_gc_phase)
+def _gc_phase_off() -> None:
+    if _gc_phase in gc.callbacks:
+        gc.callbacks.remove(_gc_phase)
+    STATE.sessions.collecting.clear()  # (taken off mid-collection: no "stop" phase comes)
 
 
 def _unwatch(life: _Life, give_back: bool = True) -> None:

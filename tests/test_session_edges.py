@@ -85,6 +85,23 @@ def test_allowed_only_layers_ran_and_dense_outside_the_model_is_said(clean):
     assert second.text.endswith("; +1 dense outside any watched layer") and not second.ok
 
 
+def test_the_gc_callback_of_sessions_goes_through_the_registry(clean):
+    """Newcomer read (#33): ``gc.callbacks`` got fusionguard's callback at import, for good."""
+    from fusionguard import session
+
+    def ours():
+        return sum(cb is session._gc_phase for cb in gc.callbacks)
+
+    assert ours() == 0  # (importing adds nothing)
+    model = Net()
+    with fusionguard.track(model, log_path=False), fusionguard.track(Net(), log_path=False):
+        assert ours() == 1
+    assert ours() == 0 and not fusionguard.is_enabled()  # (the last session disabled what it enabled)
+    fg = fusionguard.track(model, log_path=False).start()
+    fusionguard.disable()
+    assert ours() == 0 and not fg.active
+
+
 def test_track_refuses_a_name_with_a_clear_error(clean):
     """Newcomer read (#33): Python's own "got multiple values for keyword argument 'name'"."""
     with pytest.raises(TypeError, match=r"^fusionguard.track\(\) takes no name: .*Session\(name=\.\.\.\)"):
