@@ -102,6 +102,30 @@ def test_the_gc_callback_of_sessions_goes_through_the_registry(clean):
     assert ours() == 0 and not fg.active
 
 
+class _Scriptable(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+
+def test_a_copy_made_during_a_session_scripts_once_a_session_took_its_no_ops_off(clean):
+    """Hostile pass 7 (#33), as docs/integrations.md ("Copies") says: TorchScript cannot script the
+    no-ops a copy carries; ``with fusionguard.track(copy): pass`` leaves the copy bare."""
+    model = _Scriptable()
+    with fusionguard.track(model, log_path=False):
+        clone = copy.deepcopy(model)
+    with pytest.raises(torch.jit.frontend.NotSupportedError, match="excinfo"):
+        torch.jit.script(clone)
+    with fusionguard.track(clone, log_path=False):
+        pass
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in clone.modules())
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(torch.jit.script(clone)(x), model(x))
+
+
 def test_track_refuses_a_name_with_a_clear_error(clean):
     """Newcomer read (#33): Python's own "got multiple values for keyword argument 'name'"."""
     with pytest.raises(TypeError, match=r"^fusionguard.track\(\) takes no name: .*Session\(name=\.\.\.\)"):
