@@ -107,7 +107,8 @@ def verdict(label: str, counts: Counts, model: Any) -> Verdict:
             return Verdict(f"fusionguard: {label}: {fused_out}", True)
         if counts.allowed:
             return Verdict(f"fusionguard: {label}: {counts.allowed} allowed dense FlexAttention call(s) (allow_dense()), none fused", True)
-        return Verdict(f"fusionguard: {label}: no FlexAttention call: the model never ran flex{impl_text}", False)
+        blind = "" if ti.sees_graphs_compiled_before() else "; graphs compiled before enable() are not seen on this torch"
+        return Verdict(f"fusionguard: {label}: no FlexAttention call: the model never ran flex{impl_text}{blind}", False)
     parts = [f"fusionguard: {label}: {len(layers)} FlexAttention layer{'s' if len(layers) != 1 else ''}"]
     dense_rows = [r for r in rows if r["dense"]]
     for phase in ("forward", "backward"):

@@ -33,7 +33,7 @@ from fusionguard import _lifecycle
 from fusionguard._summary import Summary
 from fusionguard._tally import PEAK, Counts, Tally, Verdict, tap, verdict
 from fusionguard.activate import switched_off
-from fusionguard.core.config import UNSET, Config, check_log_path, check_options, check_session_arguments, check_types
+from fusionguard.core.config import UNSET, Config, check_log_path, check_options, check_session_arguments, check_truth, check_types
 from fusionguard.core.state import STATE, guarded, internal_error, nothing
 from fusionguard.eventlog.distributed import process_group_ready, ranks_with
 from fusionguard.eventlog.messages import say
@@ -349,7 +349,7 @@ class Session:
     def ranks_with_dense(self, dense: bool) -> List[int]:
         """The ranks whose ``dense`` is true, the same list on every rank: under several processes a
         collective every rank must call (one small all-reduce); one process: ``[0]`` or ``[]``."""
-        check_types(f"{self.name}: ranks_with_dense(dense)", dense=(dense, bool))
+        dense = check_truth(f"{self.name}: ranks_with_dense(dense)", "dense", dense)  # (a numpy bool, a 1-element tensor)
         try:  # (not guarded(): the fallback depends on dense)
             return ranks_with(dense)
         except Exception as exc:

@@ -280,3 +280,20 @@ def test_a_compiled_model_keeps_its_names_over_disable_and_enable(tmp_path, dyna
     records = [(e["layer"], e["source"], e["named_from"]) for e in events if e["event"] == "flex_compile"]
     assert records == [("layers.0.attn", "before_enable", "nn_module_stack"), ("layers.1.attn", "before_enable", "nn_module_stack")]
     _testing.reset_for_tests()
+
+
+def test_a_compiled_flex_attention_is_counted_by_a_second_session(dynamo_reset):
+    """#33 (hostile7): on torch 2.7 a second session counted no call of ``torch.compile(flex_attention)``
+    compiled under the first ("the model never ran flex" while it ran fused): 2.7 keeps no graph
+    text, and its CPU template's code never names flex_attention, so the living graph went unfound
+    at the second ``enable()``. A graph an earlier ``enable()`` counted is found by that record."""
+    flex = torch.compile(flex_attention)
+    q = torch.randn(1, 2, 16, 16)
+    counted = []
+    for _ in range(2):
+        with torch.no_grad(), fusionguard.track(None, log_path=False) as fg:
+            flex(q, q.clone(), q.clone())
+            flex(q, q.clone(), q.clone())
+        counted.append((fg.counts().fused, fg.counts().dense))
+    assert counted == [(2, 0), (2, 0)]
+    _testing.reset_for_tests()

@@ -448,6 +448,26 @@ class _Owner:
     pass
 
 
+def test_ranks_with_dense_takes_what_has_one_truth_value_and_names_numpy_types_in_full(clean):
+    """#33 (hostile7): the sixth pass's type check refused a numpy bool, ``1`` and a 0-d bool tensor with
+    "dense must be True or False, not bool" (numpy's type is also named ``bool``). An adapter's flag from
+    ``np.any(...)`` or ``(t > 0).any()`` is a flag; None, text and a several-element tensor are refused."""
+    np = pytest.importorskip("numpy")  # (installed with the test dependencies; torch does not need it)
+    call = r"^fusionguard.track\(\): ranks_with_dense\(dense\): dense must be True or False, not "
+    with fusionguard.track(None, log_path=False) as fg:
+        for flag in (np.bool_(True), np.any(np.array([0, 3]) > 0), torch.tensor([0, 2]).gt(0).any(), torch.tensor([1]), 1, True):
+            assert fg.ranks_with_dense(flag) == [0], flag
+        for flag in (np.bool_(False), torch.tensor(False), 0, False):
+            assert fg.ranks_with_dense(flag) == [], flag
+        for flag, name in ((None, "NoneType$"), ("yes", "str$"), (b"1", "bytes$"), ([True], "list$")):
+            with pytest.raises(TypeError, match=call + name):
+                fg.ranks_with_dense(flag)
+        with pytest.raises(TypeError, match=call + r"Tensor \(Boolean value of Tensor with more than one value is ambiguous\)$"):
+            fg.ranks_with_dense(torch.tensor([0, 2]).gt(0))
+        with pytest.raises(TypeError, match=r"verdict\(label, counts=...\): label must be a str, not numpy.bool$"):
+            fg.verdict(np.bool_(True))  # (the qualified name where the short one is a builtin's)
+
+
 def _hooks(model):
     """Forward (pre-)hooks on the model's modules, and flag ids (with_kwargs, always_call) left without their hook."""
     count = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())

@@ -399,3 +399,30 @@ def test_an_unwatched_caller_of_a_compiled_flex_attention_costs_no_stack_walk(gu
             model(q, k, v)
             hookless = {(r["layer"], r["fused"]) for r in session.step().rows}
     assert hooked == hookless == {("layers.0", 1), ("layers.1", 1)}
+
+
+class TopCallModel(CompiledFlexModel):
+    """The model's own forward calls the compiled flex_attention after its layers, and once eagerly."""
+
+    def forward(self, q, k, v):
+        q = super().forward(q, k, v)
+        return CompiledFlexAttn.flex(q, k, v) + flex_attention(q, k, v)  # (fused, then dense: no layer's, both)
+
+
+@pytest.mark.parametrize("hooks", [True, False], ids=["hooks", "no-hooks"])
+def test_a_compiled_flex_attention_called_by_the_watched_model_itself_is_no_layer(guard, hooks):
+    """#33 (hostile7): the compiled function's graph is compiled inside ``layers.0`` (its first
+    caller), so its compile-time name is ``layers.0``; the hooked root's own call after its layers
+    kept that name (layers.0 fused 2 per run, no ``(no layer)`` row). It is no layer's, as the
+    root's dense call is, and the verdict says so."""
+    guard()
+    torch._dynamo.reset()  # (compiled here, under layers.0: torch 2.7 cannot see a graph compiled before enable())
+    CompiledFlexAttn.flex = torch.compile(flex_attention)
+    model = TopCallModel()
+    q, k, v = qkv(L=24)  # (a shape of its own: compiled here, under layers.0)
+    with torch.no_grad(), fusionguard.track(model, hooks=hooks, log_path=False) as session:
+        model(q, k, v)
+        step = session.step()
+    rows = {r["layer"]: (r["fused"], r["dense"]) for r in step.rows}
+    assert rows == {"layers.0": (1, 0), "layers.1": (1, 0), NO_LAYER: (1, 1)}
+    assert "1 fused FlexAttention call(s) outside any watched layer" in session.verdict("step", step).text

@@ -3,6 +3,7 @@ and where the log goes. Torch-free (``import fusionguard`` must not import torch
 
 from __future__ import annotations
 
+import builtins
 import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Dict, Optional, Tuple, Union
@@ -269,4 +270,25 @@ def check_types(call: str, **args: Tuple[Any, Any]) -> None:
     for key, (value, kind) in args.items():
         if not isinstance(value, kind):
             what = " or ".join(_KINDS.get(k, k.__name__) for k in (kind if isinstance(kind, tuple) else (kind,)))
-            raise TypeError(f"{call}: {key} must be {what}, not {type(value).__name__}")
+            raise TypeError(f"{call}: {key} must be {what}, not {type_name(value)}")
+
+
+def type_name(value: Any) -> str:
+    """``type(value).__name__``, qualified by its module where the short name is a builtin's
+    (``numpy.bool``): "must be True or False, not bool" would contradict itself."""
+    kind = type(value)
+    if kind.__module__ != "builtins" and hasattr(builtins, kind.__name__):
+        return f"{kind.__module__}.{kind.__qualname__}"
+    return kind.__name__
+
+
+def check_truth(call: str, key: str, value: Any) -> bool:
+    """A flag argument: whatever has one clear truth value (a bool, an int, a numpy bool, a one-element
+    tensor) is ``bool(value)``; None, text, containers and a tensor or array of several elements are a
+    ``TypeError`` naming the argument (their truth is a mistake, not an answer)."""
+    if value is None or isinstance(value, (str, bytes, bytearray, list, tuple, dict, set, frozenset)):
+        raise TypeError(f"{call}: {key} must be True or False, not {type_name(value)}")
+    try:
+        return bool(value)
+    except Exception as exc:  # a tensor or array of several elements: ambiguous
+        raise TypeError(f"{call}: {key} must be True or False, not {type_name(value)} ({exc})") from None

@@ -16,6 +16,7 @@ from fusionguard.core import profiler as profiling
 from fusionguard.core.frames import take_deferred
 from fusionguard.core.state import STATE, count, internal_error
 from fusionguard.watching.naming import (
+    LAYER,
     clean_name,
     counting_layer,
     flex_layer,
@@ -306,7 +307,8 @@ class Namer:
         """This run's names (``fixed``: the compile-time ones), left on the ctx for a backward."""
         names = self.names()
         if names is None or not any(names):
-            names = _hook_names(fixed)
+            # (a graph with no module path of its own, a compiled function: its fixed name is its first caller's)
+            names = _hook_names(fixed, self.phase == "forward" and (self.rels is None or not any(self.rels)))
             if self.n == 1 and self.phase == "forward":
                 if not is_watching():
                     names = self._caller_names(names, _ModuleForward, module_path)
@@ -349,15 +351,19 @@ class Namer:
                     pass
 
 
-def _hook_names(fixed: Tuple[Optional[str], ...]) -> Tuple[Optional[str], ...]:
+def _hook_names(fixed: Tuple[Optional[str], ...], from_caller: bool = False) -> Tuple[Optional[str], ...]:
     """One compiled flex_attention often serves every layer (``torch.compile(flex_attention)``
     called from eager modules): its compile-time layer is the first caller's. For a graph with one
     FlexAttention call, the layer running it now (forward hooks, or the open backward span),
-    unless the compile-time name is a more specific module inside it."""
+    unless the compile-time name is a more specific module inside it. ``from_caller`` (the graph
+    holds no module path: its fixed name is only its first caller's): a run under hooks where no
+    watched layer runs (the model's own forward, named "") is no layer's, as a dense call there is."""
     if len(fixed) != 1:
         return fixed
     now = flex_layer()
     known = fixed[0]
+    if from_caller and not now and LAYER.get():
+        return (None,)
     if not now or known and known.startswith(now + "."):
         return fixed
     return (now,)

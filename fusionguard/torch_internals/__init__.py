@@ -92,6 +92,7 @@ from fusionguard.torch_internals.lookups import (
     op_kernels,
     optimized_module,
     public_module,
+    sees_graphs_compiled_before,
 )
 from fusionguard.torch_internals.names import (
     AOT_CTX_FUNCTIONS,
@@ -286,6 +287,7 @@ __all__ = [
     "compile_trigger",
     "compiled_code_backend",
     "compiled_fx_graph",
+    "sees_graphs_compiled_before",
     "compiled_graph_text",
     "compiled_in_place",
     "compiler_stance",

@@ -20,8 +20,10 @@ from fusionguard.torch_internals.names import (
     IS_FUNCTIONAL_TENSOR,
     LOWERING_MODULE,
     OUTPUT_CODE_MODULES,
+    POST_GRAD_GRAPH_STR,
     PUBLIC_MODULE,
     PY_KERNELS,
+    RUNNABLE_GRAPH_STR,
 )
 
 
@@ -115,6 +117,18 @@ def compiled_fx_graph() -> type:
         if isinstance(cls, type) and "post_compile" in vars(cls):
             return cls
     raise LookupError("torch._inductor CompiledFxGraph.post_compile not found")
+
+
+def sees_graphs_compiled_before() -> bool:
+    """False where a graph Inductor compiled before ``enable()`` cannot be found: this release's
+    ``CompiledFxGraph`` keeps no graph text (torch 2.7; 2.8 added it) and one was compiled (its
+    module loaded). True when unsure."""
+    for name in OUTPUT_CODE_MODULES:
+        cls = getattr(sys.modules.get(name), "CompiledFxGraph", None)
+        if isinstance(cls, type):
+            fields = {n for klass in cls.__mro__ for n in getattr(klass, "__annotations__", {})}
+            return bool(fields & {POST_GRAD_GRAPH_STR, RUNNABLE_GRAPH_STR})
+    return True
 
 
 def optimized_module() -> type:
