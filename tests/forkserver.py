@@ -31,7 +31,10 @@ from pathlib import Path
 PRELOAD = ("torch", "torch._dynamo", "torch._inductor.compile_fx")
 # Read when Python or the preloaded modules start; a request that changes one gets a real subprocess.
 _STARTUP_PREFIXES = ("TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "GOMP", "CUDA", "NCCL", "LD_", "PYTHON", "TRITON", "MALLOC")
-_LATE = {"PYTHONPATH", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "CUDA_VISIBLE_DEVICES"}
+# Read later, in the grandchild. PYTORCH_NVML_BASED_CUDA_CHECK is read at each
+# ``torch.cuda.is_available()``; Lightning sets it when imported, and the suite's collection imports
+# Lightning: taken as read at start-up, it sent every child of the suite to a fresh interpreter.
+_LATE = {"PYTHONPATH", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "CUDA_VISIBLE_DEVICES", "PYTORCH_NVML_BASED_CUDA_CHECK"}
 
 
 # --- The server (this file run as a script) --------------------------------------------------

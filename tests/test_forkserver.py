@@ -1,0 +1,35 @@
+"""The fork server (tests/forkserver.py) serves the suite's children (#34): a request it cannot
+serve exactly runs as a fresh interpreter, correct but several CPU seconds slower, and silent.
+Lightning sets ``PYTORCH_NVML_BASED_CUDA_CHECK`` when imported (the suite's collection imports it),
+which the server took for a variable read at start-up: every child of a full run was a fresh
+interpreter (91 of them, about 870 s on 2 cores), while any one file alone was forked."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+
+import forkserver
+import pytest
+from conftest import child_env
+
+# What the suite's test modules import at collection (tests/test_integrations_*.py, examples/).
+SUITE_IMPORTS = ("lightning", "lightning.pytorch", "transformers", "accelerate", "torch.utils.tensorboard")
+
+
+def test_the_suites_own_imports_leave_its_children_forked(monkeypatch):
+    for name in SUITE_IMPORTS:
+        importlib.import_module(name)  # (in the test extra: a missing one fails here, never skips)
+    args = [sys.executable, "-c", "import json, os, sys; print(json.dumps(['torch' in sys.modules, os.environ.get('X')]))"]
+    env = child_env(X="late")
+    assert forkserver.why_not(args, env) is None
+    out = forkserver.run(args, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout) == [True, "late"]  # (torch already imported: forked, not a fresh interpreter)
+
+
+@pytest.mark.parametrize("name", ["TORCH_LOGS", "OMP_NUM_THREADS", "PYTHONHASHSEED"])
+def test_a_variable_read_at_start_up_still_gets_a_fresh_interpreter(name):
+    env = child_env(**{name: "7" if name != "TORCH_LOGS" else "+dynamo"})
+    assert forkserver.why_not([sys.executable, "-c", "pass"], env) == f"{name} read at start-up"
