@@ -7,6 +7,7 @@ tests/gpu/test_compile_patterns_cuda.py, per-block under FSDP2 in tests/test_dis
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import textwrap
 
@@ -14,7 +15,7 @@ import forkserver  # (a child that needs a process, not a fresh interpreter: tes
 import pytest
 import torch
 from compile_models import Model, tokens
-from conftest import ROOT, flex_events, needs, read_jsonl
+from conftest import ROOT, child_env, flex_events, needs, read_jsonl
 from torch import nn
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -297,3 +298,37 @@ def test_a_compiled_flex_attention_is_counted_by_a_second_session(dynamo_reset):
         counted.append((fg.counts().fused, fg.counts().dense))
     assert counted == [(2, 0), (2, 0)]
     _testing.reset_for_tests()
+
+
+_HEDGE = textwrap.dedent(
+    """
+    import json, torch, fusionguard
+
+    lin = torch.nn.Linear(8, 8)
+
+    def said():
+        with torch.no_grad(), fusionguard.track(lin, log_path=False) as fg:
+            lin(torch.randn(2, 8))
+            return fg.verdict("v").text
+
+    first = said()  # nothing compiled yet
+    with torch.no_grad():
+        torch.compile(lin)(torch.randn(2, 8))  # Inductor compiles a graph between the sessions
+    print(json.dumps([first, said()]))
+    """
+)
+
+
+def test_the_never_ran_flex_hedge_needs_a_graph_compiled(tmp_path):
+    """#33 (hostile8): on torch 2.7 "graphs compiled before enable() are not seen on this torch"
+    was said in a program that never compiled anything: the hedge asked whether Inductor's
+    ``CompiledFxGraph`` module was loaded, and ``enable()`` itself loads it. It is said once
+    Inductor has compiled (or loaded) a graph, and only on a torch that cannot see one (2.7)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _HEDGE], capture_output=True, text=True, timeout=600, env=child_env(TORCHINDUCTOR_CACHE_DIR=str(tmp_path))
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, second = json.loads(proc.stdout.strip().splitlines()[-1])
+    hedge = "graphs compiled before enable() are not seen on this torch"
+    assert first == "fusionguard: v: no FlexAttention call: the model never ran flex"
+    assert (hedge in second) is (torch.__version__ < "2.8"), second

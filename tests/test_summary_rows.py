@@ -426,3 +426,64 @@ def test_a_compiled_flex_attention_called_by_the_watched_model_itself_is_no_laye
     rows = {r["layer"]: (r["fused"], r["dense"]) for r in step.rows}
     assert rows == {"layers.0": (1, 0), "layers.1": (1, 0), NO_LAYER: (1, 1)}
     assert "1 fused FlexAttention call(s) outside any watched layer" in session.verdict("step", step).text
+
+
+class StackWithOwnCall(torch.nn.Module):
+    """A container (not the root) whose own forward calls the compiled flex_attention between its layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([CompiledFlexAttn(), CompiledFlexAttn()])
+
+    def forward(self, q, k, v):
+        q = self.layers[0](q, k, v)
+        q = CompiledFlexAttn.flex(q, k, v)  # the container's own call
+        return self.layers[1](q, k, v)
+
+
+def test_a_compiled_flex_attention_called_by_a_hooked_container_is_the_containers(guard):
+    """#33 (hostile8): the compiled function's graph is compiled inside ``stack.layers.0`` (its
+    first caller); the hooked container ``stack`` calling it between its layers was counted as
+    ``stack.layers.0`` (the compile-time name, "more specific" than the running ``stack``). A
+    function graph has no module path of its own: it is named by what runs it now, as a dense
+    call there is (and as ``hooks=False`` names it)."""
+    guard()
+    torch._dynamo.reset()  # (compiled here, under stack.layers.0)
+    CompiledFlexAttn.flex = torch.compile(flex_attention)
+    model = torch.nn.Module()
+    model.stack = StackWithOwnCall()
+    q, k, v = qkv(L=24)
+    with torch.no_grad(), fusionguard.track(model, log_path=False) as session:
+        model.stack(q, k, v)
+        rows = {r["layer"]: r["fused"] for r in session.step().rows}
+    assert rows == {"stack": 1, "stack.layers.0": 1, "stack.layers.1": 1}
+
+
+class TopOnlyModel(CompiledFlexModel):
+    """The model's own forward calls the compiled flex_attention after its layers."""
+
+    def forward(self, q, k, v):
+        return CompiledFlexAttn.flex(super().forward(q, k, v), k, v)
+
+
+def test_a_compiled_flex_attention_called_by_a_model_without_hooks_is_no_layer(guard):
+    """#33 (hostile8): the graph is compiled inside ``layers.0`` of a hooked model (its first
+    caller). Its later calls by a model watched with ``hooks=False`` itself (beside the hooked
+    session, or in a later ``track(model, hooks=False)`` of the same model) kept that name:
+    layers.0 counted them, no ``(no layer)`` row. They are no layer's, as a dense call there is."""
+    guard()
+    torch._dynamo.reset()  # (compiled here, under a hooked layers.0)
+    CompiledFlexAttn.flex = torch.compile(flex_attention)
+    a, b = TopOnlyModel(), TopOnlyModel()
+    q, k, v = qkv(L=24)
+    want = {"layers.0": 2, "layers.1": 2, NO_LAYER: 2}
+    with torch.no_grad():
+        with fusionguard.track(a, log_path=False) as hooked, fusionguard.track(b, hooks=False, log_path=False):
+            a(q, k, v)
+            b(q, k, v)
+            beside = {r["layer"]: r["fused"] for r in hooked.step().rows}
+        with fusionguard.track(a, hooks=False, log_path=False) as session:  # a later cell, same model
+            a(q, k, v)
+            a(q, k, v)
+            after = {r["layer"]: r["fused"] for r in session.step().rows}
+    assert (beside, after) == (want, want)

@@ -16,7 +16,6 @@ from fusionguard.core import profiler as profiling
 from fusionguard.core.frames import take_deferred
 from fusionguard.core.state import STATE, count, internal_error
 from fusionguard.watching.naming import (
-    LAYER,
     clean_name,
     counting_layer,
     flex_layer,
@@ -356,14 +355,16 @@ def _hook_names(fixed: Tuple[Optional[str], ...], from_caller: bool = False) -> 
     called from eager modules): its compile-time layer is the first caller's. For a graph with one
     FlexAttention call, the layer running it now (forward hooks, or the open backward span),
     unless the compile-time name is a more specific module inside it. ``from_caller`` (the graph
-    holds no module path: its fixed name is only its first caller's): a run under hooks where no
-    watched layer runs (the model's own forward, named "") is no layer's, as a dense call there is."""
+    holds no module path: its fixed name is only its first caller's, never this run's): under
+    ``watch()`` the run is the running hooked layer's (a container's own call too), else no
+    layer's (the model's own forward, a model watched with ``hooks=False``), as a dense call there
+    is; ``Namer.run`` then names it by the watched forward calling it, if a watched module has no hooks."""
     if len(fixed) != 1:
         return fixed
     now = flex_layer()
+    if from_caller and is_watching():
+        return (now or None,)
     known = fixed[0]
-    if from_caller and not now and LAYER.get():
-        return (None,)
     if not now or known and known.startswith(now + "."):
         return fixed
     return (now,)

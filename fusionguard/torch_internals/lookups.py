@@ -12,11 +12,16 @@ import types
 from typing import Any, Dict, Optional
 
 from fusionguard.torch_internals.names import (
+    AUTOGRAD_CACHE_HIT,
+    COMPILE_TIMES,
     DEBUG_FLAG,
     DISPATCH_CACHE,
+    DYNAMO_COUNTERS,
+    DYNAMO_UTILS,
     FLEX_LOWERING_MODULES,
     FUNCTORCH_C,
     HOP_MODULE,
+    INDUCTOR_COMPILE,
     IS_FUNCTIONAL_TENSOR,
     LOWERING_MODULE,
     OUTPUT_CODE_MODULES,
@@ -121,14 +126,30 @@ def compiled_fx_graph() -> type:
 
 def sees_graphs_compiled_before() -> bool:
     """False where a graph Inductor compiled before ``enable()`` cannot be found: this release's
-    ``CompiledFxGraph`` keeps no graph text (torch 2.7; 2.8 added it) and one was compiled (its
-    module loaded). True when unsure."""
+    ``CompiledFxGraph`` keeps no graph text (torch 2.7; 2.8 added it) and Inductor has compiled
+    (or loaded) a graph in this process. Not whether its module is loaded: ``enable()`` imports
+    it. True when unsure."""
     for name in OUTPUT_CODE_MODULES:
         cls = getattr(sys.modules.get(name), "CompiledFxGraph", None)
         if isinstance(cls, type):
             fields = {n for klass in cls.__mro__ for n in getattr(klass, "__annotations__", {})}
-            return bool(fields & {POST_GRAD_GRAPH_STR, RUNNABLE_GRAPH_STR})
+            return bool(fields & {POST_GRAD_GRAPH_STR, RUNNABLE_GRAPH_STR}) or not _inductor_compiled()
     return True
+
+
+def _inductor_compiled() -> bool:
+    """Whether Inductor has compiled a graph, or loaded one from its caches, in this process
+    (since the last ``torch._dynamo.reset()``, which drops the graphs too): Dynamo's timing of
+    ``compile_fx_inner``, or AOTAutograd's cache hits. Yes when unsure (those tables not found)."""
+    utils = sys.modules.get(DYNAMO_UTILS)
+    if utils is None:
+        return False  # (nothing compiled: Dynamo never loaded)
+    times, counters = getattr(utils, COMPILE_TIMES, None), getattr(utils, DYNAMO_COUNTERS, None)
+    if not isinstance(times, dict) or not isinstance(counters, dict):
+        return True
+    group, key = AUTOGRAD_CACHE_HIT
+    hits = counters.get(group)
+    return bool(times.get(INDUCTOR_COMPILE)) or bool(hits is not None and hits.get(key))
 
 
 def optimized_module() -> type:

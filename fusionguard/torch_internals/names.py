@@ -11,6 +11,7 @@ PUBLIC_MODULE = "torch.nn.attention.flex_attention"
 LOWERING_MODULE = "torch._inductor.lowering"
 FLEX_LOWERING_MODULES = ("torch._inductor.kernel.flex.flex_attention", "torch._inductor.kernel.flex_attention")
 OUTPUT_CODE_MODULES = ("torch._inductor.output_code", "torch._inductor.codecache")
+DYNAMO_UTILS = "torch._dynamo.utils"
 
 # Functions inside the Inductor flex lowering module that choose a non-default template.
 # Looked up by name; any that a version lacks is simply not observed.
@@ -66,6 +67,10 @@ POST_COMPILE = _private("post_compile", "CompiledFxGraph: runs after every Induc
 CURRENT_CALLABLE = _private("current_callable", "CompiledFxGraph: the callable every run of the graph goes through (wrapped)")
 POST_GRAD_GRAPH_STR = _private("inductor_post_grad_graph_str", "CompiledFxGraph: the post-grad FX graph's text (2.7+)")
 RUNNABLE_GRAPH_STR = _private("runnable_graph_str", "CompiledFxGraph: the runnable FX graph's text")
+COMPILE_TIMES = _private("compilation_time_metrics", "torch._dynamo.utils: seconds per compile step (Inductor's compile_fx_inner)")
+INDUCTOR_COMPILE = "compile_fx_inner"  # (its key there: Inductor compiled, or loaded from its FX graph cache, a graph)
+DYNAMO_COUNTERS = "counters"  # torch._dynamo.utils: Dynamo's, AOTAutograd's and Inductor's event counts
+AUTOGRAD_CACHE_HIT = ("aot_autograd", "autograd_cache_hit")  # (a graph loaded from AOTAutograd's cache: no compile_fx_inner)
 SOURCE_CODE = _private("source_code", "CompiledFxGraph: the generated module's Python source")
 FWD_NN_MODULE_STACK = _private("fwd_nn_module_stack", "an FX node's meta: the forward's module stack, on a backward node")
 START_CALLBACKS = _private("start_callbacks", "torch._dynamo.callback's handler: the compile-start callbacks")
