@@ -7,7 +7,6 @@ tests/gpu/test_compile_patterns_cuda.py, per-block under FSDP2 in tests/test_dis
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import textwrap
 
@@ -324,7 +323,7 @@ def test_the_never_ran_flex_hedge_needs_a_graph_compiled(tmp_path):
     was said in a program that never compiled anything: the hedge asked whether Inductor's
     ``CompiledFxGraph`` module was loaded, and ``enable()`` itself loads it. It is said once
     Inductor has compiled (or loaded) a graph, and only on a torch that cannot see one (2.7)."""
-    proc = subprocess.run(
+    proc = forkserver.run(  # (a process of its own where nothing was compiled; its interpreter's start is not the point)
         [sys.executable, "-c", _HEDGE], capture_output=True, text=True, timeout=600, env=child_env(TORCHINDUCTOR_CACHE_DIR=str(tmp_path))
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
