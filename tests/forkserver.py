@@ -222,12 +222,14 @@ def _start() -> dict | None:
     line = proc.stdout.readline() if proc.stdout else b""
     if not line:
         proc.wait()
+        _server["why"] = f"it exited ({proc.returncode}) before it was ready"
         return None
     hello = json.loads(line)
     CHILD_CPU += hello["cpu"]
     if hello["threads"] != 1:
         proc.stdin.close()  # type: ignore[union-attr]
         proc.wait()
+        _server["why"] = f"its preloads left {hello['threads']} threads running (torch 2.7: 2) and it never forks a process with threads"
         return None
     _server["ok"] = {"proc": proc, "sock": sock, "env": env}
     import atexit
@@ -258,7 +260,7 @@ def why_not(args, env: dict | None) -> str | None:
         return f"{args[1]} without an argument"
     server = _start()
     if server is None:
-        return "no fork server"
+        return f"no fork server: {_server.get('why')}"
     theirs, ours = server["env"], env if env is not None else os.environ
     for name in set(theirs) | set(ours):
         if name.startswith(_STARTUP_PREFIXES) and name not in _LATE and theirs.get(name) != ours.get(name):
