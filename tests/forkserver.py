@@ -218,7 +218,11 @@ def _start() -> dict | None:
     tmp = tempfile.mkdtemp(prefix="fg-forkserver-")
     sock = os.path.join(tmp, "s")
     env = _base_env()
-    proc = subprocess.Popen([sys.executable, __file__, sock], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=tmp)
+    # Its preloads import torch.utils.cpp_extension, which asks torch.cuda.is_available() where a
+    # CUDA toolkit is found: through NVML, so that no CUDA driver call is made in the server and its
+    # forks can use the GPU ("Cannot re-initialize CUDA in forked subprocess" otherwise).
+    start_env = dict(env, PYTORCH_NVML_BASED_CUDA_CHECK="1")
+    proc = subprocess.Popen([sys.executable, __file__, sock], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=start_env, cwd=tmp)
     line = proc.stdout.readline() if proc.stdout else b""
     if not line:
         proc.wait()
@@ -229,7 +233,7 @@ def _start() -> dict | None:
     if hello["threads"] != 1:
         proc.stdin.close()  # type: ignore[union-attr]
         proc.wait()
-        _server["why"] = f"its preloads left {hello['threads']} threads running (torch 2.7: 2) and it never forks a process with threads"
+        _server["why"] = f"its preloads left {hello['threads']} threads running and it never forks a process with threads"
         return None
     _server["ok"] = {"proc": proc, "sock": sock, "env": env}
     import atexit
