@@ -30,7 +30,10 @@ from pathlib import Path
 
 PRELOAD = ("torch", "torch._dynamo", "torch._inductor.compile_fx")
 # Read when Python or the preloaded modules start; a request that changes one gets a real subprocess.
-_STARTUP_PREFIXES = ("TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "GOMP", "CUDA", "NCCL", "LD_", "PYTHON", "TRITON", "MALLOC")
+_STARTUP_PREFIXES = (
+    "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "GOMP", "CUDA", "NCCL", "LD_", "PYTHON", "TRITON", "MALLOC",
+    "TMPDIR", "CXX", "CC", "COVERAGE_PROCESS_START",  # (tempfile, Inductor's config, coverage's start)
+)  # fmt: skip
 # Read later, in the grandchild. PYTORCH_NVML_BASED_CUDA_CHECK is read at each
 # ``torch.cuda.is_available()``; Lightning sets it when imported, and the suite's collection imports
 # Lightning: taken as read at start-up, it sent every child of the suite to a fresh interpreter.
@@ -269,6 +272,10 @@ def why_not(args, env: dict | None) -> str | None:
     for name in set(theirs) | set(ours):
         if name.startswith(_STARTUP_PREFIXES) and name not in _LATE and theirs.get(name) != ours.get(name):
             return f"{name} read at start-up"
+    added = set(filter(None, ours.get("PYTHONPATH", "").split(os.pathsep))) - set(theirs.get("PYTHONPATH", "").split(os.pathsep))
+    for entry in sorted(added):  # (a sitecustomize runs when an interpreter starts: fusionguard's start-up hook)
+        if any(os.path.exists(os.path.join(entry, f"{name}.py")) for name in ("sitecustomize", "usercustomize")):
+            return f"PYTHONPATH adds {entry}, whose sitecustomize runs at start-up"
     return None
 
 

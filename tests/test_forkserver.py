@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
 
 import forkserver
 import pytest
 import torch
-from conftest import child_env
+from conftest import ROOT, child_env
 
 # What the suite's test modules import at collection (tests/test_integrations_*.py, examples/).
 SUITE_IMPORTS = ("lightning", "lightning.pytorch", "transformers", "accelerate", "torch.utils.tensorboard")
@@ -37,8 +38,18 @@ def test_the_suites_own_imports_leave_its_children_forked():
     assert json.loads(out.stdout) == [True, "late"]  # (torch already imported: forked, not a fresh interpreter)
 
 
-@pytest.mark.parametrize("name", ["TORCH_LOGS", "OMP_NUM_THREADS", "PYTHONHASHSEED"])
+@pytest.mark.parametrize("name", ["TORCH_LOGS", "OMP_NUM_THREADS", "PYTHONHASHSEED", "TMPDIR", "CXX", "COVERAGE_PROCESS_START"])
 def test_a_variable_read_at_start_up_still_gets_a_fresh_interpreter(name):
     _server_or_skip()
     env = child_env(**{name: "7" if name != "TORCH_LOGS" else "+dynamo"})
     assert forkserver.why_not([sys.executable, "-c", "pass"], env) == f"{name} read at start-up"
+
+
+def test_a_pythonpath_with_a_sitecustomize_gets_a_fresh_interpreter():
+    """fusionguard's start-up hook (``fusionguard/_startup`` first on PYTHONPATH) runs only when an
+    interpreter starts: a fork would silently go without it."""
+    _server_or_skip()
+    hook = str(ROOT / "fusionguard" / "_startup")
+    env = child_env()
+    env["PYTHONPATH"] = os.pathsep.join([hook, env["PYTHONPATH"]])
+    assert forkserver.why_not([sys.executable, "-c", "pass"], env) == f"PYTHONPATH adds {hook}, whose sitecustomize runs at start-up"
