@@ -382,6 +382,11 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     for _ in range(int(sys.argv[2])):
         flex_attention(q, q, q)
+if len(sys.argv) > 5:  # a finish line: no summary (written at exit) before every process's calls are done
+    pathlib.Path(sys.argv[4], f"done.{os.getpid()}").touch()
+    deadline = time.monotonic() + 240
+    while len(list(pathlib.Path(sys.argv[4]).glob("done.*"))) < int(sys.argv[5]) and time.monotonic() < deadline:
+        time.sleep(0.01)
 """
 
 
@@ -403,7 +408,7 @@ def test_after_rotation_each_process_counts_its_own_calls_and_the_missing_lines_
     start.mkdir()
     ps = [
         forkserver.popen(
-            [sys.executable, "-c", ROTATING_WORKER, str(log), str(calls), "16384", str(start)],
+            [sys.executable, "-c", ROTATING_WORKER, str(log), str(calls), "16384", str(start), str(procs)],
             env=child_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -411,8 +416,9 @@ def test_after_rotation_each_process_counts_its_own_calls_and_the_missing_lines_
         )
         for _ in range(procs)
     ]
-    # (together: one process done before the other began would have its every line pruned by the
-    # other's rotation, its summary too, and no log could say it existed; CI's load did that once)
+    # (together, and each writes its summary only once all are done: a process whose summary came
+    # before another's last ~64 KB of lines would have it pruned by that one's rotation, and no log
+    # could say it existed; CI's load did that twice, once with the start line alone)
     import time
 
     deadline = time.monotonic() + 240
