@@ -71,7 +71,7 @@ def _serve(sock_path: str) -> None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(sock_path)
     listener.listen(64)
-    base_path = sys.path[1:]  # (sys.path[0] is this file's folder)
+    base_path = sys.path[1:]  # (sys.path[0] is the -c launch's, the working directory)
     for entry in filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)):
         if entry in base_path:
             base_path.remove(entry)
@@ -213,6 +213,19 @@ def _base_env() -> dict:
     return env
 
 
+# The server runs compiled under a name in angle brackets, as ``python -c`` code is: fusionguard
+# (and Python's warnings) take no such frame for the user's, so a grandchild's stack below its own
+# code holds no frame that a fresh interpreter lacks (a ``-c`` child's call sites were this file's).
+# linecache keeps the source for tracebacks.
+_LAUNCH = """import linecache, sys
+path = sys.argv.pop(1)
+name = f"<fork server {path}>"
+source = open(path, encoding="utf-8").read()
+linecache.cache[name] = (len(source), None, source.splitlines(True), name)
+exec(compile(source, name, "exec"))
+"""
+
+
 def _start() -> dict | None:
     global CHILD_CPU
     if _server:
@@ -225,7 +238,7 @@ def _start() -> dict | None:
     # CUDA toolkit is found: through NVML, so that no CUDA driver call is made in the server and its
     # forks can use the GPU ("Cannot re-initialize CUDA in forked subprocess" otherwise).
     start_env = dict(env, PYTORCH_NVML_BASED_CUDA_CHECK="1")
-    proc = subprocess.Popen([sys.executable, __file__, sock], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=start_env, cwd=tmp)
+    proc = subprocess.Popen([sys.executable, "-c", _LAUNCH, __file__, sock], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=start_env, cwd=tmp)
     line = proc.stdout.readline() if proc.stdout else b""
     if not line:
         proc.wait()
@@ -433,5 +446,5 @@ def run(args, *, env=None, cwd=None, capture_output=False, text=False, timeout=N
     return result
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # (started by _start through _LAUNCH)
     _serve(sys.argv[1])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import subprocess
 import sys
 
 import forkserver
@@ -53,3 +54,37 @@ def test_a_pythonpath_with_a_sitecustomize_gets_a_fresh_interpreter():
     env = child_env()
     env["PYTHONPATH"] = os.pathsep.join([hook, env["PYTHONPATH"]])
     assert forkserver.why_not([sys.executable, "-c", "pass"], env) == f"PYTHONPATH adds {hook}, whose sitecustomize runs at start-up"
+
+
+STACK = """
+import json, os, sys
+from fusionguard.core.frames import is_user_file
+
+def frames():
+    f, out = sys._getframe(), []
+    while f is not None:
+        if is_user_file(f.f_code.co_filename):
+            out.append([os.path.basename(f.f_code.co_filename), f.f_code.co_name])
+        f = f.f_back
+    return out
+
+print(json.dumps(frames()))
+"""
+
+
+@pytest.mark.parametrize("form", ["-c", "script", "-m"])
+def test_a_forked_child_sees_the_stack_a_fresh_interpreter_would(tmp_path, form):
+    """fusionguard names a call by the first frame that is the user's (not torch's, not its own, not
+    ``<string>``): a forked child's stack must hold no frame of the server below its own code. (It
+    did: a ``-c`` child's call sites fell on tests/forkserver.py where a fresh one finds none.)"""
+    _server_or_skip()
+    (tmp_path / "stack_script.py").write_text(STACK)
+    args = {"-c": ["-c", STACK], "script": [str(tmp_path / "stack_script.py")], "-m": ["-m", "stack_script"]}[form]
+    args = [sys.executable, *args]
+    env = child_env()
+    assert forkserver.why_not(args, env) is None
+    fresh = subprocess.run(args, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    forked = forkserver.run(args, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert fresh.returncode == forked.returncode == 0, (fresh.stderr[-2000:], forked.stderr[-2000:])
+    assert json.loads(forked.stdout) == json.loads(fresh.stdout), (forked.stdout, fresh.stdout)
+    assert json.loads(fresh.stdout)[:1] == ([] if form == "-c" else [["stack_script.py", "frames"]])
