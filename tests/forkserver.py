@@ -238,7 +238,9 @@ def _start() -> dict | None:
     # CUDA toolkit is found: through NVML, so that no CUDA driver call is made in the server and its
     # forks can use the GPU ("Cannot re-initialize CUDA in forked subprocess" otherwise).
     start_env = dict(env, PYTORCH_NVML_BASED_CUDA_CHECK="1")
-    proc = subprocess.Popen([sys.executable, "-c", _LAUNCH, __file__, sock], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=start_env, cwd=tmp)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _LAUNCH, __file__, sock], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=start_env, cwd=tmp
+    )
     line = proc.stdout.readline() if proc.stdout else b""
     if not line:
         proc.wait()

@@ -354,6 +354,53 @@ def test_the_plot_draws_the_html_charts_numbers(tmp_path, capsys):
     assert "call" in note and svg_calls and {(int(i), ph, w): v for (i, ph, w), v in drawn.items()} == svg_calls
 
 
+def test_the_plot_of_many_layers_escapes_what_it_draws_and_counts_the_rest(tmp_path):
+    """``--plot`` escapes the rows of the layers it draws and only the names and numbers of the
+    others: the same figure as with the whole report escaped (texts, bars, the note on layers not
+    drawn), where the one memory figure is in a row it does not draw (so the chart is a memory one)."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from fusionguard.report.render import escaped
+
+    plot_module = sys.modules["fusionguard.report.plot"]
+    rep = build([str(crash_run(tmp_path))])
+    base = rep["rows"][0]
+    rows = []
+    for i in range(chart.MAX_LAYERS + 30):
+        for phase in ("forward", "backward"):
+            rows.append(
+                dict(
+                    base,
+                    layer=f"L\x1b[31m<b>{i}",
+                    phase=phase,
+                    dense=i % 3,
+                    peak_delta_max=None,
+                    scores_bytes_max=None,
+                    causes={"eager\x07": 1} if i % 3 else {},
+                )
+            )
+    rows[-1]["peak_delta_max"] = 5e6  # (beyond the drawn layers)
+    rows[0]["scores_bytes_max"] = 2e6
+
+    def picture(fig):
+        texts = sorted(t.get_text() for t in fig.findobj(lambda a: hasattr(a, "get_text")) if t.get_text())
+        bars = sorted((p.get_gid(), round(p.get_height(), 9)) for p in fig.axes[0].patches if p.get_gid())
+        return texts, bars
+
+    fig, note = plot_module.figure(rep := dict(rep, rows=rows))
+    with plt.rc_context({"text.parse_math": False}):
+        old = plot_module._plot_memory(escaped(rep))
+    try:
+        assert picture(fig) == picture(old)
+        assert any("+30 more layers not drawn" in t for t in picture(fig)[0])
+        assert "\x1b" not in "".join(picture(fig)[0]) and any("\\x1b" in t for t in picture(fig)[0])
+    finally:
+        plt.close(fig)
+        plt.close(old)
+    assert "dense bars show the score-matrix size" not in note  # (a measured peak, though not drawn)
+
+
 def test_a_lone_surrogate_is_shown_escaped_and_the_page_encodes(tmp_path):
     """A report dict holding a lone surrogate (put in by hand: the reader skips such lines)."""
     rep = build([str(crash_run(tmp_path))])
