@@ -216,7 +216,8 @@ def _base_env() -> dict:
 # The server runs compiled under a name in angle brackets, as ``python -c`` code is: fusionguard
 # (and Python's warnings) take no such frame for the user's, so a grandchild's stack below its own
 # code holds no frame that a fresh interpreter lacks (a ``-c`` child's call sites were this file's).
-# linecache keeps the source for tracebacks.
+# linecache keeps the source for the traceback module (pytest, warnings); Python's own printer of
+# an uncaught error in the server shows the file name and line, not the source line.
 _LAUNCH = """import linecache, sys
 path = sys.argv.pop(1)
 name = f"<fork server {path}>"

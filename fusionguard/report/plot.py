@@ -11,7 +11,6 @@ import os
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
-from fusionguard.eventlog.formatting import escape
 from fusionguard.report import chart
 from fusionguard.report.aggregate import NO_LAYER, OTHER_LAYERS
 from fusionguard.report.render import escaped, fmt_duration, rank_ranges
@@ -106,7 +105,7 @@ def _drawn(rep: Dict[str, Any]) -> Dict[str, Any]:
     """What the chart reads of ``rep``, escaped: the rows of the layers it draws in full, of the
     others only the layer's name and the numbers ``chart.kind`` and ``_left_out`` count (escaping
     every row of a 10^5-row log took 2.8 s, for its first ``chart.MAX_LAYERS`` layers drawn)."""
-    names = [escape(r["layer"]) for r in rep["rows"]]
+    names = [escaped(r["layer"]) for r in rep["rows"]]  # (a hand-made report's layer may be no string)
     drawn = set(list(dict.fromkeys(names))[: chart.MAX_LAYERS])
     keep = ("phase", "dense", "peak_delta_max", "scores_bytes_max")
     rows = [escaped(r) if n in drawn else dict({k: r[k] for k in keep}, layer=n) for r, n in zip(rep["rows"], names)]
