@@ -483,3 +483,33 @@ def test_a_notebooks_enable_cycles_over_several_log_paths_are_not_missing_lines(
     write(tmp_path / "a.jsonl", [e for e in a if e["seq"] != 15])  # a failed write inside a session
     rep = json.loads(report(capsys, tmp_path, "--format", "json")[1])
     assert rep["run"]["missing_lines"] == 1 and any("1 log line missing" in w for w in rep["warnings"]), rep["warnings"]
+
+
+def test_a_rotated_logs_summary_gives_its_causes_their_own_final_counts(tmp_path, capsys):
+    """A log whose early lines rotation pruned (its part starts with a header copy, seq 50): the
+    process's summary row is its own final count, causes and largest score matrix included (10
+    eager calls, 3 lines left; a cause the lines outnumber keeps their count)."""
+    causes = {"eager_call": 10, "graph_break": 1}
+    row = {"layer": "a", "phase": "forward", "fused": 0, "dense": 10, "causes": causes, "rank": 0, "scores_bytes": 8192}
+    events = [dict(header(), seq=50, rotated=True)] + [
+        dict(ev("flex_call", s, layer="a", phase="forward", path="dense", cause="eager_call", action="warn"), level="warning")
+        for s in (51, 52, 53)
+    ]
+    events[-1].update(cause="graph_break", scores_bytes=1024)
+    events[-2]["cause"] = "graph_break"
+    events += [ev("summary", 54, rows=[row]), ev("shutdown", 55, reason="exit")]
+    rep = json.loads(report(capsys, write(tmp_path / "fg.jsonl", events), "--format", "json")[1])
+    (got,) = [r for r in rep["rows"] if r["layer"] == "a"]
+    assert (got["dense"], got["causes"], got["scores_bytes_max"]) == (10, {"eager_call": 10, "graph_break": 2}, 8192), got
+    assert rep["run"]["missing_lines"] == 50 and rep["endings"][0]["own_final_counts"] is True, rep["endings"]  # (seq 1-50)
+
+
+def test_compiles_without_a_template_and_fused_counts_without_memory_are_counted(tmp_path, capsys):
+    """A ``flex_compile`` naming no template (an older log, a backend without one) and ``fused_calls``
+    counters with no memory figures (CPU): counted, with no template and no memory invented."""
+    events = [header(), ev("flex_compile", 2, layer="a", phase="forward", path="fused")]
+    events += [ev("fused_calls", 3, layer="a", phase="forward", count=4), ev("shutdown", 4, reason="exit")]
+    rep = json.loads(report(capsys, write(tmp_path / "fg.jsonl", events), "--format", "json")[1])
+    (got,) = [r for r in rep["rows"] if r["layer"] == "a"]
+    assert (got["compiles"], got["fused"], got["dense"]) == (1, 4, 0), got
+    assert not got["templates"] and got["peak_delta_max"] is None and got["alloc_delta_max"] is None, got
