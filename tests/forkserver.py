@@ -132,10 +132,11 @@ def _child(req: dict, fds: list, base_path: list) -> None:
     """In the grandchild: the caller's stdio, env, cwd, argv and sys.path, then the script, then
     what the interpreter does at exit (join threads, atexit, flush)."""
     import atexit
+    import signal
     import threading
     import types
 
-    code = 1
+    code, interrupted = 1, False
     try:
         for target, fd in zip((0, 1, 2), fds):
             os.dup2(fd, target)
@@ -152,7 +153,8 @@ def _child(req: dict, fds: list, base_path: list) -> None:
             source, filename, sys.argv, path0 = "import runpy\nrunpy._run_module_as_main(MODULE)", "<-m>", ["-m", *argv[2:]], os.getcwd()
         else:
             filename = argv[0]
-            source, sys.argv, path0 = Path(filename).read_text(), list(argv), os.path.dirname(os.path.realpath(filename))
+            # (bytes: compile() reads a coding cookie and a BOM, as Python does for a script)
+            source, sys.argv, path0 = Path(filename).read_bytes(), list(argv), os.path.dirname(os.path.realpath(filename))
         extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
         sys.path[:] = [path0, *extra, *base_path]
         main = types.ModuleType("__main__")
@@ -175,7 +177,8 @@ def _child(req: dict, fds: list, base_path: list) -> None:
             else:
                 print(exc.code, file=sys.stderr)
                 code = 1
-        except BaseException:
+        except BaseException as exc:
+            interrupted = isinstance(exc, KeyboardInterrupt)
             kind, value, tb = sys.exc_info()
             for _ in range(2 if argv[0] == "-m" else 1):  # (the traceback starts in the script, or in runpy, as Python's)
                 tb = tb.tb_next if tb is not None else tb
@@ -191,7 +194,10 @@ def _child(req: dict, fds: list, base_path: list) -> None:
             except Exception:
                 pass
     finally:
-        os._exit(code & 0xFF if code >= 0 else 1)
+        if interrupted:  # (Python ends by SIGINT after an uncaught KeyboardInterrupt)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+        os._exit(code & 0xFF)  # (sys.exit(-1) is 255, as in Python)
 
 
 # --- The client (imported by the tests) ------------------------------------------------------
@@ -272,7 +278,7 @@ def _stop() -> None:
         _server["ok"] = None
 
 
-def why_not(args, env: dict | None) -> str | None:
+def why_not(args, env: dict | None, cwd=None) -> str | None:
     """Why this request runs as a real subprocess (None: the server can fork it)."""
     args = list(map(str, args))
     if len(args) < 2 or args[0] != sys.executable:
@@ -281,6 +287,8 @@ def why_not(args, env: dict | None) -> str | None:
         return f"interpreter option {args[1]}"
     if args[1] in ("-c", "-m") and len(args) < 3:
         return f"{args[1]} without an argument"
+    if not args[1].startswith("-") and not os.path.isfile(os.path.join(str(cwd or os.getcwd()), args[1])):
+        return "the script is no file (Python runs a directory's __main__ or says it is missing)"
     server = _start()
     if server is None:
         return f"no fork server: {_server.get('why')}"
@@ -426,14 +434,14 @@ class Forked:
 
 def popen(args, *, env=None, cwd=None, stdin=None, stdout=None, stderr=None, text=False):
     """``subprocess.Popen(args, ...)``, forked from the server where it can be."""
-    if why_not(args, env):
+    if why_not(args, env, cwd):
         return subprocess.Popen(args, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr, text=text)
     return Forked(args, env, cwd, stdin, stdout, stderr, text)
 
 
 def run(args, *, env=None, cwd=None, capture_output=False, text=False, timeout=None, check=False, input=None):
     """``subprocess.run(args, ...)``, forked from the server where it can be."""
-    if why_not(args, env):
+    if why_not(args, env, cwd):
         return subprocess.run(args, env=env, cwd=cwd, capture_output=capture_output, text=text, timeout=timeout, check=check, input=input)
     pipe = subprocess.PIPE if capture_output else None
     proc = Forked(args, env, cwd, subprocess.PIPE if input is not None else None, pipe, pipe, text)

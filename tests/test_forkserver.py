@@ -88,3 +88,32 @@ def test_a_forked_child_sees_the_stack_a_fresh_interpreter_would(tmp_path, form)
     assert fresh.returncode == forked.returncode == 0, (fresh.stderr[-2000:], forked.stderr[-2000:])
     assert json.loads(forked.stdout) == json.loads(fresh.stdout), (forked.stdout, fresh.stdout)
     assert json.loads(fresh.stdout)[:1] == ([] if form == "-c" else [["stack_script.py", "frames"]])
+
+
+ENDINGS = {
+    "exit -1": ("import sys; print('x'); sys.exit(-1)\n", "utf-8"),
+    "KeyboardInterrupt": ("print('x', flush=True)\nraise KeyboardInterrupt\n", "utf-8"),
+    "latin-1 cookie": ("# -*- coding: latin-1 -*-\nprint('caf\xe9')\n", "latin-1"),
+    "BOM": ("\ufeffprint('x')\n", "utf-8"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ENDINGS))
+def test_a_forked_script_ends_and_decodes_as_a_fresh_interpreter_does(tmp_path, case):
+    """Exit statuses (``sys.exit(-1)`` is 255, an uncaught KeyboardInterrupt ends by SIGINT) and
+    source decoding (a coding cookie, a BOM) as Python's own; a script path that is no file (missing,
+    a directory) is run by a fresh interpreter, which says what Python says."""
+    _server_or_skip()
+    text, encoding = ENDINGS[case]
+    (tmp_path / "s.py").write_bytes(text.encode(encoding))
+    args, env = [sys.executable, "s.py"], child_env()
+    assert forkserver.why_not(args, env, tmp_path) is None
+    fresh = subprocess.run(args, env=env, cwd=tmp_path, capture_output=True, timeout=120)
+    forked = forkserver.run(args, env=env, cwd=tmp_path, capture_output=True, timeout=120)
+    assert (forked.returncode, forked.stdout) == (fresh.returncode, fresh.stdout), (forked, fresh)
+    assert fresh.returncode == {"exit -1": 255, "KeyboardInterrupt": -2}.get(case, 0)
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "__main__.py").write_text("print('dir')")
+    for name, rc in (("missing.py", 2), ("d", 0)):
+        assert forkserver.why_not([sys.executable, name], env, tmp_path)
+        assert forkserver.run([sys.executable, name], env=env, cwd=tmp_path, capture_output=True, timeout=120).returncode == rc
