@@ -486,12 +486,12 @@ def test_a_notebooks_enable_cycles_over_several_log_paths_are_not_missing_lines(
 
 
 def test_a_rotated_logs_summary_gives_its_causes_their_own_final_counts(tmp_path, capsys):
-    """A log whose early lines rotation pruned (its part starts with a header copy, seq 50): the
+    """A log whose early lines rotation pruned (its part starts with the header's copy): the
     process's summary row is its own final count, causes and largest score matrix included (10
     eager calls, 3 lines left; a cause the lines outnumber keeps their count)."""
     causes = {"eager_call": 10, "graph_break": 1}
     row = {"layer": "a", "phase": "forward", "fused": 0, "dense": 10, "causes": causes, "rank": 0, "scores_bytes": 8192}
-    events = [dict(header(), seq=50, rotated=True)] + [
+    events = [dict(header(), rotated=True)] + [  # (the copy keeps the header's seq, 1)
         dict(ev("flex_call", s, layer="a", phase="forward", path="dense", cause="eager_call", action="warn"), level="warning")
         for s in (51, 52, 53)
     ]
@@ -501,7 +501,9 @@ def test_a_rotated_logs_summary_gives_its_causes_their_own_final_counts(tmp_path
     rep = json.loads(report(capsys, write(tmp_path / "fg.jsonl", events), "--format", "json")[1])
     (got,) = [r for r in rep["rows"] if r["layer"] == "a"]
     assert (got["dense"], got["causes"], got["scores_bytes_max"]) == (10, {"eager_call": 10, "graph_break": 2}, 8192), got
-    assert rep["run"]["missing_lines"] == 50 and rep["endings"][0]["own_final_counts"] is True, rep["endings"]  # (seq 1-50)
+    assert rep["run"]["missing_lines"] == 50 and rep["endings"][0]["own_final_counts"] is True, rep[
+        "endings"
+    ]  # (1-50: the header line too)
 
 
 def test_compiles_without_a_template_and_fused_counts_without_memory_are_counted(tmp_path, capsys):

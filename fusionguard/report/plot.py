@@ -108,7 +108,7 @@ def _drawn(rep: Dict[str, Any]) -> Dict[str, Any]:
     names = [escaped(r["layer"]) for r in rep["rows"]]  # (a hand-made report's layer may be no string)
     drawn = set(list(dict.fromkeys(names))[: chart.MAX_LAYERS])
     keep = ("phase", "dense", "peak_delta_max", "scores_bytes_max")
-    rows = [escaped(r) if n in drawn else dict({k: r[k] for k in keep}, layer=n) for r, n in zip(rep["rows"], names)]
+    rows = [escaped(r) if n in drawn else dict({k: r.get(k) for k in keep}, layer=n) for r, n in zip(rep["rows"], names)]
     return {"rows": rows, "totals": rep["totals"], "run": escaped(rep["run"])}
 
 
